@@ -1,0 +1,28 @@
+# The README's two commands: `make repro` (set up + default pipeline) and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: repro test lint bench clean-venv
+
+# torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+repro: $(STAMP)
+	$(BIN)/dvc repro
+
+test: $(STAMP)
+	$(BIN)/ruff check pipeline stages tests benchmarks
+	$(BIN)/python -m pytest -n 2 --dist loadfile
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/dump.py
+	$(BIN)/python benchmarks/geometry.py
+
+clean-venv:
+	rm -rf $(VENV)

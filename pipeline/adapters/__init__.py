@@ -1,0 +1,1 @@
+"""Adapters that run real looped checkpoints through the model interface of ``pipeline.interface``."""

@@ -1,0 +1,297 @@
+"""The looped (recurrent-depth) transformer, in one readable file (nanoGPT style).
+
+Architecture, in order:
+
+    tokens -> embedding + positions -> prelude (n_prelude layers, run once)      => h_0
+    for each looped group g, for t in 1..loops_g:
+        h <- block_g(h + h_0)   (h_0 re-injected before every loop when ``reinject``)   => h_t
+    readout of every loop: coda(h_t) -> shared final LayerNorm -> shared head          => z_t
+    optional halting gate on the normed state: g(ln_f(h_t)) -> gate logit              => gate_t
+
+All loops of all groups are flattened onto one ``loop`` axis (t = 1..T, T = sum of the groups'
+loop counts); ``loop_group`` maps each loop index to its group. The coda is applied to every h_t
+because that is exactly what an early exit at t would run (and what the last loop runs anyway).
+
+Dimension vocabulary used throughout looptrace: ``batch``, ``seq`` (positions), ``loop``,
+``d_model``, ``vocab``. A checkpoint carries its own :class:`ModelConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One looped group: a block of ``n_layer`` layers applied ``loops`` times."""
+
+    n_layer: int = 1
+    loops: int = 6
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Full description of a :class:`LoopedTransformer` (stored in every checkpoint).
+
+    Attributes:
+        vocab_size: number of token ids.
+        block_size: maximum sequence length (learned positions).
+        d_model: residual width.
+        n_head: attention heads (d_model must be divisible by it).
+        n_prelude: layers run once before the loop.
+        groups: looped groups applied in sequence, each with its own loop count.
+        n_coda: layers applied to every loop's state before the shared norm and head.
+        causal: causal attention (running tasks, LMs) or bidirectional.
+        reinject: add h_0 to the state before every loop (input injection, as in Huginn).
+        gate: halting gate on the normed state: ``none``, ``linear`` or ``mlp`` (2 layers).
+        gate_hidden: hidden width of the MLP gate.
+        tie_embeddings: share the token embedding and the head weight.
+        mlp_ratio: MLP hidden width / d_model.
+    """
+
+    vocab_size: int
+    block_size: int
+    d_model: int = 64
+    n_head: int = 4
+    n_prelude: int = 0
+    groups: tuple[GroupConfig, ...] = field(default_factory=lambda: (GroupConfig(),))
+    n_coda: int = 0
+    causal: bool = True
+    reinject: bool = True
+    gate: str = "none"
+    gate_hidden: int = 64
+    tie_embeddings: bool = False
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+        if self.gate not in ("none", "linear", "mlp"):
+            raise ValueError(f"model.gate must be none, linear or mlp, got {self.gate!r}")
+        if not self.groups or any(g.loops < 1 or g.n_layer < 1 for g in self.groups):
+            raise ValueError("model.groups needs at least one group with n_layer >= 1 and loops >= 1")
+
+    @property
+    def n_loops(self) -> int:
+        """T: total loops over all groups."""
+        return sum(g.loops for g in self.groups)
+
+    @property
+    def loop_group(self) -> list[int]:
+        """Group index of each loop t = 1..T (list of length T)."""
+        return [gi for gi, g in enumerate(self.groups) for _ in range(g.loops)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        d = dict(d)
+        d["groups"] = tuple(GroupConfig(**g) for g in d.get("groups", ()))
+        return cls(**d)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.causal = cfg.causal
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).split(D, dim=2)  # 3 x [B, S, D]
+        q = q.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)  # [B, H, S, D/H]
+        k = k.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)
+        v = v.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [B, H, S, D/H]
+        y = y.transpose(1, 2).contiguous().view(B, S, D)  # [B, S, D]
+        return self.proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Layer(nn.Module):
+    """Pre-norm transformer layer."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = SelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Gate(nn.Module):
+    """Halting gate: a scalar logit per (token, loop), linear or a 2-layer MLP."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.gate == "linear":
+            self.net = nn.Linear(cfg.d_model, 1)
+        else:
+            self.net = nn.Sequential(nn.Linear(cfg.d_model, cfg.gate_hidden), nn.GELU(), nn.Linear(cfg.gate_hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).squeeze(-1)
+
+
+@dataclass
+class LoopOutput:
+    """Everything one forward pass produces.
+
+    Attributes:
+        hidden: [batch, seq, loop, d_model] states h_1..h_T (after each loop, before the coda).
+        hidden_init: [batch, seq, d_model] h_0, the state entering the first loop.
+        logits: [batch, seq, loop, vocab] per-loop readouts z_1..z_T (None if not requested).
+        gate_logits: [batch, seq, loop] halting-gate logits, or None when the model has no gate.
+    """
+
+    hidden: torch.Tensor
+    hidden_init: torch.Tensor
+    logits: torch.Tensor | None
+    gate_logits: torch.Tensor | None
+
+
+class LoopedTransformer(nn.Module):
+    """Looped transformer with a shared readout at every loop (see module docstring)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
+        self.prelude = nn.ModuleList([Layer(cfg) for _ in range(cfg.n_prelude)])
+        self.blocks = nn.ModuleList(
+            [nn.ModuleList([Layer(cfg) for _ in range(g.n_layer)]) for g in cfg.groups]
+        )
+        self.coda = nn.ModuleList([Layer(cfg) for _ in range(cfg.n_coda)])
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.wte.weight
+        self.gate = Gate(cfg) if cfg.gate != "none" else None
+        self.apply(self._init_weights)
+        # GPT-2 scaled init of residual projections; depth counts every applied layer.
+        n_applied = cfg.n_prelude + cfg.n_coda + sum(g.n_layer * g.loops for g in cfg.groups)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_applied))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    @property
+    def n_loops(self) -> int:
+        return self.cfg.n_loops
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """h_0: [batch, seq] token ids -> [batch, seq, d_model] (embedding, positions, prelude)."""
+        S = idx.shape[1]
+        if S > self.cfg.block_size:
+            raise ValueError(f"sequence length {S} exceeds model.block_size={self.cfg.block_size}")
+        pos = torch.arange(S, device=idx.device)
+        h = self.wte(idx) + self.wpe(pos)  # [B, S, D]
+        for layer in self.prelude:
+            h = layer(h)
+        return h
+
+    def step(self, h: torch.Tensor, h0: torch.Tensor, group: int) -> torch.Tensor:
+        """One loop of group ``group``: [batch, seq, d_model] -> [batch, seq, d_model]."""
+        x = h + h0 if self.cfg.reinject else h
+        for layer in self.blocks[group]:
+            x = layer(x)
+        return x
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Exit path at any loop: coda -> shared norm -> head. [..., seq, d_model] -> [..., seq, vocab]."""
+        for layer in self.coda:
+            h = layer(h)
+        return self.head(self.ln_f(h))
+
+    def gate_logit(self, h: torch.Tensor) -> torch.Tensor:
+        """Halting-gate logit on the normed state: [..., d_model] -> [...]."""
+        assert self.gate is not None
+        return self.gate(self.ln_f(h))
+
+    def forward(self, idx: torch.Tensor, with_logits: bool = True) -> LoopOutput:
+        """Run all T loops.
+
+        Args:
+            idx: [batch, seq] token ids.
+            with_logits: also read out every loop (skip for state-only capture).
+
+        Returns:
+            :class:`LoopOutput` with per-loop states, readouts and gate logits.
+        """
+        h0 = self.embed(idx)  # [B, S, D]
+        h = h0
+        states = []
+        for g, group in enumerate(self.cfg.groups):
+            for _ in range(group.loops):
+                h = self.step(h, h0, g)  # [B, S, D]
+                states.append(h)
+        hidden = torch.stack(states, dim=2)  # [B, S, T, D]
+        B, S, T, D = hidden.shape
+        logits = None
+        if with_logits:
+            # The coda attends over positions, so read out loop by loop: [B, S, D] each.
+            logits = torch.stack([self.readout(hidden[:, :, t]) for t in range(T)], dim=2)  # [B, S, T, V]
+        gate_logits = self.gate_logit(hidden) if self.gate is not None else None  # [B, S, T]
+        return LoopOutput(hidden=hidden, hidden_init=h0, logits=logits, gate_logits=gate_logits)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def save_checkpoint(path, model: LoopedTransformer, **meta) -> None:
+    """Write a checkpoint that carries its own config: weights, model config and ``meta``
+    (task, regime, seed, metrics, versions...). Written to a temp file and renamed, so an
+    interrupted save never leaves a truncated ``model.pt``."""
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save({"model_config": model.cfg.to_dict(), "state_dict": model.state_dict(), **meta}, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
+    """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint '{path}' not found; run `dvc repro train` first")
+    ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    model = LoopedTransformer(ModelConfig.from_dict(ckpt["model_config"]))
+    model.load_state_dict(ckpt["state_dict"])
+    model.eval()
+    return model, ckpt

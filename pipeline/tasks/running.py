@@ -1,0 +1,57 @@
+"""Running tasks, scored at every position under causal attention: per-token trajectories like an LM's.
+
+- running parity: bits x_1..x_L, target at position i is x_1 xor ... xor x_i.
+- running sum mod m: digits in [0, m), target at position i is (x_1 + ... + x_i) mod m.
+
+Difficulty = prefix length i (1..L): the number of inputs the answer depends on.
+Token type: ``keep`` when the running answer equals the previous position's, ``change`` otherwise
+(the first position counts as ``change`` iff its answer is non-zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .base import Task, TaskBatch
+
+
+@dataclass
+class RunningTask(Task):
+    """Running parity (``modulus`` = 2) or running sum mod ``modulus`` over ``length`` inputs."""
+
+    name: str
+    length: int = 12
+    modulus: int = 2
+    causal: bool = True
+
+    @property
+    def vocab(self) -> list[str]:
+        return [str(d) for d in range(self.modulus)]
+
+    @property
+    def seq_len(self) -> int:
+        return self.length
+
+    @property
+    def difficulty_levels(self) -> list[int]:
+        return list(range(1, self.length + 1))
+
+    @property
+    def token_types(self) -> list[str]:
+        return ["keep", "change"]
+
+    difficulty_name = "prefix_length"
+
+    def generate(self, n: int, rng: np.random.Generator) -> TaskBatch:
+        x = rng.integers(0, self.modulus, size=(n, self.length))  # [n, L]
+        y = np.cumsum(x, axis=1) % self.modulus  # [n, L]
+        prev = np.concatenate([np.zeros((n, 1), dtype=y.dtype), y[:, :-1]], axis=1)
+        ttype = (y != prev).astype(np.int64)
+        diff = np.broadcast_to(np.arange(1, self.length + 1), (n, self.length)).copy()
+        return TaskBatch(x.astype(np.int64), y.astype(np.int64), diff.astype(np.int64), ttype)
+
+    def spec(self) -> dict:
+        kind = "running_parity" if self.modulus == 2 else "running_sum"
+        return {"kind": kind, "length": self.length, "modulus": self.modulus, "causal": self.causal}

@@ -1,0 +1,251 @@
+"""Training of looped models under a depth-supervision regime (the ``train`` stage).
+
+The loop is written out (nanoGPT style): fresh data from the ``fit`` split every step, AdamW with
+linear warm-up and cosine decay, gradient clipping, per-loop evaluation on ``val`` at every kept
+checkpoint. Everything is seeded from ``base.seed`` and the data seeds, so the same params give the
+same weights and the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .config import BaseConfig, to_dict
+from .model import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
+from .regimes import RegimeConfig, per_depth_loss, regime_loss
+from .tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """Architecture hyper-parameters (vocabulary, length, causality come from the task; the gate
+    from the regime)."""
+
+    d_model: int = 64
+    n_head: int = 4
+    n_prelude: int = 0
+    groups: tuple[GroupConfig, ...] = field(default_factory=lambda: (GroupConfig(n_layer=1, loops=6),))
+    n_coda: int = 0
+    reinject: bool = True
+    gate_hidden: int = 64
+    tie_embeddings: bool = False
+    mlp_ratio: int = 4
+
+
+@dataclass(frozen=True)
+class DataSeeds:
+    """Data seeds of the three disjoint splits ([AD]: 42 / 43 / 44)."""
+
+    fit: int = 42
+    val: int = 43
+    test: int = 44
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """``train`` section of ``params.yaml``.
+
+    Attributes:
+        tasks: task names trained in the default matrix (keys of ``task_defs``).
+        regimes: regime names trained in the default matrix (keys of ``regime_defs``).
+        task_defs: every available task, by name.
+        regime_defs: every available regime, by name.
+        model: architecture.
+        steps: optimiser steps.
+        batch_size: sequences per step (fresh from the fit split each step).
+        lr, min_lr: peak and final learning rate (cosine decay after ``warmup`` steps).
+        betas, weight_decay, grad_clip: AdamW settings and gradient-norm clip.
+        val_sequences: sequences of the val split used for metrics.
+        checkpoint_fractions: fractions of ``steps`` at which an intermediate checkpoint is kept
+            ([TS] measures loop dynamics across training).
+        data_seeds: seeds of the fit / val / test splits.
+    """
+
+    tasks: tuple[str, ...] = ("running_sum",)
+    regimes: tuple[str, ...] = ("uniform",)
+    task_defs: dict[str, TaskConfig] = field(default_factory=dict)
+    regime_defs: dict[str, RegimeConfig] = field(default_factory=dict)
+    model: ModelParams = field(default_factory=ModelParams)
+    steps: int = 1500
+    batch_size: int = 128
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup: int = 100
+    betas: tuple[float, ...] = (0.9, 0.98)
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    val_sequences: int = 1024
+    checkpoint_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    data_seeds: DataSeeds = field(default_factory=DataSeeds)
+
+    def task(self, name: str) -> Task:
+        if name not in self.task_defs:
+            raise ValueError(f"task '{name}' is not defined in params section 'train.task_defs' "
+                             f"(defined: {', '.join(self.task_defs) or 'none'})")
+        return make_task(name, self.task_defs[name])
+
+    def regime(self, name: str) -> RegimeConfig:
+        if name not in self.regime_defs:
+            raise ValueError(f"regime '{name}' is not defined in params section 'train.regime_defs' "
+                             f"(defined: {', '.join(self.regime_defs) or 'none'})")
+        return self.regime_defs[name]
+
+
+def model_name(task: str, regime: str) -> str:
+    """``<task>-<regime>``: the name used for artifacts of every stage (SPEC §10)."""
+    return f"{task}-{regime}"
+
+
+def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=task.vocab_size, block_size=task.seq_len, d_model=mp.d_model, n_head=mp.n_head,
+        n_prelude=mp.n_prelude, groups=mp.groups, n_coda=mp.n_coda, causal=task.causal,
+        reinject=mp.reinject, gate=regime.model_gate, gate_hidden=mp.gate_hidden,
+        tie_embeddings=mp.tie_embeddings, mlp_ratio=mp.mlp_ratio,
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, frac)))
+
+
+def to_torch(batch: TaskBatch, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.from_numpy(batch.tokens).to(device), torch.from_numpy(batch.targets).to(device)
+
+
+@torch.no_grad()
+def evaluate(model: LoopedTransformer, data: TaskBatch, device: str = "cpu", batch_size: int = 512) -> dict:
+    """Per-loop accuracy and loss on scored tokens, and per-(difficulty, loop) accuracy.
+
+    Returns:
+        ``acc_per_loop`` [T], ``loss_per_loop`` [T] (nats), ``acc_by_difficulty`` {difficulty: [T]},
+        ``n_tokens``.
+    """
+    model.eval()
+    T = model.n_loops
+    correct, loss, count = torch.zeros(T, dtype=torch.float64), torch.zeros(T, dtype=torch.float64), 0
+    by_diff: dict[int, list] = {}
+    for i in range(0, len(data), batch_size):
+        part = data.take(slice(i, i + batch_size))
+        idx, tgt = to_torch(part, device)
+        out = model(idx)
+        mask = tgt != IGNORE  # [B, S]
+        ell = per_depth_loss(out.logits, tgt)[mask]  # [N, T]
+        hit = (out.logits.argmax(-1) == tgt.unsqueeze(-1))[mask]  # [N, T]
+        correct += hit.sum(0).double().cpu()
+        loss += ell.sum(0).double().cpu()
+        count += int(mask.sum())
+        diff = torch.from_numpy(part.difficulty).to(device)[mask]  # [N]
+        for d in torch.unique(diff).tolist():
+            sel = diff == d
+            acc = by_diff.setdefault(int(d), [torch.zeros(T, dtype=torch.float64), 0])
+            acc[0] += hit[sel].sum(0).double().cpu()
+            acc[1] += int(sel.sum())
+    return {
+        "acc_per_loop": (correct / max(count, 1)).tolist(),
+        "loss_per_loop": (loss / max(count, 1)).tolist(),
+        "acc_by_difficulty": {str(d): (v[0] / max(v[1], 1)).tolist() for d, v in sorted(by_diff.items())},
+        "n_tokens": count,
+    }
+
+
+def versions() -> dict:
+    """Library versions recorded in every artifact."""
+    import polars
+    import sklearn
+    import zarr
+
+    from . import __version__
+
+    return {"looptrace": __version__, "torch": torch.__version__, "numpy": np.__version__,
+            "zarr": zarr.__version__, "polars": polars.__version__, "sklearn": sklearn.__version__,
+            "python": platform.python_version()}
+
+
+def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,
+                progress: bool = True) -> dict:
+    """Train one looped model and write ``model.pt``, ``metrics.json`` and ``checkpoints/``.
+
+    Args:
+        base: shared settings (seed, threads, device).
+        cfg: the ``train`` section.
+        task_name: key of ``cfg.task_defs``.
+        regime_name: key of ``cfg.regime_defs``.
+        out_dir: ``artifacts/train/<task>-<regime>``.
+        progress: show a progress bar (it is silent anyway when stderr is not a terminal).
+
+    Returns:
+        The metrics dict written to ``metrics.json``.
+    """
+    torch.set_num_threads(base.threads)
+    task, regime = cfg.task(task_name), cfg.regime(regime_name)
+    mcfg = build_model_config(cfg.model, task, regime)
+    torch.manual_seed(base.seed)
+    model = LoopedTransformer(mcfg).to(base.device)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
+    rng = np.random.default_rng([cfg.data_seeds.fit, SPLITS.index("fit"), base.seed])
+    val = task.dataset("val", cfg.val_sequences, cfg.data_seeds.val)
+    out_dir = Path(out_dir)
+    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    ckpt_steps = sorted({max(1, round(f * cfg.steps)) for f in cfg.checkpoint_fractions if 0 < f < 1})
+    name = model_name(task_name, regime_name)
+    meta = {"name": name, "task": task.spec() | {"name": task_name}, "regime": to_dict(regime) | {"name": regime_name},
+            "seed": base.seed, "data_seeds": to_dict(cfg.data_seeds), "train": to_dict(cfg) | {"task_defs": None,
+            "regime_defs": None}, "versions": versions()}
+    history, t0, loss_ema = [], time.perf_counter(), None
+    bar = tqdm(range(cfg.steps), desc=f"train {name}", disable=None if progress else True, leave=False)
+    for step in bar:
+        model.train()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), base.device)
+        out = model(idx)
+        loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
+        if step % 25 == 0:
+            bar.set_postfix(loss=f"{loss_ema:.4f}")
+        if step + 1 in ckpt_steps:
+            ev = evaluate(model, val, base.device)
+            history.append({"step": step + 1, "fraction": (step + 1) / cfg.steps,
+                            "acc_per_loop": ev["acc_per_loop"], "loss_per_loop": ev["loss_per_loop"]})
+            save_checkpoint(out_dir / "checkpoints" / f"step_{step + 1:06d}.pt", model,
+                            **meta, step=step + 1, fraction=(step + 1) / cfg.steps, metrics=ev)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    ev = evaluate(model, val, base.device)
+    history.append({"step": cfg.steps, "fraction": 1.0, "acc_per_loop": ev["acc_per_loop"],
+                    "loss_per_loop": ev["loss_per_loop"]})
+    acc = ev["acc_per_loop"]
+    metrics = {
+        "model": name, "task": task_name, "regime": regime_name, "steps": cfg.steps,
+        "n_params": model.num_params(), "train_seconds": round(seconds, 2), "final_train_loss": loss_ema,
+        "val_acc_last_loop": acc[-1], "val_acc_best_loop": max(acc), "best_loop": int(np.argmax(acc)) + 1,
+        "val": {"acc_per_loop": acc, "loss_per_loop": ev["loss_per_loop"], "n_tokens": ev["n_tokens"]},
+        "val_acc_by_difficulty": ev["acc_by_difficulty"],
+        "history": history,
+    }
+    save_checkpoint(out_dir / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=metrics)
+    tmp = out_dir / "metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2))
+    tmp.replace(out_dir / "metrics.json")
+    return metrics
