@@ -18,6 +18,13 @@ STAGES = ["train"]
 app = typer.Typer(name="looptrace", help=__doc__.splitlines()[0], no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
 
+
+
+@app.callback()
+def _root() -> None:
+    """looptrace: trajectory diagnostics for adaptive depth in looped transformers."""
+
+
 for _name in STAGES:
     _mod = importlib.import_module(f"stages.{_name}")
     app.command(_name, help=(_mod.main.__doc__ or "").strip().splitlines()[0])(_mod.main)

@@ -8,6 +8,7 @@ same weights and the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import platform
@@ -61,6 +62,7 @@ class TrainConfig:
         regime_defs: every available regime, by name.
         model: architecture.
         steps: optimiser steps.
+        steps_by_task: per-task override of ``steps`` (tasks learn at different speeds).
         batch_size: sequences per step (fresh from the fit split each step).
         lr, min_lr: peak and final learning rate (cosine decay after ``warmup`` steps).
         betas, weight_decay, grad_clip: AdamW settings and gradient-norm clip.
@@ -76,6 +78,7 @@ class TrainConfig:
     regime_defs: dict[str, RegimeConfig] = field(default_factory=dict)
     model: ModelParams = field(default_factory=ModelParams)
     steps: int = 1500
+    steps_by_task: dict[str, int] = field(default_factory=dict)
     batch_size: int = 128
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -92,6 +95,10 @@ class TrainConfig:
             raise ValueError(f"task '{name}' is not defined in params section 'train.task_defs' "
                              f"(defined: {', '.join(self.task_defs) or 'none'})")
         return make_task(name, self.task_defs[name])
+
+    def steps_for(self, task: str) -> int:
+        """Optimiser steps for ``task`` (``steps_by_task`` overrides ``steps``)."""
+        return self.steps_by_task.get(task, self.steps)
 
     def regime(self, name: str) -> RegimeConfig:
         if name not in self.regime_defs:
@@ -191,6 +198,7 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         The metrics dict written to ``metrics.json``.
     """
     torch.set_num_threads(base.threads)
+    cfg = dataclasses.replace(cfg, steps=cfg.steps_for(task_name))
     task, regime = cfg.task(task_name), cfg.regime(regime_name)
     mcfg = build_model_config(cfg.model, task, regime)
     torch.manual_seed(base.seed)

@@ -1,0 +1,79 @@
+"""Training: determinism, artifacts, checkpoints, metrics consistent with an independent evaluation."""
+
+import json
+
+import numpy as np
+import torch
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.model import load_checkpoint
+from pipeline.train import evaluate, lr_at, train_model
+
+from .conftest import tiny_train_config
+
+
+def test_lr_schedule():
+    cfg = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10)
+    assert np.isclose(lr_at(0, cfg), 1e-4) and np.isclose(lr_at(9, cfg), 1e-3)
+    assert np.isclose(lr_at(55, cfg), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(100, cfg), 1e-4)
+
+
+def test_train_is_deterministic_and_writes_artifacts(tmp_path, tiny_base):
+    cfg = tiny_train_config(steps=20)
+    m1 = train_model(tiny_base, cfg, "rp", "joint", tmp_path / "a", progress=False)
+    m2 = train_model(tiny_base, cfg, "rp", "joint", tmp_path / "b", progress=False)
+    a, ck = load_checkpoint(tmp_path / "a" / "model.pt")
+    b, _ = load_checkpoint(tmp_path / "b" / "model.pt")
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    assert m1["val"] == m2["val"]
+    assert ck["regime"]["kind"] == "joint" and a.gate is not None and ck["seed"] == 0
+    assert ck["data_seeds"] == {"fit": 42, "val": 43, "test": 44} and "torch" in ck["versions"]
+    saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert saved["val"]["acc_per_loop"] == m1["val"]["acc_per_loop"]
+    assert len(saved["val"]["acc_per_loop"]) == 4
+    assert set(saved["val_acc_by_difficulty"]) == {str(d) for d in range(1, 9)}
+    ckpts = sorted((tmp_path / "a" / "checkpoints").glob("*.pt"))
+    assert [p.name for p in ckpts] == ["step_000010.pt"]
+
+
+def test_evaluate_matches_manual_accuracy(tiny_base):
+    torch.manual_seed(0)
+    cfg = tiny_train_config()
+    task = cfg.task("mano")
+    from pipeline.model import LoopedTransformer
+    from pipeline.train import build_model_config
+
+    model = LoopedTransformer(build_model_config(cfg.model, task, cfg.regime("uniform"))).eval()
+    data = task.dataset("val", 100, 43)
+    ev = evaluate(model, data, batch_size=7)
+    with torch.no_grad():
+        z = model(torch.from_numpy(data.tokens)).logits[:, -1]  # only '=' is scored: [B, T, V]
+    y = torch.from_numpy(data.targets[:, -1])
+    acc = (z.argmax(-1) == y[:, None]).float().mean(0)
+    assert np.allclose(ev["acc_per_loop"], acc.numpy(), atol=1e-9)
+    d = data.difficulty[:, -1]
+    acc2 = (z.argmax(-1) == y[:, None]).float()[torch.from_numpy(d == 2)].mean(0)
+    assert np.allclose(ev["acc_by_difficulty"]["2"], acc2.numpy())
+
+
+def test_cli_train_and_errors(tmp_path, repo_root):
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "base: {seed: 1, threads: 1}\n"
+        "train:\n  steps: 4\n  batch_size: 8\n  warmup: 1\n  val_sequences: 16\n  checkpoint_fractions: []\n"
+        "  task_defs: {rp: {kind: running_parity, length: 6}}\n  regime_defs: {u: {kind: uniform}}\n"
+        "  model: {d_model: 8, n_head: 2, groups: [{n_layer: 1, loops: 2}]}\n"
+    )
+    runner = CliRunner()
+    res = runner.invoke(app, ["train", "--task", "rp", "--regime", "u", "--params", str(params),
+                              "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "out" / "rp-u" / "model.pt").is_file()
+    res = runner.invoke(app, ["train", "--task", "nope", "--regime", "u", "--params", str(params)])
+    assert res.exit_code == 2 and "task 'nope' is not defined" in res.output
+    params.write_text("train:\n  stepz: 3\n")
+    res = runner.invoke(app, ["train", "--task", "rp", "--regime", "u", "--params", str(params)])
+    assert res.exit_code == 2 and "unknown key 'stepz' in params section 'train'" in res.output
+    assert len(res.output.strip().splitlines()) == 1
