@@ -13,12 +13,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# dvc.yaml commands call `python`: put the venv first on PATH.
 repro: $(STAMP)
-	$(BIN)/dvc repro
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
 test: $(STAMP)
 	$(BIN)/ruff check pipeline stages tests benchmarks
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dump.py
