@@ -1,0 +1,730 @@
+"""Trajectory geometry (SPEC §2): per-token, per-loop step metrics, convergence depth and the
+drift-to-loop ratio, streamed from the trajectory store block by block (the ``geometry`` stage).
+
+All metric code is written as *block functions*: numpy in, numpy out, on a block of tokens
+(``hidden`` [token, loop, d_model] and ``hidden_init`` [token, d_model]). A token's metrics depend
+only on that token's row, so the stage can feed blocks aligned to the store's chunks (here, in a
+loop; later, under a parallel engine over Zarr chunks) and the result does not depend on the block
+size. Nothing here ever holds the whole ``hidden`` array of a store in memory.
+
+Numerics: the store keeps states in float16 by default. Every block is upcast, and each loop's
+[token, d_model] slice is processed in float64 (differences, norms and dot products), then the
+per-(token, loop) metrics are returned as float32. Values that need a loop that does not exist
+(t − 1 or t − 2) are NaN, never 0 (SPEC §2–3), and so are ratios whose denominator is 0.
+
+Conventions chosen here (SPEC leaves them open; docs/geometry.md repeats them):
+- The step at loop 1 is Δ_1 = h_1 − h_0 (h_0 = ``hidden_init``), so step_norm, rel_step and
+  state_cos_dist are defined at t = 1; step_cos and accel need Δ_{t−1} (t ≥ 2); step_d2 needs
+  s_{t−2} (t ≥ 3).
+- "Below ε" is strict (value < ε); NaN is never below. Convergence on ``argmax`` uses the 0/1
+  signal "argmax_t differs from argmax_T", so any ε in (0, 1] gives the same depth.
+- DLR: the steps "within g" are Δ_t with loops t − 1 and t both in g; the step that enters g (from
+  h_0 or from the previous group) is the hand-off drift, not a loop step of g.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from .config import ConfigError, to_dict
+
+SPLITS = ("fit", "val", "test")
+
+#: Geometry metrics of :func:`step_metrics`, in ``token_loop.parquet`` column order.
+GEOMETRY_METRICS = ("step_norm", "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2")
+#: Logit statistics copied from the store (SPEC §3), in column order.
+STORE_STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final",
+               "logit_change")
+#: Signals a convergence depth can be computed on (``geometry.eps`` keys).
+CONVERGENCE_SIGNALS = ("kl_prev", "kl_prev_rev", "kl_final", "logit_change", "rel_step", "step_norm",
+                       "state_cos_dist", "accel_norm", "argmax")
+#: ``token_loop.parquet`` columns, exactly as docs/DESIGN.md lists them.
+TOKEN_LOOP_COLUMNS = ("split", "token", "sequence", "position", "loop", "loop_group", "difficulty",
+                      "token_type", "target", "argmax", "correct", *GEOMETRY_METRICS, "hidden_change",
+                      *STORE_STATS, "gate_logit")
+#: Per-loop quantities summarised in ``loop_summary.parquet`` (``correct`` as accuracy).
+SUMMARY_METRICS = (*GEOMETRY_METRICS, *STORE_STATS, "correct")
+#: Quantities of ``training_dynamics.parquet`` (mean and median per checkpoint × loop).
+DYNAMICS_METRICS = ("step_norm", "rel_step", "step_cos", "accel")
+
+_INT_COLUMNS = ("token", "sequence", "position", "loop", "loop_group", "difficulty", "token_type", "target",
+                "argmax")
+_TOKEN_LOOP_SCHEMA = pa.schema(
+    [("split", pa.string())]
+    + [(c, pa.int64()) for c in _INT_COLUMNS]
+    + [("correct", pa.bool_())]
+    + [(c, pa.float32()) for c in (*GEOMETRY_METRICS, "hidden_change", *STORE_STATS, "gate_logit")]
+)
+_CONVERGENCE_SCHEMA = pa.schema([
+    ("split", pa.string()), ("token", pa.int64()), ("difficulty", pa.int64()), ("token_type", pa.int64()),
+    ("signal", pa.string()), ("eps", pa.float64()), ("kind", pa.string()), ("depth", pa.int64()),
+    ("censored", pa.bool_()),
+])
+
+
+@dataclass(frozen=True)
+class GeometryConfig:
+    """``geometry`` section of ``params.yaml``.
+
+    Attributes:
+        eps: convergence thresholds per signal (keys from :data:`CONVERGENCE_SIGNALS`); every
+            (signal, ε) gives a ``first`` and a ``settled`` depth per token (SPEC §2).
+        block_tokens: tokens per block read from the store; ``None`` = the store's chunk size
+            (chunk-aligned reads, the memory bound of the stage).
+        splits: splits of the model's dump to analyse.
+        training_dynamics: also capture the probe set at every training checkpoint ([TS]).
+        probe_split: split the probe sequences are drawn from.
+        probe_sequences: number of probe sequences (drawn with the checkpoint's data seed).
+        probe_batch_tokens: ``dump.batch_tokens``-style cap handed to the probe dump; ``None`` keeps
+            the ``dump`` section's value.
+    """
+
+    eps: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
+        "kl_prev": (1e-3, 5e-4), "rel_step": (0.03, 0.01), "argmax": (0.5,)})
+    block_tokens: int | None = None
+    splits: tuple[str, ...] = SPLITS
+    training_dynamics: bool = True
+    probe_split: str = "val"
+    probe_sequences: int = 256
+    probe_batch_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for sig, values in self.eps.items():
+            if sig not in CONVERGENCE_SIGNALS:
+                raise ConfigError(f"geometry.eps: unknown signal '{sig}'; allowed: {', '.join(CONVERGENCE_SIGNALS)}")
+            if not values or any(not (isinstance(e, int | float) and e > 0) for e in values):
+                raise ConfigError(f"geometry.eps.{sig}: give a non-empty list of thresholds > 0, got {values!r}")
+        if self.block_tokens is not None and self.block_tokens < 1:
+            raise ConfigError(f"geometry.block_tokens must be >= 1 or null, got {self.block_tokens}")
+        bad = [s for s in self.splits if s not in SPLITS]
+        if bad or not self.splits:
+            raise ConfigError(f"geometry.splits: each must be one of {', '.join(SPLITS)}, got {list(self.splits)}")
+        if self.probe_split not in SPLITS:
+            raise ConfigError(f"geometry.probe_split must be one of {', '.join(SPLITS)}, got {self.probe_split!r}")
+        if self.probe_sequences < 1:
+            raise ConfigError(f"geometry.probe_sequences must be >= 1, got {self.probe_sequences}")
+
+    def convergence_keys(self) -> list[tuple[str, float]]:
+        """(signal, ε) pairs in a fixed order (config order of signals, then of thresholds)."""
+        return [(s, float(e)) for s, values in self.eps.items() for e in values]
+
+
+# ---------------------------------------------------------------------------------------------
+# Block functions (numpy; one row per token, independent of the block size)
+# ---------------------------------------------------------------------------------------------
+
+def _norm(x: np.ndarray) -> np.ndarray:
+    """Euclidean norm over the last axis: [token, d_model] float64 -> [token]."""
+    return np.sqrt(np.einsum("nd,nd->n", x, x))
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den with NaN (not inf, not 0) where the denominator is 0: undefined stays undefined."""
+    out = np.full(num.shape, np.nan)
+    np.divide(num, den, out=out, where=den > 0)
+    return out
+
+
+def step_metrics(hidden: np.ndarray, hidden_init: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-(token, loop) step geometry of a block of trajectories (SPEC §2, [TS], Huginn).
+
+    With Δ_t = h_t − h_{t−1} (Δ_1 = h_1 − h_0) and s_t = ‖Δ_t‖₂:
+
+    - ``step_norm`` s_t; ``rel_step`` s_t / ‖h_t‖ (Huginn ``latent-diff``)
+    - ``step_cos`` cos(Δ_t, Δ_{t−1}), t ≥ 2 ([TS] step orthogonality)
+    - ``state_cos_dist`` 1 − cos(h_t, h_{t−1}) (Huginn ``cosine``)
+    - ``accel`` ‖Δ_t − Δ_{t−1}‖₂, t ≥ 2, and ``accel_norm`` = accel / ‖h_t‖ ([TS])
+    - ``step_d2`` s_t − 2 s_{t−1} + s_{t−2}, t ≥ 3
+
+    Args:
+        hidden: [token, loop, d_model] h_1..h_T (any float dtype; float16 from the store is fine).
+        hidden_init: [token, d_model] h_0.
+
+    Returns:
+        Metric name -> [token, loop] float32 (loop axis 0-based: column t − 1 is loop t). Undefined
+        entries (t too small, zero denominators) are NaN.
+    """
+    if hidden.ndim != 3 or hidden_init.shape != (hidden.shape[0], hidden.shape[2]):
+        raise ValueError(f"step_metrics: hidden must be [token, loop, d_model] and hidden_init [token, d_model], "
+                         f"got {hidden.shape} and {hidden_init.shape}")
+    n, n_loops, _ = hidden.shape
+    out = {k: np.full((n, n_loops), np.nan, dtype=np.float64) for k in GEOMETRY_METRICS}
+    h_prev = np.asarray(hidden_init, dtype=np.float64)
+    nh_prev = _norm(h_prev)
+    d_prev = s_prev = s_prev2 = None
+    for t in range(n_loops):
+        h = np.asarray(hidden[:, t], dtype=np.float64)  # [token, d_model]
+        d = h - h_prev
+        s, nh = _norm(d), _norm(h)
+        out["step_norm"][:, t] = s
+        out["rel_step"][:, t] = _ratio(s, nh)
+        out["state_cos_dist"][:, t] = 1.0 - _ratio(np.einsum("nd,nd->n", h, h_prev), nh * nh_prev)
+        if d_prev is not None:
+            out["step_cos"][:, t] = _ratio(np.einsum("nd,nd->n", d, d_prev), s * s_prev)
+            a = _norm(d - d_prev)
+            out["accel"][:, t] = a
+            out["accel_norm"][:, t] = _ratio(a, nh)
+        if s_prev2 is not None:
+            out["step_d2"][:, t] = s - 2.0 * s_prev + s_prev2
+        h_prev, nh_prev, d_prev, s_prev2, s_prev = h, nh, d, s_prev, s
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+def argmax_differs(argmax: np.ndarray) -> np.ndarray:
+    """The convergence signal of the readout: 1 where argmax_t ≠ argmax_T, else 0.
+
+    Args:
+        argmax: [token, loop] int predicted ids.
+
+    Returns:
+        [token, loop] float32 in {0, 1} (always 0 at the last loop).
+    """
+    return (argmax != argmax[:, -1:]).astype(np.float32)
+
+
+def convergence_depth(signal: np.ndarray, eps: float) -> dict[str, np.ndarray]:
+    """Per-token convergence depth of a signal at threshold ε (SPEC §2, [FP]).
+
+    ``first`` = first loop t with signal_t < ε; ``settled`` = first loop t from which the signal stays
+    below ε through T. NaN is never below ε (a signal undefined at t = 1 cannot converge there).
+    A token that never gets there is censored: depth T + 1 and ``censored`` True — counted, never
+    dropped.
+
+    Args:
+        signal: [token, loop] float values (NaN allowed).
+        eps: threshold (> 0).
+
+    Returns:
+        ``first``, ``settled`` [token] int64 (1-based loops, T + 1 when censored) and
+        ``first_censored``, ``settled_censored`` [token] bool.
+    """
+    n_loops = signal.shape[1]
+    with np.errstate(invalid="ignore"):
+        below = np.asarray(signal) < eps  # NaN compares False
+    any_below = below.any(axis=1)
+    first = np.where(any_below, below.argmax(axis=1) + 1, n_loops + 1)
+    above = ~below
+    # 1-based index of the last loop that is not below ε (0 when every loop is below).
+    last_above = np.where(above.any(axis=1), n_loops - above[:, ::-1].argmax(axis=1), 0)
+    settled = last_above + 1
+    return {"first": first.astype(np.int64), "settled": settled.astype(np.int64),
+            "first_censored": first > n_loops, "settled_censored": settled > n_loops}
+
+
+def group_handoffs(loop_group: np.ndarray) -> list[tuple[int, int, int]]:
+    """Hand-offs between consecutive looped groups.
+
+    Args:
+        loop_group: [loop] group index of each loop (contiguous, increasing by 1: 0,0,1,1,1,2...).
+
+    Returns:
+        (g, last loop of g, first loop of g + 1) per hand-off, loops 0-based; empty for one group.
+
+    Raises:
+        ValueError: when the groups are not contiguous and increasing.
+    """
+    lg = np.asarray(loop_group).astype(np.int64)
+    if lg.size == 0 or lg[0] != 0 or np.any(np.diff(lg) < 0) or np.any(np.diff(lg) > 1):
+        raise ValueError(f"loop_group must start at 0 and increase by 0 or 1 per loop, got {lg.tolist()}")
+    return [(int(lg[t - 1]), t - 1, t) for t in range(1, lg.size) if lg[t] != lg[t - 1]]
+
+
+def drift_to_loop_ratio(step_norm: np.ndarray, loop_group: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+    """Drift-to-loop ratio at each group hand-off, per token ([TS]; SPEC §2).
+
+    DLR_g = ‖h(first loop of g+1) − h(last loop of g)‖ / mean_k ‖Δ_k within g‖. The numerator is the
+    step norm at the first loop of g + 1; the loop steps within g are Δ_t with loops t − 1 and t both
+    in g (see the module docstring). A group with a single loop has no loop step: DLR is NaN.
+
+    Args:
+        step_norm: [token, loop] s_t from :func:`step_metrics`.
+        loop_group: [loop] group index per loop.
+
+    Returns:
+        g -> ``drift`` [token], ``loop_step`` [token] (mean within-g step norm), ``dlr`` [token]
+        (float64), one entry per hand-off g -> g + 1.
+    """
+    lg = np.asarray(loop_group).astype(np.int64)
+    out = {}
+    for g, _last, first_next in group_handoffs(lg):
+        within = [t for t in range(1, lg.size) if lg[t] == g and lg[t - 1] == g]
+        drift = step_norm[:, first_next].astype(np.float64)
+        if within:
+            loop_step = step_norm[:, within].astype(np.float64).mean(axis=1)
+        else:
+            loop_step = np.full(step_norm.shape[0], np.nan)
+        out[g] = {"drift": drift, "loop_step": loop_step, "dlr": _ratio(drift, loop_step)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming over a store
+# ---------------------------------------------------------------------------------------------
+
+_TOKEN_NAMES = ("target", "sequence", "position", "difficulty", "token_type")
+
+
+@dataclass
+class Block:
+    """One block of a store with everything the geometry outputs need.
+
+    Attributes:
+        tokens: the store rows of this block (a slice).
+        fields: token field -> [token] int64 (target, sequence, position, difficulty, token_type).
+        per_loop: quantity -> [token, loop]: geometry metrics and store stats (float32), ``argmax``
+            (int64), ``correct`` (bool), ``gate_logit`` (float32, only when the model has a gate).
+    """
+
+    tokens: slice
+    fields: dict[str, np.ndarray]
+    per_loop: dict[str, np.ndarray]
+
+    @property
+    def n(self) -> int:
+        return len(next(iter(self.fields.values())))
+
+
+def iter_blocks(store, block_tokens: int | None = None) -> Iterator[Block]:
+    """Stream a trajectory store block by block, computing the step metrics of each block.
+
+    Args:
+        store: a :class:`pipeline.store.TrajectoryStore` (from ``open_store``).
+        block_tokens: tokens per block; ``None`` = the store's chunk size (chunk-aligned reads).
+
+    Yields:
+        :class:`Block` per token slice, in store order. Only one block's ``hidden`` is in memory.
+    """
+    names = ["hidden", "hidden_init", "argmax", *STORE_STATS, *_TOKEN_NAMES]
+    if store.has_gate:
+        names.append("gate_logit")
+    for tokens in store.blocks(block_tokens):
+        arr = store.read_block(names, tokens)
+        per_loop = step_metrics(arr.pop("hidden"), arr.pop("hidden_init"))
+        for s in STORE_STATS:
+            per_loop[s] = np.asarray(arr.pop(s), dtype=np.float32)
+        per_loop["argmax"] = np.asarray(arr.pop("argmax"), dtype=np.int64)
+        if "gate_logit" in arr:
+            per_loop["gate_logit"] = np.asarray(arr.pop("gate_logit"), dtype=np.float32)
+        fields = {k: np.asarray(arr[k], dtype=np.int64) for k in _TOKEN_NAMES}
+        per_loop["correct"] = per_loop["argmax"] == fields["target"][:, None]
+        yield Block(tokens=tokens, fields=fields, per_loop=per_loop)
+
+
+def _signal(block: Block, name: str) -> np.ndarray:
+    return argmax_differs(block.per_loop["argmax"]) if name == "argmax" else block.per_loop[name]
+
+
+def _token_index(block: Block) -> np.ndarray:
+    start = block.tokens.start or 0
+    return np.arange(start, start + block.n, dtype=np.int64)
+
+
+def token_loop_table(block: Block, split: str, loop_group: np.ndarray) -> pa.Table:
+    """The ``token_loop.parquet`` rows of one block: one row per (token, loop), token-major.
+
+    Args:
+        block: a block from :func:`iter_blocks`.
+        split: split name written in the ``split`` column.
+        loop_group: [loop] group of each loop.
+
+    Returns:
+        Arrow table with :data:`TOKEN_LOOP_COLUMNS` (loop 1-based; ``gate_logit`` null without a gate).
+    """
+    n, n_loops = block.per_loop["argmax"].shape
+    rep = lambda a: np.repeat(a, n_loops)  # noqa: E731 - [token] -> [token * loop]
+    flat = lambda a: a.reshape(-1)  # noqa: E731 - [token, loop] -> [token * loop], token-major
+    cols: dict[str, Any] = {
+        "split": pa.array([split] * (n * n_loops), pa.string()),
+        "token": rep(_token_index(block)), "sequence": rep(block.fields["sequence"]),
+        "position": rep(block.fields["position"]),
+        "loop": np.tile(np.arange(1, n_loops + 1, dtype=np.int64), n),
+        "loop_group": np.tile(np.asarray(loop_group, dtype=np.int64), n),
+        "difficulty": rep(block.fields["difficulty"]), "token_type": rep(block.fields["token_type"]),
+        "target": rep(block.fields["target"]), "argmax": flat(block.per_loop["argmax"]),
+        "correct": flat(block.per_loop["correct"]),
+    }
+    for m in GEOMETRY_METRICS:
+        cols[m] = flat(block.per_loop[m])
+    cols["hidden_change"] = cols["step_norm"]  # SPEC §4 `hidden_change` = ‖h_t − h_{t−1}‖ = step norm
+    for s in STORE_STATS:
+        cols[s] = flat(block.per_loop[s])
+    gate = block.per_loop.get("gate_logit")
+    cols["gate_logit"] = (pa.array(flat(gate), pa.float32()) if gate is not None
+                          else pa.nulls(n * n_loops, pa.float32()))
+    return pa.table([pa.array(cols[c], _TOKEN_LOOP_SCHEMA.field(c).type) for c in TOKEN_LOOP_COLUMNS],
+                    schema=_TOKEN_LOOP_SCHEMA)
+
+
+def block_convergence(block: Block, keys: list[tuple[str, float]]) -> dict[tuple[str, float], dict]:
+    """Convergence depths of one block for every (signal, ε): see :func:`convergence_depth`."""
+    return {(sig, eps): convergence_depth(_signal(block, sig), eps) for sig, eps in keys}
+
+
+def convergence_table(block: Block, split: str, conv: dict[tuple[str, float], dict]) -> pa.Table:
+    """The ``convergence.parquet`` rows of one block: token × (signal, ε) × kind (first, settled)."""
+    idx = _token_index(block)
+    parts = []
+    for (sig, eps), res in conv.items():
+        for kind in ("first", "settled"):
+            parts.append(pa.table({
+                "split": pa.array([split] * block.n, pa.string()), "token": idx,
+                "difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"],
+                "signal": pa.array([sig] * block.n, pa.string()), "eps": np.full(block.n, eps),
+                "kind": pa.array([kind] * block.n, pa.string()), "depth": res[kind],
+                "censored": res[f"{kind}_censored"],
+            }, schema=_CONVERGENCE_SCHEMA))
+    return pa.concat_tables(parts) if parts else _CONVERGENCE_SCHEMA.empty_table()
+
+
+def _loop_frame(block: Block, t: int, metrics: tuple[str, ...]) -> pa.Table:
+    """Summary columns of loop t (0-based) of a block: difficulty, token_type, metrics (float32)."""
+    cols = {"difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"]}
+    for m in metrics:
+        cols[m] = block.per_loop[m][:, t].astype(np.float32)
+    return pa.table(cols)
+
+
+def _summary_exprs(metrics: tuple[str, ...]) -> list[pl.Expr]:
+    """mean, median, q25, q75 (linear interpolation, as numpy) and count of the finite values."""
+    exprs = []
+    for m in metrics:
+        c = pl.col(m).fill_nan(None)  # NaN (undefined) is excluded, never averaged as a number
+        exprs += [c.mean().alias(f"{m}\x00mean"), c.median().alias(f"{m}\x00median"),
+                  c.quantile(0.25, "linear").alias(f"{m}\x00q25"), c.quantile(0.75, "linear").alias(f"{m}\x00q75"),
+                  c.count().alias(f"{m}\x00count")]
+    return exprs
+
+
+def summarise_loop(path: Path, split: str, loop: int, metrics: tuple[str, ...],
+                   token_types: list[str]) -> pl.DataFrame:
+    """Long-format summary of one (split, loop) from its temporary per-loop Parquet file.
+
+    Args:
+        path: Parquet file with difficulty, token_type and the metric columns of one loop.
+        split: split name; loop: 1-based loop.
+        metrics: metric columns to summarise.
+        token_types: names indexed by token_type id.
+
+    Returns:
+        Rows (split, loop, group_by, group_value, metric, mean, median, q25, q75, count) for
+        group_by ∈ {all, difficulty, token_type}.
+    """
+    lf = pl.scan_parquet(path)
+    frames = []
+    for group_by in ("all", "difficulty", "token_type"):
+        if group_by == "all":
+            wide = lf.select(_summary_exprs(metrics)).with_columns(pl.lit("all").alias("group_value"))
+        else:
+            wide = lf.group_by(group_by).agg(_summary_exprs(metrics)).sort(group_by)
+            if group_by == "token_type":
+                # token_type id -> its name (ids without a name keep their number)
+                value = pl.col("token_type").replace_strict(
+                    dict(enumerate(token_types)), default=pl.col("token_type").cast(pl.String),
+                    return_dtype=pl.String)
+            else:
+                value = pl.col(group_by).cast(pl.String)
+            wide = wide.with_columns(value.alias("group_value")).drop(group_by)
+        long = (wide.collect().unpivot(index="group_value", variable_name="key")
+                .with_columns(pl.col("key").str.split_exact("\x00", 1).struct.rename_fields(["metric", "stat"]))
+                .unnest("key").pivot(on="stat", index=["group_value", "metric"], values="value"))
+        frames.append(long.with_columns(pl.lit(group_by).alias("group_by")))
+    df = pl.concat(frames, how="vertical_relaxed")
+    return df.select(
+        pl.lit(split).alias("split"), pl.lit(loop, dtype=pl.Int64).alias("loop"), "group_by", "group_value",
+        "metric", pl.col("mean").cast(pl.Float64), pl.col("median").cast(pl.Float64),
+        pl.col("q25").cast(pl.Float64), pl.col("q75").cast(pl.Float64), pl.col("count").cast(pl.Int64))
+
+
+def _median_int(x: np.ndarray) -> float:
+    return float(np.median(x)) if x.size else math.nan
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, allow_nan=True))
+
+
+def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | str,
+                   meta: dict | None = None, extra_tables: dict[str, pl.DataFrame] | None = None,
+                   progress: bool = True) -> dict:
+    """Run the geometry of one model's dump: stream each split's store and write the artifacts.
+
+    Writes, atomically (a temporary directory next to ``out_dir`` that replaces it at the end):
+    ``token_loop.parquet``, ``loop_summary.parquet``, ``convergence.parquet``, ``dlr.parquet`` (only
+    when the model has several looped groups) and ``metrics.json``. Memory is bounded by one block of
+    ``hidden`` plus per-(split, loop) scalar columns for the summary quantiles.
+
+    Args:
+        stores: split -> open :class:`pipeline.store.TrajectoryStore` (one model; same T and groups).
+        cfg: the ``geometry`` section.
+        out_dir: ``artifacts/geometry/<model>``.
+        meta: extra entries for ``metrics.json`` (model name, seeds, versions, params).
+        extra_tables: file name -> frame written into the same directory in the same atomic swap
+            (``training_dynamics.parquet``).
+        progress: show progress bars (silent anyway when not a terminal).
+
+    Returns:
+        The metrics dict written to ``metrics.json``.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        metrics = _geometry_into(stores, cfg, tmp, meta or {}, progress)
+        for name, df in (extra_tables or {}).items():
+            df.write_parquet(tmp / name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return metrics
+
+
+def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta: dict, progress: bool) -> dict:
+    first = next(iter(stores.values()))
+    n_loops = first.n_loops
+    loop_group = np.asarray(first.loop_group, dtype=np.int64)
+    for split, st in stores.items():
+        if st.n_loops != n_loops or not np.array_equal(np.asarray(st.loop_group), loop_group):
+            raise ValueError(f"store of split '{split}' has a different loop structure (n_loops {st.n_loops}, "
+                             f"loop_group {list(st.loop_group)}) from the other splits; re-run the dump")
+    handoffs = group_handoffs(loop_group)
+    has_gate = first.has_gate
+    sum_metrics = SUMMARY_METRICS + (("gate_logit",) if has_gate else ())
+    keys = cfg.convergence_keys()
+    scratch = tmp / "_scratch"
+    scratch.mkdir()
+    tl_writer = pq.ParquetWriter(tmp / "token_loop.parquet", _TOKEN_LOOP_SCHEMA)
+    cv_writer = pq.ParquetWriter(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
+    summaries, dlr_rows, split_metrics = [], [], {}
+    try:
+        for split, st in stores.items():
+            loop_writers = [None] * n_loops
+            depths: dict[tuple[str, float, str], list] = {}
+            dlr_parts: dict[int, dict[str, list]] = {g: {"drift": [], "loop_step": [], "dlr": []}
+                                                     for g, _, _ in handoffs}
+            bar = tqdm(total=st.n_tokens, desc=f"geometry {split}", unit="tok", disable=None if progress else True,
+                       leave=False)
+            for block in iter_blocks(st, cfg.block_tokens):
+                tl_writer.write_table(token_loop_table(block, split, loop_group))
+                conv = block_convergence(block, keys)
+                cv_writer.write_table(convergence_table(block, split, conv))
+                for (sig, eps), res in conv.items():
+                    for kind in ("first", "settled"):
+                        depths.setdefault((sig, eps, kind), []).append(res[kind].astype(np.int16))
+                for g, parts in drift_to_loop_ratio(block.per_loop["step_norm"], loop_group).items():
+                    for k, v in parts.items():
+                        dlr_parts[g][k].append(v.astype(np.float32))
+                for t in range(n_loops):
+                    frame = _loop_frame(block, t, sum_metrics)
+                    if loop_writers[t] is None:
+                        loop_writers[t] = pq.ParquetWriter(scratch / f"{split}.{t + 1}.parquet", frame.schema)
+                    loop_writers[t].write_table(frame)
+                bar.update(block.n)
+            bar.close()
+            for w in loop_writers:
+                if w is not None:
+                    w.close()
+            token_types = list(st.attrs.get("token_types") or [])
+            for t in range(n_loops):
+                path = scratch / f"{split}.{t + 1}.parquet"
+                if path.exists():
+                    summaries.append(summarise_loop(path, split, t + 1, sum_metrics, token_types))
+                    path.unlink()
+            split_metrics[split] = _convergence_metrics(depths, keys, n_loops, st.n_tokens)
+            for g, _last, first_next in handoffs:
+                parts = {k: np.concatenate(v) if v else np.zeros(0, np.float32) for k, v in dlr_parts[g].items()}
+                finite = parts["dlr"][np.isfinite(parts["dlr"])]
+                dlr_rows.append({
+                    "split": split, "group": g, "next_group": g + 1, "last_loop": first_next,
+                    "first_loop_next": first_next + 1, "n_tokens": int(parts["dlr"].size),
+                    "drift_mean": float(np.mean(parts["drift"])) if parts["drift"].size else math.nan,
+                    "loop_step_mean": float(np.nanmean(parts["loop_step"])) if finite.size else math.nan,
+                    "dlr_mean": float(finite.mean()) if finite.size else math.nan,
+                    "dlr_median": float(np.median(finite)) if finite.size else math.nan,
+                    "dlr_of_means": (float(np.mean(parts["drift"]) / np.nanmean(parts["loop_step"]))
+                                     if finite.size else math.nan),
+                })
+    finally:
+        tl_writer.close()
+        cv_writer.close()
+    shutil.rmtree(scratch)
+    summary = (pl.concat(summaries) if summaries else pl.DataFrame(
+        schema={"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
+                "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
+                "q75": pl.Float64, "count": pl.Int64}))
+    summary.write_parquet(tmp / "loop_summary.parquet")
+    if handoffs:
+        pl.DataFrame(dlr_rows).write_parquet(tmp / "dlr.parquet")
+    metrics = _metrics(summary, split_metrics, dlr_rows, stores, cfg, meta)
+    _write_json(tmp / "metrics.json", metrics)
+    return metrics
+
+
+def _convergence_metrics(depths: dict, keys: list[tuple[str, float]], n_loops: int, n_tokens: int) -> dict:
+    out = {}
+    for sig, eps in keys:
+        entry = {}
+        for kind in ("first", "settled"):
+            d = np.concatenate(depths.get((sig, eps, kind), [np.zeros(0, np.int16)])).astype(np.int64)
+            censored = d > n_loops
+            entry[f"median_{kind}"] = _median_int(d)
+            entry[f"mean_{kind}_uncensored"] = float(d[~censored].mean()) if (~censored).any() else math.nan
+            entry[f"censored_{kind}"] = int(censored.sum())
+            entry[f"censored_frac_{kind}"] = float(censored.mean()) if d.size else math.nan
+        out[f"{sig}@{eps:g}"] = entry
+    return out
+
+
+def _metrics(summary: pl.DataFrame, conv: dict, dlr_rows: list, stores: dict, cfg: GeometryConfig,
+             meta: dict) -> dict:
+    """metrics.json: headline numbers per split (DVC metrics; nested, JSON-able)."""
+    allrows = summary.filter(pl.col("group_by") == "all")
+
+    def per_loop(split: str, metric: str, stat: str = "mean") -> list[float]:
+        rows = allrows.filter((pl.col("split") == split) & (pl.col("metric") == metric)).sort("loop")
+        return [None if v is None or math.isnan(v) else float(v) for v in rows[stat].to_list()]
+
+    out: dict[str, Any] = dict(meta)
+    out.update({"n_loops": int(next(iter(stores.values())).n_loops),
+                "loop_group": [int(g) for g in next(iter(stores.values())).loop_group],
+                "params": to_dict(cfg), "splits": {}})
+    for split, st in stores.items():
+        cos = per_loop(split, "step_cos")
+        out["splits"][split] = {
+            "n_tokens": int(st.n_tokens),
+            "accuracy_per_loop": per_loop(split, "correct"),
+            "step_norm_mean_per_loop": per_loop(split, "step_norm"),
+            "rel_step_median_per_loop": per_loop(split, "rel_step", "median"),
+            "step_cos_mean_per_loop": cos,
+            "step_cos_mean_last_loop": cos[-1] if cos else None,
+            "accel_mean_per_loop": per_loop(split, "accel"),
+            "convergence": conv.get(split, {}),
+            "dlr": [{k: r[k] for k in ("group", "dlr_median", "dlr_of_means")} for r in dlr_rows
+                    if r["split"] == split],
+        }
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Training dynamics ([TS]): the probe set through every kept checkpoint, via the same store code
+# ---------------------------------------------------------------------------------------------
+
+def checkpoint_paths(train_dir: Path | str) -> list[Path]:
+    """Intermediate checkpoints (``checkpoints/step_*.pt``, by step) followed by ``model.pt``.
+
+    Raises:
+        FileNotFoundError: when ``model.pt`` is missing (names the path and the fix).
+    """
+    train_dir = Path(train_dir)
+    final = train_dir / "model.pt"
+    if not final.is_file():
+        raise FileNotFoundError(f"checkpoint '{final}' not found; run `dvc repro train` first")
+    return sorted((train_dir / "checkpoints").glob("step_*.pt")) + [final]
+
+
+def probe_summary(store, block_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """Per-loop mean and median of the :data:`DYNAMICS_METRICS` and accuracy of a (small) store.
+
+    Args:
+        store: an open trajectory store (the probe capture of one checkpoint).
+        block_tokens: tokens per block.
+
+    Returns:
+        ``<metric>_mean`` / ``<metric>_median`` [loop] (finite values only; NaN when none) and
+        ``accuracy`` [loop].
+    """
+    cols: dict[str, list] = {m: [] for m in (*DYNAMICS_METRICS, "correct")}
+    for block in iter_blocks(store, block_tokens):
+        for m in cols:
+            cols[m].append(block.per_loop[m])
+    out = {}
+    for m in DYNAMICS_METRICS:
+        x = np.concatenate(cols[m]).astype(np.float64)  # [token, loop]; the probe set is small
+        finite = np.isfinite(x)
+        cnt = finite.sum(axis=0)
+        with np.errstate(invalid="ignore"):
+            out[f"{m}_mean"] = np.where(cnt > 0, np.where(finite, x, 0).sum(axis=0) / np.maximum(cnt, 1), np.nan)
+        out[f"{m}_median"] = np.array([np.median(x[finite[:, t], t]) if cnt[t] else np.nan
+                                       for t in range(x.shape[1])])
+    out["accuracy"] = np.concatenate(cols["correct"]).mean(axis=0)
+    return out
+
+
+def training_dynamics(train_dir: Path | str, cfg: GeometryConfig, dump_cfg, device: str = "cpu",
+                      progress: bool = True) -> pl.DataFrame:
+    """Loop geometry across training ([TS]: steps shrink and become less collinear as training proceeds).
+
+    Every intermediate checkpoint and ``model.pt`` (fraction 1.0) runs the same fixed probe set —
+    ``cfg.probe_sequences`` sequences of ``cfg.probe_split`` drawn with the checkpoint's recorded data
+    seed — through ``pipeline.dump.dump_split`` into a temporary store, which is then read back with the
+    same block code as the main stage.
+
+    Args:
+        train_dir: ``artifacts/train/<model>``.
+        cfg: the ``geometry`` section.
+        dump_cfg: a :class:`pipeline.dump.DumpConfig` (the ``dump`` section: dtype, chunking...).
+        device: torch device of the captures.
+        progress: show a progress bar.
+
+    Returns:
+        One row per (checkpoint, loop): ``checkpoint``, ``step``, ``fraction``, ``loop`` (1-based),
+        ``<metric>_mean``, ``<metric>_median`` for step_norm, rel_step, step_cos, accel, ``accuracy``,
+        ``n_tokens``.
+    """
+    from .dump import dump_split
+    from .interface import LoopedTransformerAdapter
+    from .store import open_store
+    from .tasks import make_task
+
+    if cfg.probe_batch_tokens is not None and hasattr(dump_cfg, "batch_tokens"):
+        dump_cfg = dataclasses.replace(dump_cfg, batch_tokens=cfg.probe_batch_tokens)
+    rows = []
+    paths = checkpoint_paths(train_dir)
+    with tempfile.TemporaryDirectory(prefix="looptrace-probe-") as tmpdir:
+        for path in tqdm(paths, desc="training dynamics", disable=None if progress else True, leave=False):
+            adapter = LoopedTransformerAdapter.from_checkpoint(path, device=device)
+            extra = adapter.info.extra
+            spec = dict(extra["task"])
+            task = make_task(spec.pop("name"), spec)
+            seeds = extra.get("data_seeds") or {}
+            if cfg.probe_split not in seeds:
+                raise ValueError(f"checkpoint '{path}' records no data seed for split '{cfg.probe_split}'; "
+                                 "retrain with the current train stage")
+            data = task.dataset(cfg.probe_split, cfg.probe_sequences, int(seeds[cfg.probe_split]))
+            store_path = Path(tmpdir) / f"{path.stem}.zarr"
+            dump_split(adapter, data, store_path, dump_cfg)
+            summ = probe_summary(open_store(store_path), cfg.block_tokens)
+            n_tokens = int((data.targets != -100).sum())
+            for t in range(adapter.info.n_loops):
+                row = {"checkpoint": path.name, "step": int(extra.get("step", 0)),
+                       "fraction": float(extra.get("fraction", 1.0)), "loop": t + 1}
+                row.update({k: float(v[t]) for k, v in summ.items()})
+                row["n_tokens"] = n_tokens
+                rows.append(row)
+            shutil.rmtree(store_path, ignore_errors=True)
+    return pl.DataFrame(rows).sort(["step", "loop"])
+
+
+def write_parquet_atomic(df: pl.DataFrame, path: Path | str) -> None:
+    """Write a polars frame to ``path`` via a temporary file and ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    df.write_parquet(tmp)
+    os.replace(tmp, path)
