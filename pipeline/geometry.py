@@ -70,6 +70,15 @@ _TOKEN_LOOP_SCHEMA = pa.schema(
     + [("correct", pa.bool_())]
     + [(c, pa.float32()) for c in (*GEOMETRY_METRICS, "hidden_change", *STORE_STATS, "gate_logit")]
 )
+#: ``dlr.parquet``: one row per split × hand-off g -> g + 1 (loops 1-based).
+DLR_SCHEMA = {"split": pl.String, "group": pl.Int64, "next_group": pl.Int64, "last_loop": pl.Int64,
+              "first_loop_next": pl.Int64, "n_tokens": pl.Int64, "drift_mean": pl.Float64,
+              "loop_step_mean": pl.Float64, "dlr_mean": pl.Float64, "dlr_median": pl.Float64,
+              "dlr_of_means": pl.Float64}
+#: ``training_dynamics.parquet``: one row per checkpoint × loop.
+DYNAMICS_SCHEMA = {"checkpoint": pl.String, "step": pl.Int64, "fraction": pl.Float64, "loop": pl.Int64,
+                   **{f"{m}_{s}": pl.Float64 for m in DYNAMICS_METRICS for s in ("mean", "median")},
+                   "accuracy": pl.Float64, "n_tokens": pl.Int64}
 _CONVERGENCE_SCHEMA = pa.schema([
     ("split", pa.string()), ("token", pa.int64()), ("difficulty", pa.int64()), ("token_type", pa.int64()),
     ("signal", pa.string()), ("eps", pa.float64()), ("kind", pa.string()), ("depth", pa.int64()),
@@ -454,8 +463,21 @@ def _median_int(x: np.ndarray) -> float:
     return float(np.median(x)) if x.size else math.nan
 
 
+def _jsonable(x: Any) -> Any:
+    """NaN/inf -> None (strict JSON for DVC), numpy scalars -> Python."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
 def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, allow_nan=True))
+    path.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False))
 
 
 def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | str,
@@ -464,8 +486,8 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
     """Run the geometry of one model's dump: stream each split's store and write the artifacts.
 
     Writes, atomically (a temporary directory next to ``out_dir`` that replaces it at the end):
-    ``token_loop.parquet``, ``loop_summary.parquet``, ``convergence.parquet``, ``dlr.parquet`` (only
-    when the model has several looped groups) and ``metrics.json``. Memory is bounded by one block of
+    ``token_loop.parquet``, ``loop_summary.parquet``, ``convergence.parquet``, ``dlr.parquet`` (rows
+    only when the model has several looped groups) and ``metrics.json``. Memory is bounded by one block of
     ``hidden`` plus per-(split, loop) scalar columns for the summary quantiles.
 
     Args:
@@ -484,8 +506,12 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        metrics = _geometry_into(stores, cfg, tmp, meta or {}, progress)
-        for name, df in (extra_tables or {}).items():
+        extra_tables = extra_tables or {}
+        meta = dict(meta or {})
+        if extra_tables.get("training_dynamics.parquet") is not None and len(extra_tables["training_dynamics.parquet"]):
+            meta["training_dynamics"] = dynamics_metrics(extra_tables["training_dynamics.parquet"])
+        metrics = _geometry_into(stores, cfg, tmp, meta, progress)
+        for name, df in extra_tables.items():
             df.write_parquet(tmp / name)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -503,7 +529,8 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     for split, st in stores.items():
         if st.n_loops != n_loops or not np.array_equal(np.asarray(st.loop_group), loop_group):
             raise ValueError(f"store of split '{split}' has a different loop structure (n_loops {st.n_loops}, "
-                             f"loop_group {list(st.loop_group)}) from the other splits; re-run the dump")
+                             f"loop_group {[int(g) for g in st.loop_group]}) from the other splits; "
+                             "re-run the dump")
     handoffs = group_handoffs(loop_group)
     has_gate = first.has_gate
     sum_metrics = SUMMARY_METRICS + (("gate_logit",) if has_gate else ())
@@ -570,8 +597,8 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                 "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
                 "q75": pl.Float64, "count": pl.Int64}))
     summary.write_parquet(tmp / "loop_summary.parquet")
-    if handoffs:
-        pl.DataFrame(dlr_rows).write_parquet(tmp / "dlr.parquet")
+    # Always written (zero rows for a single looped group) so the stage's outputs are a fixed set.
+    pl.DataFrame(dlr_rows, schema=DLR_SCHEMA).write_parquet(tmp / "dlr.parquet")
     metrics = _metrics(summary, split_metrics, dlr_rows, stores, cfg, meta)
     _write_json(tmp / "metrics.json", metrics)
     return metrics
@@ -719,7 +746,18 @@ def training_dynamics(train_dir: Path | str, cfg: GeometryConfig, dump_cfg, devi
                 row["n_tokens"] = n_tokens
                 rows.append(row)
             shutil.rmtree(store_path, ignore_errors=True)
-    return pl.DataFrame(rows).sort(["step", "loop"])
+    return pl.DataFrame(rows, schema=DYNAMICS_SCHEMA).sort(["step", "loop"])
+
+
+def dynamics_metrics(df: pl.DataFrame) -> dict:
+    """Headline of ``training_dynamics.parquet`` for metrics.json: per checkpoint (by step), the
+    last loop's mean step norm, median relative step, mean step cosine and accuracy."""
+    last = df.filter(pl.col("loop") == pl.col("loop").max().over("step")).sort("step")
+    return {"step": last["step"].to_list(), "fraction": last["fraction"].to_list(),
+            "step_norm_mean_last_loop": last["step_norm_mean"].to_list(),
+            "rel_step_median_last_loop": last["rel_step_median"].to_list(),
+            "step_cos_mean_last_loop": last["step_cos_mean"].to_list(),
+            "accuracy_last_loop": last["accuracy"].to_list()}
 
 
 def write_parquet_atomic(df: pl.DataFrame, path: Path | str) -> None:
