@@ -409,3 +409,354 @@ def _jsonable(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
+
+
+# ----------------------------------------------------------------------------------------------
+# The readouts stage: every exit rule of SPEC §4 on one model's token_loop.parquet
+# ----------------------------------------------------------------------------------------------
+
+#: Threshold rules of SPEC §4: rule -> (token_loop column, op, min_loop, two_hit).
+THRESHOLD_RULES: dict[str, tuple[str, str, int, bool]] = {
+    "entropy": ("entropy", "le", 1, False),          # [AD]
+    "top1": ("max_prob", "ge", 1, False),            # [AD], CALM softmax_max
+    "margin": ("margin", "ge", 1, False),            # [AD] logit gap
+    "kl_prev": ("kl_prev", "le", 2, False),          # [AD] KL(p_t ‖ p_{t−1})
+    "kl_prev_rev": ("kl_prev_rev", "le", 2, False),  # Huginn KL(p_{t−1} ‖ p_t)
+    "logit_change": ("logit_change", "le", 2, False),
+    "hidden_change": ("hidden_change", "le", 2, False),
+    "rel_step": ("rel_step", "le", 2, False),        # Huginn latent-diff
+    "state_cosine": ("state_cos_dist", "le", 2, False),  # Huginn cosine, CALM state
+    "accel_two_hit": ("accel", "le", 3, True),       # [TS]: a_t ≤ τ and a_{t−1} ≤ τ
+}
+#: Confidence readouts of [AD] (claim (a) of the diagnosis).
+CONFIDENCE_RULES = ("entropy", "top1", "margin")
+#: Every rule the stage knows, in output order (``oracle`` is a ceiling, not a rule).
+ALL_RULES = ("fixed", *THRESHOLD_RULES, "argmax_stable", "q_exit", "oracle")
+#: Per-token columns read from token_loop.parquet besides the signals.
+TOKEN_COLUMNS = ("token", "difficulty", "token_type", "target")
+#: Per-(token, loop) columns read from token_loop.parquet.
+LOOP_COLUMNS = ("loop", "argmax", "correct", "target_logprob", "gate_logit",
+                *sorted({c for c, *_ in THRESHOLD_RULES.values()}))
+
+
+@dataclass(frozen=True)
+class ReadoutsConfig:
+    """``readouts`` section of ``params.yaml``.
+
+    Attributes:
+        n_quantiles: size of the validation quantile grid (51 in [AD]: 0.5th … 99.5th percentile).
+        delta: chosen-point tolerance, accuracy points below full-depth val accuracy ([AD]: 0.5).
+        argmax_stable_k: the k values of ``argmax_stable`` (each is one operating point).
+        dx: accuracy targets X (percent) of D@X.
+        rules: the rules to evaluate (subset of ``ALL_RULES``; ``q_exit`` is skipped for models
+            without a native gate).
+    """
+
+    n_quantiles: int = 51
+    delta: float = 0.5
+    argmax_stable_k: tuple[int, ...] = (2, 3)
+    dx: tuple[float, ...] = (95.0, 98.0, 99.0)
+    rules: tuple[str, ...] = ALL_RULES
+
+    def __post_init__(self) -> None:
+        from .config import ConfigError
+
+        if self.n_quantiles < 1:
+            raise ConfigError(f"readouts.n_quantiles must be ≥ 1, got {self.n_quantiles}")
+        if not 0.0 <= self.delta <= 100.0:
+            raise ConfigError(f"readouts.delta must be in [0, 100] accuracy points, got {self.delta}")
+        if not self.argmax_stable_k or min(self.argmax_stable_k) < 1:
+            raise ConfigError(f"readouts.argmax_stable_k must be a non-empty list of k ≥ 1, got "
+                              f"{list(self.argmax_stable_k)}")
+        bad = [x for x in self.dx if not 0.0 < x <= 100.0]
+        if bad:
+            raise ConfigError(f"readouts.dx values are accuracy percentages in (0, 100], got {bad[0]}")
+        unknown = [r for r in self.rules if r not in ALL_RULES]
+        if unknown:
+            raise ConfigError(f"readouts.rules: unknown rule '{unknown[0]}'; allowed: {', '.join(ALL_RULES)}")
+
+
+@dataclass(frozen=True)
+class SplitFrame:
+    """One split of ``token_loop.parquet`` as [token] and [token, loop] arrays (tokens sorted by id).
+
+    Attributes:
+        token, difficulty, token_type, target: [token] int64.
+        loop: dict column -> [token, loop] array (``correct`` bool, ``argmax`` int64, signals float64;
+            ``gate_logit`` only when the model has a gate).
+    """
+
+    token: np.ndarray
+    difficulty: np.ndarray
+    token_type: np.ndarray
+    target: np.ndarray
+    loop: dict[str, np.ndarray]
+
+    @property
+    def n_loops(self) -> int:
+        """T."""
+        return self.loop["correct"].shape[1]
+
+    @property
+    def data(self) -> SplitData:
+        """Correctness and per-depth loss ℓ_t = −target_logprob for scoring rules."""
+        return SplitData(correct=self.loop["correct"], loss=-self.loop["target_logprob"], token=self.token)
+
+    @property
+    def has_gate(self) -> bool:
+        """True when ``gate_logit`` is present (a natively gated model)."""
+        return "gate_logit" in self.loop
+
+
+def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
+                    columns: Sequence[str] = LOOP_COLUMNS) -> dict[str, SplitFrame]:
+    """Read splits of ``artifacts/geometry/<model>/token_loop.parquet`` into per-token arrays.
+
+    Args:
+        path: the parquet file (DESIGN.md: Geometry columns).
+        splits: split names to read.
+        columns: per-(token, loop) columns wanted (``loop`` and ``correct`` are always read).
+
+    Returns:
+        split -> SplitFrame. ``gate_logit`` is dropped when it is all null (model without a gate).
+
+    Raises:
+        FileNotFoundError: the file is missing (names the stage to run).
+        ValueError: a column or split is missing, or a token does not have exactly loops 1..T.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; run the geometry stage first (dvc repro geometry)")
+    schema = pl.read_parquet_schema(path)
+    want = list(dict.fromkeys(["split", *TOKEN_COLUMNS, "loop", "correct", *columns]))
+    missing = [c for c in want if c not in schema]
+    if missing:
+        raise ValueError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
+                         f"(DESIGN.md lists the token_loop columns)")
+    df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
+          .sort("split", "token", "loop").collect())
+    out: dict[str, SplitFrame] = {}
+    for split in splits:
+        sub = df.filter(pl.col("split") == split)
+        if sub.height == 0:
+            raise ValueError(f"{path}: no rows for split '{split}'; the geometry stage must cover it "
+                             f"(geometry.splits in params.yaml)")
+        loops = sub["loop"].to_numpy()
+        T = int(loops.max())
+        n = sub.height // T
+        if sub.height % T or not np.array_equal(loops.reshape(n, T), np.broadcast_to(np.arange(1, T + 1), (n, T))):
+            raise ValueError(f"{path}: split '{split}' does not have exactly loops 1..{T} for every token; "
+                             f"re-run the geometry stage")
+        tok = sub["token"].to_numpy().reshape(n, T)
+        if not (tok == tok[:, :1]).all() or np.unique(tok[:, 0]).size != n:
+            raise ValueError(f"{path}: split '{split}' has inconsistent token ids; re-run the geometry stage")
+        per_loop: dict[str, np.ndarray] = {}
+        for c in dict.fromkeys(["correct", *columns]):
+            if c == "loop":
+                continue
+            col = sub[c]
+            if c == "gate_logit" and col.null_count() == col.len():
+                continue  # no native gate
+            if c == "correct":
+                per_loop[c] = col.to_numpy().astype(bool).reshape(n, T)
+            elif c == "argmax":
+                per_loop[c] = col.to_numpy().astype(np.int64).reshape(n, T)
+            else:
+                per_loop[c] = col.cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(n, T)
+        if "target_logprob" in per_loop and not np.isfinite(per_loop["target_logprob"]).all():
+            raise ValueError(f"{path}: split '{split}' has non-finite target_logprob; re-run dump/geometry")
+        first = {c: sub[c].to_numpy().reshape(n, T)[:, 0].astype(np.int64) for c in TOKEN_COLUMNS}
+        out[split] = SplitFrame(token=first["token"], difficulty=first["difficulty"],
+                                token_type=first["token_type"], target=first["target"], loop=per_loop)
+    Ts = {s: f.n_loops for s, f in out.items()}
+    if len(set(Ts.values())) > 1:
+        raise ValueError(f"{path}: splits have different numbers of loops {Ts}; re-run the geometry stage")
+    return out
+
+
+def oracle_depths(correct: np.ndarray) -> np.ndarray:
+    """Oracle earliest-correct depth ([AD] ceiling): min{t : argmax_t = y}, else T.
+
+    Args:
+        correct: [token, loop] bool.
+
+    Returns:
+        [token] int64, 1-based.
+    """
+    c = np.asarray(correct, dtype=bool)
+    return np.where(c.any(axis=1), c.argmax(axis=1) + 1, c.shape[1]).astype(np.int64)
+
+
+def argmax_stable_depths(argmax: np.ndarray, ks: Sequence[int]) -> np.ndarray:
+    """``argmax_stable k``: min{t ≥ k : argmax_t = argmax_{t−1} = … = argmax_{t−k+1}}, else T.
+
+    Convention (Huginn's argmax-stability counts consecutive loops with the same argmax): the last k
+    loops, t included, share one argmax, so the earliest possible exit is t = k; k = 1 exits at 1.
+
+    Args:
+        argmax: [token, loop] int.
+        ks: the k values.
+
+    Returns:
+        [len(ks), token] int64 1-based exit depths.
+    """
+    a = np.asarray(argmax)
+    n, T = a.shape
+    same = np.zeros((n, T), dtype=bool)
+    same[:, 1:] = a[:, 1:] == a[:, :-1]  # same[t] : argmax_t == argmax_{t-1}
+    # run[t] = number of consecutive loops ending at t that share argmax_t.
+    run = np.ones((n, T), dtype=np.int64)
+    for t in range(1, T):
+        run[:, t] = np.where(same[:, t], run[:, t - 1] + 1, 1)
+    out = np.empty((len(ks), n), dtype=np.int64)
+    for i, k in enumerate(ks):
+        hit = run >= k
+        out[i] = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, T)
+    return out
+
+
+def halting_cdf(gate_logit: np.ndarray) -> np.ndarray:
+    """Native Q-exit signal (Ouro): 1 − Π_{j≤t}(1 − σ(gate_j)), per token and loop.
+
+    Computed in log space: log(1 − σ(g)) = −softplus(g), so large gate logits do not round to 1 − 1.
+
+    Args:
+        gate_logit: [token, loop] float.
+
+    Returns:
+        [token, loop] float64 cumulative halting probability, non-decreasing in t.
+    """
+    g = np.asarray(gate_logit, dtype=np.float64)
+    log_not = -np.logaddexp(0.0, g)  # log(1 − σ(g))
+    return -np.expm1(np.cumsum(log_not, axis=1))
+
+
+def _grid_window(signal: np.ndarray, min_loop: int, two_hit: bool) -> np.ndarray:
+    """The loops a rule reads (t ≥ min_loop, and t − 1 for two-hit rules): the calibration values."""
+    return signal[:, max(0, min_loop - 1 - int(two_hit)):]
+
+
+def evaluate_model_rules(val: SplitFrame, test: SplitFrame, cfg: ReadoutsConfig,
+                         progress: bool = True) -> list[RuleResult]:
+    """Every configured exit rule of SPEC §4 on one model (grid on val, frozen, applied to test).
+
+    Threshold rules calibrate on the finite val values of the loops they can read (t ≥ min_loop; for
+    accel_two_hit also t − 1), so that e.g. hidden_change at t = 1 (where the rule may not fire) does
+    not shift its grid. ``fixed`` has thresholds 1..T, ``argmax_stable`` the k values, ``oracle`` a
+    single NaN threshold (kind ``oracle``).
+
+    Args:
+        val, test: the model's splits (same T).
+        cfg: the ``readouts`` section.
+        progress: show a progress bar.
+
+    Returns:
+        list of RuleResult in ``ALL_RULES`` order (``q_exit`` only when the model has a gate).
+    """
+    from tqdm.auto import tqdm
+
+    T = val.n_loops
+    vdat, tdat = val.data, test.data
+    nv, nt = val.token.size, test.token.size
+    results: list[RuleResult] = []
+    for rule in tqdm(cfg.rules, desc="readouts", disable=None if progress else True, leave=False):
+        if rule == "fixed":
+            k = np.arange(1, T + 1)
+            results.append(evaluate_depths(rule, k, np.repeat(k[:, None], nv, 1), np.repeat(k[:, None], nt, 1),
+                                           vdat, tdat, cfg.delta, kind="fixed"))
+        elif rule in THRESHOLD_RULES:
+            col, op, min_loop, two_hit = THRESHOLD_RULES[rule]
+            vs, ts = val.loop[col], test.loop[col]
+            grid = quantile_grid(_grid_window(vs, min_loop, two_hit), cfg.n_quantiles)
+            results.append(evaluate_depths(rule, grid, exit_depths(vs, grid, op, min_loop, two_hit),
+                                           exit_depths(ts, grid, op, min_loop, two_hit), vdat, tdat, cfg.delta))
+        elif rule == "argmax_stable":
+            ks = list(cfg.argmax_stable_k)
+            results.append(evaluate_depths(rule, np.array(ks, dtype=np.float64),
+                                           argmax_stable_depths(val.loop["argmax"], ks),
+                                           argmax_stable_depths(test.loop["argmax"], ks), vdat, tdat, cfg.delta))
+        elif rule == "q_exit":
+            if not (val.has_gate and test.has_gate):
+                continue
+            vs, ts = halting_cdf(val.loop["gate_logit"]), halting_cdf(test.loop["gate_logit"])
+            results.append(evaluate_rule(rule, vs, ts, vdat, tdat, "ge", n_quantiles=cfg.n_quantiles,
+                                         delta=cfg.delta, kind="native"))
+        elif rule == "oracle":
+            results.append(evaluate_depths(rule, np.array([np.nan]), oracle_depths(vdat.correct)[None],
+                                           oracle_depths(tdat.correct)[None], vdat, tdat, cfg.delta, kind="oracle"))
+    return results
+
+
+def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFrame], val: SplitFrame,
+                     test: SplitFrame, cfg: ReadoutsConfig, meta: dict) -> dict:
+    """``metrics.json``: full-depth and oracle accuracy, and per rule its chosen point and D@X."""
+    dx = frames["dx"]
+    rules = {}
+    for r in results:
+        entry = {"kind": r.kind,
+                 "d_at": {str(int(x) if float(x).is_integer() else x): d_at(r.test.mean_depth, r.test.accuracy, x)
+                          for x in cfg.dx}}
+        if r.kind != "oracle":
+            k = r.chosen
+            entry["chosen"] = {"threshold": float(r.thresholds[k]), "val_depth": float(r.val.mean_depth[k]),
+                               "val_accuracy": float(r.val.accuracy[k]), "test_depth": float(r.test.mean_depth[k]),
+                               "test_accuracy": float(r.test.accuracy[k])}
+        else:
+            entry["test_depth"] = float(r.test.mean_depth[0])
+            entry["test_accuracy"] = float(r.test.accuracy[0])
+        rules[r.rule] = entry
+    x0 = cfg.dx[0]
+    posthoc = dx.filter((pl.col("kind") == "posthoc") & (pl.col("x") == float(x0)) & pl.col("d_at").is_not_nan())
+    best = posthoc.sort("d_at", "rule").row(0, named=True) if posthoc.height else None
+    return {**meta, "n_loops": val.n_loops, "has_gate": val.has_gate,
+            "n_tokens": {"val": int(val.token.size), "test": int(test.token.size)},
+            "full_depth_accuracy": {"val": val.data.full_accuracy, "test": test.data.full_accuracy},
+            "test_accuracy_per_loop": test.loop["correct"].mean(axis=0).tolist(),
+            "best_posthoc": {"x": x0, "rule": best["rule"] if best else None,
+                             "d_at": best["d_at"] if best else math.nan},
+            "rules": rules}
+
+
+def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, out_dir: Path | str, meta: dict | None = None,
+                   progress: bool = True) -> dict:
+    """The ``readouts`` stage for one model: read token_loop.parquet, evaluate every rule, write outputs.
+
+    Args:
+        geometry_dir: ``artifacts/geometry/<model>``.
+        cfg: the ``readouts`` section.
+        out_dir: ``artifacts/readouts/<model>``.
+        meta: extra ``metrics.json`` entries (model, task, regime, regime_kind, versions, params).
+        progress: progress bars.
+
+    Returns:
+        The metrics dict (also written to ``metrics.json``).
+    """
+    splits = load_token_loop(Path(geometry_dir) / "token_loop.parquet")
+    val, test = splits["val"], splits["test"]
+    results = evaluate_model_rules(val, test, cfg, progress)
+    frames = result_frames(results, cfg.dx)
+    metrics = readouts_metrics(results, frames, val, test, cfg, meta or {})
+    write_outputs(out_dir, frames, metrics)
+    return metrics
+
+
+def resolve_model(model: str, task_defs: dict, regime_defs: dict) -> dict:
+    """Task, regime and regime definition of a ``<task>-<regime>`` model name (SPEC §10).
+
+    Args:
+        model: the model name.
+        task_defs: ``train.task_defs`` (name -> TaskConfig).
+        regime_defs: ``train.regime_defs`` (name -> RegimeConfig).
+
+    Returns:
+        dict with ``model``, ``task``, ``regime``, ``regime_kind`` and ``regime_def`` (all None except
+        ``model`` when the name is not a known task × regime, e.g. an adapter's run name).
+    """
+    from .config import to_dict
+
+    for t in task_defs:
+        for r, rdef in regime_defs.items():
+            if model == f"{t}-{r}":
+                d = to_dict(rdef)
+                return {"model": model, "task": t, "regime": r, "regime_kind": d.get("kind"), "regime_def": d}
+    return {"model": model, "task": None, "regime": None, "regime_kind": None, "regime_def": None}
