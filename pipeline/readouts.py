@@ -370,11 +370,18 @@ def result_frames(results: Sequence[RuleResult], dx: Sequence[float] = (95, 98, 
     }
 
 
-def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics: dict) -> None:
+def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics: dict,
+                  extra_text: dict[str, str] | None = None) -> None:
     """Write ``<name>.parquet`` for each frame and ``metrics.json`` atomically into ``out_dir``.
 
     Everything goes to a temporary sibling directory first, which then replaces ``out_dir``, so an
     interrupted run never leaves a mix of old and new files.
+
+    Args:
+        out_dir: the model's (or stage's) output directory.
+        frames: file stem -> frame.
+        metrics: JSON-able dict (NaN written as null).
+        extra_text: file name -> text written beside them (``summary.md``).
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -382,6 +389,8 @@ def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics:
     try:
         for name, df in frames.items():
             df.write_parquet(tmp / f"{name}.parquet")
+        for name, text in (extra_text or {}).items():
+            (tmp / name).write_text(text)
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2, allow_nan=True) + "\n")
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old")

@@ -1,0 +1,43 @@
+"""DVC stage ``diagnose``: failure classes, Spearman, verdicts and [AD]'s claims -> artifacts/diagnose/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from stages._common import run, user_errors
+
+
+def main(
+    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),
+    readouts_root: Path = typer.Option(Path("artifacts/readouts"), help="root of the readouts stage's outputs"),
+    gates_root: Path = typer.Option(Path("artifacts/gates"), help="root of the gates stage's outputs (optional)"),
+    geometry_root: Path = typer.Option(Path("artifacts/geometry"), help="root of the geometry stage's outputs"),
+    out: Path = typer.Option(Path("artifacts/diagnose"), help="output directory"),
+) -> None:
+    """Trajectory vs readout failures per model × rule, and whether [AD]'s findings hold."""
+    from pipeline.config import load_base, load_section, to_dict
+    from pipeline.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
+    from pipeline.train import TrainConfig, model_name, versions
+
+    with user_errors():
+        base = load_base(params)
+        cfg = load_section(DiagnoseConfig, "diagnose", params)
+        if models:
+            names = [m.strip() for m in models.split(",") if m.strip()]
+        else:
+            train = load_section(TrainConfig, "train", params)
+            names = [model_name(t, r) for t in train.tasks for r in train.regimes]
+        meta = {"seed": base.seed, "params": to_dict(cfg), "versions": versions(), "models_list": names}
+        frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta)
+        write_diagnosis(out, frames, summary, metrics)
+    for name, status in metrics["claims"].items():
+        typer.echo(f"[AD] claim ({name}): {status}")
+    for name, m in metrics["models"].items():
+        typer.echo(f"{name}: {m['verdict']} ({m['reason']})")
+
+
+if __name__ == "__main__":
+    run(main)
