@@ -377,9 +377,12 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
         else:
             ok = _lt(post, nat)
             verb = {True: "worse than", False: "not worse than", None: "not comparable with (both unreachable)"}[ok]
+            own_s = (f"the best post-hoc readout on its own joint trajectory: {own_rule} {_fmt(own)}" if own_rule
+                     else f"no post-hoc readout reaches {xs} on its own joint trajectory")
+            post_s = (f"{rule} on {peer}: {_fmt(post)}" if rule
+                      else f"none reaches {xs} on {', '.join(peers)}")
             sent.append(f"{m['model']}: native Q-exit {xs} = {_fmt(nat)}, {verb} the best post-hoc readout on a "
-                        f"fixed-prior trajectory ({rule or 'none'} on {peer or ', '.join(peers)}: {_fmt(post)}); "
-                        f"post-hoc on its own joint trajectory: {own_rule or 'none'} {_fmt(own)}.")
+                        f"fixed-prior trajectory ({post_s}); {own_s}.")
         res.append(ok)
         det.append({"model": m["model"], "native_dx": nat, "fixed_prior_posthoc_dx": post, "fixed_prior_rule": rule,
                     "fixed_prior_model": peer, "own_posthoc_dx": own, "holds": ok})

@@ -749,13 +749,36 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, out_dir: Path 
     return metrics
 
 
+def light_versions() -> dict:
+    """The keys of ``pipeline.train.versions()`` read from package metadata, plus scipy.
+
+    Importing torch, scikit-learn and zarr only to read their version strings costs ~5 s per process
+    on this machine — more than the whole readouts computation — so the offline stages read the
+    installed distributions' metadata instead (same values for installed packages).
+    """
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def v(dist: str) -> str | None:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    return {"looptrace": __version__, "torch": v("torch"), "numpy": np.__version__, "zarr": v("zarr"),
+            "polars": pl.__version__, "sklearn": v("scikit-learn"), "scipy": v("scipy"),
+            "python": platform.python_version()}
+
+
 def resolve_model(model: str, task_defs: dict, regime_defs: dict) -> dict:
     """Task, regime and regime definition of a ``<task>-<regime>`` model name (SPEC §10).
 
     Args:
         model: the model name.
-        task_defs: ``train.task_defs`` (name -> TaskConfig).
-        regime_defs: ``train.regime_defs`` (name -> RegimeConfig).
+        task_defs: ``train.task_defs`` (name -> TaskConfig or its params mapping).
+        regime_defs: ``train.regime_defs`` (name -> RegimeConfig or its params mapping).
 
     Returns:
         dict with ``model``, ``task``, ``regime``, ``regime_kind`` and ``regime_def`` (all None except

@@ -18,19 +18,21 @@ def main(
     out: Path = typer.Option(Path("artifacts/diagnose"), help="output directory"),
 ) -> None:
     """Trajectory vs readout failures per model × rule, and whether [AD]'s findings hold."""
-    from pipeline.config import load_base, load_section, to_dict
+    from pipeline.config import ConfigError, load_base, load_section, read_params, to_dict
     from pipeline.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
-    from pipeline.train import TrainConfig, model_name, versions
+    from pipeline.readouts import light_versions
 
     with user_errors():
         base = load_base(params)
         cfg = load_section(DiagnoseConfig, "diagnose", params)
         if models:
             names = [m.strip() for m in models.split(",") if m.strip()]
-        else:
-            train = load_section(TrainConfig, "train", params)
-            names = [model_name(t, r) for t in train.tasks for r in train.regimes]
-        meta = {"seed": base.seed, "params": to_dict(cfg), "versions": versions(), "models_list": names}
+        else:  # the default matrix, <task>-<regime> (pipeline.train.model_name; read raw: no torch import)
+            train = read_params(params).get("train") or {}
+            names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
+            if not names:
+                raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
+        meta = {"seed": base.seed, "params": to_dict(cfg), "versions": light_versions(), "models_list": names}
         frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta)
         write_diagnosis(out, frames, summary, metrics)
     for name, status in metrics["claims"].items():

@@ -16,16 +16,17 @@ def main(
     out: Path = typer.Option(Path("artifacts/readouts"), help="output root"),
 ) -> None:
     """Calibrated exit rules: operating points, Pareto fronts, D@X and chosen points of one model."""
-    from pipeline.config import load_base, load_section, to_dict
-    from pipeline.readouts import ReadoutsConfig, readouts_model, resolve_model
-    from pipeline.train import TrainConfig, versions
+    from pipeline.config import load_base, load_section, read_params, to_dict
+    from pipeline.readouts import ReadoutsConfig, light_versions, readouts_model, resolve_model
 
     with user_errors():
         base = load_base(params)
         cfg = load_section(ReadoutsConfig, "readouts", params)
-        train = load_section(TrainConfig, "train", params)
-        meta = {**resolve_model(model, train.task_defs, train.regime_defs), "seed": base.seed,
-                "params": to_dict(cfg), "versions": versions()}
+        # train's task/regime definitions name the model's regime; read raw so that this offline stage
+        # does not import torch (pipeline.train) just for them.
+        train = read_params(params).get("train") or {}
+        meta = {**resolve_model(model, train.get("task_defs") or {}, train.get("regime_defs") or {}),
+                "seed": base.seed, "params": to_dict(cfg), "versions": light_versions()}
         metrics = readouts_model(geometry_root / model, cfg, out / model, meta=meta)
     best = metrics["best_posthoc"]
     fixed = metrics["rules"]["fixed"]["d_at"] if "fixed" in metrics["rules"] else {}

@@ -156,7 +156,9 @@ def test_ad_claims_disagreement_and_untestable():
         in claims["a"]["sentences"]
     # native unreachable (NaN = ∞) vs post-hoc 1.5 -> the native gate is worse: holds
     assert claims["b"]["status"] == "holds"
-    assert "native Q-exit D@95 = unreachable, worse than" in claims["b"]["sentences"][1]
+    assert claims["b"]["sentences"][1] == (
+        "t-joint: native Q-exit D@95 = unreachable, worse than the best post-hoc readout on a fixed-prior trajectory "
+        "(top1 on t-geometric: 1.50); no post-hoc readout reaches D@95 on its own joint trajectory.")
     assert claims["c"]["status"] == "untestable" and "Not tested" in claims["c"]["sentences"][0]
     # only uniform confidence fails and nothing else fixed-prior: does not hold
     dx2 = dx.filter(pl.col("model") != "t-geometric")
