@@ -1,0 +1,416 @@
+"""The ``dump`` stage: run a looped model once and persist every scored token's trajectory (SPEC §1).
+
+For each batch of sequences the model interface (:mod:`pipeline.interface`) returns the per-loop states;
+each loop is read out on its own (never [batch, seq, loop, vocab] in memory), loop T first so that
+``kl_final`` can be computed while streaming loops 1..T (:class:`pipeline.stats.LoopStats`). Rows are the
+scored positions (``targets != IGNORE``) in (sequence, position) order; ``sequence`` is the row index of
+the input :class:`~pipeline.tasks.TaskBatch`.
+
+Compute and I/O overlap: the forward pass fills whole token chunks, which a bounded background thread
+compresses and writes (``dump.writer_queue`` chunks in flight), so the capture costs little beyond the
+forward pass. Only whole, aligned chunks are ever written (SPEC §1: unaligned concurrent writes lose rows).
+
+Resume, not restart: each chunk gets a completion marker after all of its arrays are written. A dump that
+is killed at any point and run again with the same inputs finds the first unmarked chunk, maps it to the
+sequence holding its first token (cumulative scored-token counts) and restarts the forward pass at the
+batch that contains that sequence — batches keep the same boundaries as an uninterrupted run, so the
+arrays end up bit-identical. ``complete`` is set only after everything is written. A store with a different
+fingerprint (params, checkpoint hash, model config, data, versions) is deleted and dumped again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import queue
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .config import BaseConfig, to_dict
+from .interface import LoopedModelAdapter
+from .stats import LoopStats
+from .store import (
+    DIMS,
+    DTYPES,
+    HIDDEN_DTYPES,
+    SCHEMA_VERSION,
+    STAT_NAMES,
+    ArraySpec,
+    StoreError,
+    StoreTarget,
+    StoreWriter,
+    TrajectoryStore,
+    open_store,
+)
+from .tasks import IGNORE, SPLITS, Task, TaskBatch
+
+
+@dataclass(frozen=True)
+class DumpConfig:
+    """``dump`` section of params.yaml.
+
+    Attributes:
+        sequences: split -> number of sequences to dump (data seeds come from the checkpoint).
+        batch_size: sequences per forward pass.
+        chunk_tokens: rows per store chunk along ``token`` (the unit of writing, resuming and streaming reads).
+        hidden_dtype: stored dtype of ``hidden``/``hidden_init``: ``float16`` or ``float32``.
+        full_logits_max_vocab: store full ``logits`` when vocab ≤ this, else ``topk_ids``/``topk_logits``
+            (the statistics are exact either way: computed from the full logits at dump time).
+        topk: k of the top-k logits (capped at the vocabulary size).
+        writer_queue: whole chunks that may wait for the background writer (bounds memory).
+        allow_nan: accept NaN/Inf in the stored states (they are counted in ``nan_count`` either way);
+            when false a dump that produced any fails after writing, and readers refuse the store.
+        clevel: zstd compression level (Blosc, byte shuffle).
+    """
+
+    sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
+    batch_size: int = 128
+    chunk_tokens: int = 4096
+    hidden_dtype: str = "float16"
+    full_logits_max_vocab: int = 256
+    topk: int = 16
+    writer_queue: int = 2
+    allow_nan: bool = False
+    clevel: int = 1
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.sequences) - set(SPLITS))
+        if bad:
+            raise ValueError(f"dump.sequences: unknown split '{bad[0]}' (splits: {', '.join(SPLITS)})")
+        if any(int(n) < 1 for n in self.sequences.values()):
+            raise ValueError("dump.sequences: every split needs at least 1 sequence")
+        for name in ("batch_size", "chunk_tokens", "topk", "writer_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"dump.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"dump.hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
+        if not 0 <= self.clevel <= 9:
+            raise ValueError(f"dump.clevel must be in 0..9, got {self.clevel}")
+
+
+# Parameters that change how fast, not what, is written: left out of the resume fingerprint.
+_NOT_FINGERPRINTED = ("writer_queue", "sequences")
+
+
+def _data_hash(data: TaskBatch) -> str:
+    h = hashlib.sha256()
+    for name in ("tokens", "targets", "difficulty", "token_type"):
+        a = np.ascontiguousarray(getattr(data, name), dtype=np.int64)
+        h.update(name.encode() + str(a.shape).encode() + a.tobytes())
+    return h.hexdigest()
+
+
+def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, attrs: Mapping) -> str:
+    info = adapter.info
+    params = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_FINGERPRINTED}
+    blob = json.dumps({"schema": SCHEMA_VERSION, "params": params, "name": info.name, "config": info.config,
+                       "checkpoint_hash": info.checkpoint_hash, "data": _data_hash(data),
+                       "attrs": attrs}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _say(msg: str) -> None:
+    tqdm.write(msg, file=sys.stderr)
+
+
+class _BackgroundWriter:
+    """One thread that writes whole chunks from a bounded queue (one writer: chunks never overlap)."""
+
+    def __init__(self, writer: StoreWriter, maxsize: int):
+        self.writer = writer
+        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="looptrace-dump-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is None:
+                try:
+                    self.writer.write_chunk(*item)
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+                    self.error = exc
+
+    def put(self, chunk: int, data: dict[str, np.ndarray]) -> None:
+        while True:
+            if self.error is not None:
+                raise self.error
+            try:
+                self.q.put((chunk, data), timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tuple[dict[str, ArraySpec], int | None]:
+    info = adapter.info
+    T, D, V = info.n_loops, info.d_model, info.vocab_size
+    k = None if V <= cfg.full_logits_max_vocab else min(cfg.topk, V)
+    specs = {"hidden": ArraySpec((n_tokens, T, D), cfg.hidden_dtype),
+             "hidden_init": ArraySpec((n_tokens, D), cfg.hidden_dtype)}
+    if k is None:
+        specs["logits"] = ArraySpec((n_tokens, T, V), DTYPES["logits"])
+    else:
+        specs["topk_ids"] = ArraySpec((n_tokens, T, k), DTYPES["topk_ids"])
+        specs["topk_logits"] = ArraySpec((n_tokens, T, k), DTYPES["topk_logits"])
+    for s in STAT_NAMES:
+        specs[s] = ArraySpec((n_tokens, T), DTYPES[s])
+    if info.has_gate:
+        specs["gate_logit"] = ArraySpec((n_tokens, T), DTYPES["gate_logit"])
+    for f in ("target", "token_id", "sequence", "position", "difficulty", "token_type"):
+        specs[f] = ArraySpec((n_tokens,), DTYPES[f])
+    specs["loop_group"] = ArraySpec((T,), DTYPES["loop_group"])
+    return specs, k
+
+
+@torch.inference_mode()
+def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
+             k: int | None, hidden_dtype: str) -> dict[str, np.ndarray]:
+    """Every token-axis array of one batch of sequences: name -> [n_scored, ...] numpy."""
+    info = adapter.info
+    T = info.n_loops
+    dev = adapter.device
+    ids = torch.from_numpy(np.ascontiguousarray(data.tokens[rows], dtype=np.int64)).to(dev)
+    m = torch.from_numpy(mask[rows]).to(dev)
+    st = adapter.states(ids)
+    tdtype = torch.float16 if hidden_dtype == "float16" else torch.float32
+    out: dict[str, np.ndarray] = {
+        "hidden": st.hidden[m].to(tdtype).cpu().numpy(),          # [n, T, D]
+        "hidden_init": st.hidden_init[m].to(tdtype).cpu().numpy(),  # [n, D]
+    }
+    if info.has_gate:
+        if st.gate_logits is None:
+            raise ValueError(f"adapter '{info.name}' declares a gate but returned no gate logits")
+        out["gate_logit"] = st.gate_logits[m].float().cpu().numpy()
+    target = torch.from_numpy(data.targets[rows][mask[rows]].astype(np.int64)).to(dev)
+    # Loop T first (kl_final needs p_T), then 1..T keeping only the previous loop (bounded memory).
+    z_final = adapter.readout(st.hidden[:, :, T - 1], T - 1)[m].float()  # [n, V]
+    acc = LoopStats(z_final, target)
+    per_loop: dict[str, list[torch.Tensor]] = {s: [] for s in STAT_NAMES}
+    zs, ids_k = [], []
+    for t in range(T):
+        z = z_final if t == T - 1 else adapter.readout(st.hidden[:, :, t], t)[m].float()
+        for name, v in acc.update(z).items():
+            per_loop[name].append(v)
+        if k is None:
+            zs.append(z)
+        else:
+            top = z.topk(k, dim=-1)
+            zs.append(top.values)
+            ids_k.append(top.indices.to(torch.int32))
+    for name, vs in per_loop.items():
+        out[name] = torch.stack(vs, dim=1).cpu().numpy()
+    if k is None:
+        out["logits"] = torch.stack(zs, dim=1).cpu().numpy()
+    else:
+        out["topk_logits"] = torch.stack(zs, dim=1).cpu().numpy()
+        out["topk_ids"] = torch.stack(ids_k, dim=1).cpu().numpy()
+    sel = mask[rows]
+    b_idx, p_idx = np.nonzero(sel)  # row-major: (sequence, position) order, matching hidden[m]
+    out["target"] = data.targets[rows][sel].astype(np.int64)
+    out["token_id"] = data.tokens[rows][sel].astype(np.int64)
+    out["sequence"] = (b_idx + (rows.start or 0)).astype(np.int64)
+    out["position"] = p_idx.astype(np.int64)
+    out["difficulty"] = data.difficulty[rows][sel].astype(np.int64)
+    out["token_type"] = data.token_type[rows][sel].astype(np.int64)
+    return out
+
+
+class _ChunkAssembler:
+    """Cuts the stream of batch rows into whole chunks and hands each not-yet-done chunk to ``sink``."""
+
+    def __init__(self, writer: StoreWriter, done: np.ndarray, start_token: int, sink):
+        self.writer, self.done, self.sink = writer, done, sink
+        self.pos = start_token
+        self.buf: dict[str, np.ndarray] | None = None
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.have = 0
+
+    def add(self, rows: dict[str, np.ndarray]) -> None:
+        n = len(rows["target"])
+        off = 0
+        while off < n:
+            c = self.pos // self.writer.chunk_tokens
+            sl = self.writer.chunk_rows(c)
+            take = min(n - off, sl.stop - self.pos)
+            if not self.done[c]:
+                self.parts.append({k: v[off:off + take] for k, v in rows.items()})
+            self.pos += take
+            off += take
+            if self.pos == sl.stop:
+                if not self.done[c]:
+                    parts, self.parts = self.parts, []
+                    chunk = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts])
+                                                               for k in parts[0]}
+                    # copy: a view into the batch arrays would keep whole batches alive in the queue
+                    self.sink(c, {k: np.ascontiguousarray(v) for k, v in chunk.items()})
+                self.parts = []
+
+
+def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, cfg: DumpConfig,
+               attrs: Mapping[str, Any] | None = None, progress: bool = True) -> TrajectoryStore:
+    """Dump one split of one model to a trajectory store (resumable).
+
+    Args:
+        adapter: the model interface (states + per-loop readout).
+        data: the sequences; ``tokens``/``targets``/``difficulty``/``token_type`` all [batch, seq];
+            ``targets == IGNORE`` marks unscored positions. ``sequence`` in the store = row index here.
+        path: ``<split>.zarr`` directory or :func:`pipeline.store.memory_store`.
+        cfg: the ``dump`` section.
+        attrs: extra group attributes (split, task, regime, difficulty_name, difficulty_levels, token_types,
+            seeds...); ``task``/``regime`` default to the adapter's ``info.extra``.
+        progress: show a tqdm bar (silent when not a terminal anyway).
+
+    Returns:
+        The completed store, opened (``allow_nan`` as configured).
+
+    Raises:
+        StoreError: the dump produced NaN/Inf states and ``cfg.allow_nan`` is false (the store is written
+            and records ``nan_count``), or the target path is not a store.
+    """
+    info = adapter.info
+    if data.tokens.ndim != 2 or data.targets.shape != data.tokens.shape:
+        raise ValueError(f"data: tokens and targets must both be [batch, seq]; got {data.tokens.shape} and "
+                         f"{data.targets.shape}")
+    mask = np.asarray(data.targets != IGNORE)
+    counts = mask.sum(axis=1)
+    cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # scored tokens before each sequence
+    n_tokens = int(cum[-1])
+    specs, k = _layout(adapter, n_tokens, cfg)
+    extra = dict(info.extra)
+    user = dict(attrs or {})
+    base_attrs: dict[str, Any] = {
+        "model": dataclasses.asdict(info), "n_tokens": n_tokens, "n_loops": info.n_loops,
+        "d_model": info.d_model, "vocab_size": info.vocab_size, "n_sequences": len(data),
+        "task": extra.get("task"), "regime": extra.get("regime"), "split": None,
+        "difficulty_name": "difficulty", "difficulty_levels": [], "token_types": [],
+        "seeds": {kk: extra[kk] for kk in ("seed", "data_seeds") if kk in extra},
+        "params": to_dict(cfg), "topk": k, "logits_mode": "full" if k is None else "topk",
+        "dtypes": {name: s.dtype for name, s in specs.items()},
+        "versions": _versions(),
+    }
+    base_attrs.update(user)
+    fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]})
+    base_attrs["fingerprint"] = fp
+    label = "<memory>" if not isinstance(path, str | Path) else str(path)
+
+    writer = StoreWriter.reopen(path)
+    if writer is not None and writer.attrs.get("fingerprint") == fp:
+        if writer.attrs.get("complete"):
+            return _finished(path, label, cfg)
+        done = writer.done_chunks()
+        _say(f"{label}: resuming ({int(done.sum())} of {writer.n_chunks} chunks already written)")
+    else:
+        if writer is not None:
+            _say(f"{label}: existing store was dumped with different parameters, checkpoint or data; starting over")
+        elif Path(path).exists() if isinstance(path, str | Path) else _memory_keys(path):
+            _say(f"{label}: existing store is unreadable or from another schema; starting over")
+        writer = StoreWriter.create(path, specs, base_attrs, cfg.chunk_tokens, cfg.clevel)
+        writer.write_small("loop_group", np.asarray(info.loop_group))
+        done = np.zeros(writer.n_chunks, dtype=bool)
+
+    if not done.all():
+        first = int(np.flatnonzero(~done)[0])
+        start_token = first * cfg.chunk_tokens
+        # the sequence holding the chunk's first token, then the batch holding that sequence: batches keep
+        # the boundaries of an uninterrupted run, so the numbers are bit-identical
+        s0 = int(np.searchsorted(cum, start_token, side="right") - 1)
+        b0 = s0 // cfg.batch_size
+        bg = _BackgroundWriter(writer, cfg.writer_queue)
+        asm = _ChunkAssembler(writer, done, int(cum[b0 * cfg.batch_size]), bg.put)
+        bar = tqdm(total=n_tokens, initial=int(cum[b0 * cfg.batch_size]), unit="tok", desc=f"dump {label}",
+                   disable=None if progress else True, leave=False)
+        try:
+            for b in range(b0, -(-len(data) // cfg.batch_size)):
+                rows = slice(b * cfg.batch_size, min((b + 1) * cfg.batch_size, len(data)))
+                lo, hi = int(cum[rows.start]), int(cum[rows.stop])
+                if hi == lo:
+                    continue
+                chunks = range(lo // cfg.chunk_tokens, (hi - 1) // cfg.chunk_tokens + 1)
+                if all(done[c] for c in chunks):  # nothing left to write in this batch
+                    asm.pos = hi
+                else:
+                    asm.add(_capture(adapter, data, mask, rows, k, cfg.hidden_dtype))
+                bar.update(hi - lo)
+        except BaseException:
+            # let the writer finish the chunks already queued (their markers keep them), then stop
+            bg.q.put(None)
+            bg.thread.join()
+            raise
+        finally:
+            bar.close()
+        bg.close()
+    writer.finish()
+    return _finished(path, label, cfg)
+
+
+def _memory_keys(store) -> list:
+    return list(getattr(store, "_store_dict", {}) or [])
+
+
+def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore:
+    st = open_store(path, allow_nan=True)
+    nan = int(st.attrs.get("nan_count") or 0)
+    if nan and not cfg.allow_nan:
+        raise StoreError(f"store {label}: {nan} NaN/Inf values in 'hidden'/'hidden_init' "
+                         f"(dtype {cfg.hidden_dtype}); set dump.hidden_dtype: float32 if float16 overflowed, "
+                         "or dump.allow_nan: true to keep them")
+    return st
+
+
+def _versions() -> dict:
+    from .train import versions
+
+    return versions()
+
+
+def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str, int], out_dir: Path | str,
+               cfg: DumpConfig, base: BaseConfig | None = None, progress: bool = True) -> dict[str, TrajectoryStore]:
+    """Dump every split of ``cfg.sequences`` for one model: ``<out_dir>/<split>.zarr``.
+
+    Args:
+        adapter: the model interface.
+        task: the model's task (its data sets, difficulty and token-type names).
+        data_seeds: split -> data seed (the checkpoint's ``data_seeds``).
+        out_dir: ``artifacts/dump/<model>``.
+        cfg: the ``dump`` section.
+        base: the ``base`` section (its seed is recorded).
+
+    Returns:
+        split -> completed store.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stores = {}
+    for split, n in cfg.sequences.items():
+        if split not in data_seeds:
+            raise ValueError(f"checkpoint records no data seed for split '{split}'; retrain with the current "
+                             "train stage or remove the split from dump.sequences")
+        seed = int(data_seeds[split])
+        data = task.dataset(split, int(n), seed)
+        attrs = {"split": split, "difficulty_name": task.difficulty_name,
+                 "difficulty_levels": list(task.difficulty_levels), "token_types": list(task.token_types),
+                 "data_seed": seed, "base_seed": None if base is None else base.seed}
+        stores[split] = dump_split(adapter, data, out_dir / f"{split}.zarr", cfg, attrs, progress)
+    return stores
+
+
+__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split"]
