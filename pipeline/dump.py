@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .config import BaseConfig, to_dict
+from .config import BaseConfig, ConfigError, to_dict
 from .interface import LoopedModelAdapter
 from .stats import LoopStats
 from .store import (
@@ -85,16 +85,16 @@ class DumpConfig:
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
         if bad:
-            raise ValueError(f"dump.sequences: unknown split '{bad[0]}' (splits: {', '.join(SPLITS)})")
+            raise ConfigError(f"dump.sequences: unknown split '{bad[0]}' (splits: {', '.join(SPLITS)})")
         if any(int(n) < 1 for n in self.sequences.values()):
-            raise ValueError("dump.sequences: every split needs at least 1 sequence")
+            raise ConfigError("dump.sequences: every split needs at least 1 sequence")
         for name in ("batch_size", "chunk_tokens", "topk", "writer_queue"):
             if getattr(self, name) < 1:
-                raise ValueError(f"dump.{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"dump.{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_dtype not in HIDDEN_DTYPES:
-            raise ValueError(f"dump.hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
+            raise ConfigError(f"dump.hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
         if not 0 <= self.clevel <= 9:
-            raise ValueError(f"dump.clevel must be in 0..9, got {self.clevel}")
+            raise ConfigError(f"dump.clevel must be in 0..9, got {self.clevel}")
 
 
 # Parameters that change how fast, not what, is written: left out of the resume fingerprint.
