@@ -24,7 +24,6 @@ Conventions chosen here (SPEC leaves them open; docs/geometry.md repeats them):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -70,6 +69,10 @@ _TOKEN_LOOP_SCHEMA = pa.schema(
     + [("correct", pa.bool_())]
     + [(c, pa.float32()) for c in (*GEOMETRY_METRICS, "hidden_change", *STORE_STATS, "gate_logit")]
 )
+#: ``loop_summary.parquet`` (long format).
+SUMMARY_SCHEMA = {"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
+                  "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
+                  "q75": pl.Float64, "count": pl.Int64}
 #: ``dlr.parquet``: one row per split × hand-off g -> g + 1 (loops 1-based).
 DLR_SCHEMA = {"split": pl.String, "group": pl.Int64, "next_group": pl.Int64, "last_loop": pl.Int64,
               "first_loop_next": pl.Int64, "n_tokens": pl.Int64, "drift_mean": pl.Float64,
@@ -99,8 +102,6 @@ class GeometryConfig:
         training_dynamics: also capture the probe set at every training checkpoint ([TS]).
         probe_split: split the probe sequences are drawn from.
         probe_sequences: number of probe sequences (drawn with the checkpoint's data seed).
-        probe_batch_tokens: ``dump.batch_tokens``-style cap handed to the probe dump; ``None`` keeps
-            the ``dump`` section's value.
     """
 
     eps: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
@@ -110,7 +111,6 @@ class GeometryConfig:
     training_dynamics: bool = True
     probe_split: str = "val"
     probe_sequences: int = 256
-    probe_batch_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for sig, values in self.eps.items():
@@ -286,6 +286,29 @@ def drift_to_loop_ratio(step_norm: np.ndarray, loop_group: np.ndarray) -> dict[i
 # ---------------------------------------------------------------------------------------------
 
 _TOKEN_NAMES = ("target", "sequence", "position", "difficulty", "token_type")
+_MALLOC_SET = False
+
+
+def release_large_buffers() -> None:
+    """Make glibc return freed multi-MB buffers to the OS (no-op on other C libraries).
+
+    Why: zarr decodes chunks in worker threads. Under glibc's *dynamic* mmap threshold, freed chunk-sized
+    buffers are recycled inside per-thread malloc arenas instead of being unmapped, so peak RSS creeps up
+    by about a block per thread (measured with benchmarks/geometry.py, 40k tokens × d_model 512:
+    406 MiB -> 246 MiB peak). A fixed 1 MiB threshold (``mallopt(M_MMAP_THRESHOLD)``) puts every large
+    array in its own mapping, released on free; small allocations are unaffected.
+    """
+    global _MALLOC_SET
+    if _MALLOC_SET:
+        return
+    _MALLOC_SET = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3 in glibc's malloc.h
+    except (OSError, AttributeError):
+        pass  # not glibc: keep the default allocator behaviour
 
 
 @dataclass
@@ -318,6 +341,7 @@ def iter_blocks(store, block_tokens: int | None = None) -> Iterator[Block]:
     Yields:
         :class:`Block` per token slice, in store order. Only one block's ``hidden`` is in memory.
     """
+    release_large_buffers()
     names = ["hidden", "hidden_init", "argmax", *STORE_STATS, *_TOKEN_NAMES]
     if store.has_gate:
         names.append("gate_logit")
@@ -400,63 +424,96 @@ def convergence_table(block: Block, split: str, conv: dict[tuple[str, float], di
     return pa.concat_tables(parts) if parts else _CONVERGENCE_SCHEMA.empty_table()
 
 
-def _loop_frame(block: Block, t: int, metrics: tuple[str, ...]) -> pa.Table:
-    """Summary columns of loop t (0-based) of a block: difficulty, token_type, metrics (float32)."""
-    cols = {"difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"]}
-    for m in metrics:
-        cols[m] = block.per_loop[m][:, t].astype(np.float32)
-    return pa.table(cols)
+class LoopColumns:
+    """Loop-major scratch columns of one split, for exact per-loop quantiles in bounded memory.
 
-
-def _summary_exprs(metrics: tuple[str, ...]) -> list[pl.Expr]:
-    """mean, median, q25, q75 (linear interpolation, as numpy) and count of the finite values."""
-    exprs = []
-    for m in metrics:
-        c = pl.col(m).fill_nan(None)  # NaN (undefined) is excluded, never averaged as a number
-        exprs += [c.mean().alias(f"{m}\x00mean"), c.median().alias(f"{m}\x00median"),
-                  c.quantile(0.25, "linear").alias(f"{m}\x00q25"), c.quantile(0.75, "linear").alias(f"{m}\x00q75"),
-                  c.count().alias(f"{m}\x00count")]
-    return exprs
-
-
-def summarise_loop(path: Path, split: str, loop: int, metrics: tuple[str, ...],
-                   token_types: list[str]) -> pl.DataFrame:
-    """Long-format summary of one (split, loop) from its temporary per-loop Parquet file.
+    Each block appends, for every loop t, its tokens' difficulty, token_type and metric values to one
+    raw binary file per (loop, column) under ``root``; a summary later reads one column of one loop
+    at a time ([token] values), never the [token, loop, ...] table.
 
     Args:
-        path: Parquet file with difficulty, token_type and the metric columns of one loop.
-        split: split name; loop: 1-based loop.
-        metrics: metric columns to summarise.
-        token_types: names indexed by token_type id.
+        root: scratch directory (created).
+        n_loops: T.
+        metrics: per-loop columns to keep (float32).
+    """
+
+    def __init__(self, root: Path, n_loops: int, metrics: tuple[str, ...]):
+        self.root, self.n_loops, self.metrics = Path(root), n_loops, metrics
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._files = {}
+
+    def _path(self, t: int, col: str) -> Path:
+        return self.root / f"loop{t + 1}.{col}.bin"
+
+    def append(self, block: Block) -> None:
+        """Append a block's values (difficulty/token_type int64, metrics float32) for every loop."""
+        for t in range(self.n_loops):
+            cols = {"difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"]}
+            cols.update({m: block.per_loop[m][:, t].astype(np.float32) for m in self.metrics})
+            for col, values in cols.items():
+                key = (t, col)
+                if key not in self._files:
+                    self._files[key] = open(self._path(t, col), "ab")  # noqa: SIM115 - closed in close()
+                np.ascontiguousarray(values).tofile(self._files[key])
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def read(self, t: int, col: str) -> np.ndarray:
+        """[token] values of column ``col`` at loop t (0-based)."""
+        dtype = np.int64 if col in ("difficulty", "token_type") else np.float32
+        path = self._path(t, col)
+        return np.fromfile(path, dtype=dtype) if path.exists() else np.zeros(0, dtype)
+
+
+def summary_stats(x: np.ndarray) -> tuple[float, float, float, float, int]:
+    """mean, median, q25, q75 (numpy's linear interpolation) and count of the finite values of ``x``.
+
+    NaN (undefined: t too small) and ±inf are excluded, never averaged as numbers; no finite value
+    gives NaN statistics and count 0.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return math.nan, math.nan, math.nan, math.nan, 0
+    q25, med, q75 = np.quantile(x, [0.25, 0.5, 0.75])
+    return float(x.mean()), float(med), float(q25), float(q75), int(x.size)
+
+
+def summarise_loop(cols: LoopColumns, t: int, split: str, token_types: list[str]) -> list[dict]:
+    """Long-format summary rows of one (split, loop t) (t 0-based) from the scratch columns.
+
+    Args:
+        cols: the split's :class:`LoopColumns`.
+        t: 0-based loop.
+        split: split name.
+        token_types: names indexed by token_type id (ids without a name keep their number).
 
     Returns:
         Rows (split, loop, group_by, group_value, metric, mean, median, q25, q75, count) for
-        group_by ∈ {all, difficulty, token_type}.
+        group_by ∈ {all, difficulty, token_type}, groups in increasing id order.
     """
-    lf = pl.scan_parquet(path)
-    frames = []
-    for group_by in ("all", "difficulty", "token_type"):
-        if group_by == "all":
-            wide = lf.select(_summary_exprs(metrics)).with_columns(pl.lit("all").alias("group_value"))
-        else:
-            wide = lf.group_by(group_by).agg(_summary_exprs(metrics)).sort(group_by)
-            if group_by == "token_type":
-                # token_type id -> its name (ids without a name keep their number)
-                value = pl.col("token_type").replace_strict(
-                    dict(enumerate(token_types)), default=pl.col("token_type").cast(pl.String),
-                    return_dtype=pl.String)
-            else:
-                value = pl.col(group_by).cast(pl.String)
-            wide = wide.with_columns(value.alias("group_value")).drop(group_by)
-        long = (wide.collect().unpivot(index="group_value", variable_name="key")
-                .with_columns(pl.col("key").str.split_exact("\x00", 1).struct.rename_fields(["metric", "stat"]))
-                .unnest("key").pivot(on="stat", index=["group_value", "metric"], values="value"))
-        frames.append(long.with_columns(pl.lit(group_by).alias("group_by")))
-    df = pl.concat(frames, how="vertical_relaxed")
-    return df.select(
-        pl.lit(split).alias("split"), pl.lit(loop, dtype=pl.Int64).alias("loop"), "group_by", "group_value",
-        "metric", pl.col("mean").cast(pl.Float64), pl.col("median").cast(pl.Float64),
-        pl.col("q25").cast(pl.Float64), pl.col("q75").cast(pl.Float64), pl.col("count").cast(pl.Int64))
+    groups = [("all", ["all"], [slice(None)])]
+    for key in ("difficulty", "token_type"):
+        ids = cols.read(t, key)
+        order = np.argsort(ids, kind="stable")
+        uniq, starts = np.unique(ids[order], return_index=True)
+        bounds = [*starts.tolist(), ids.size]
+        names = [token_types[int(u)] if key == "token_type" and 0 <= u < len(token_types) else str(int(u))
+                 for u in uniq]
+        groups.append((key, names, [order[bounds[i]:bounds[i + 1]] for i in range(uniq.size)]))
+    rows = []
+    for metric in cols.metrics:
+        x = cols.read(t, metric)
+        for group_by, names, members in groups:
+            for name, idx in zip(names, members, strict=True):
+                mean, med, q25, q75, count = summary_stats(x[idx])
+                rows.append({"split": split, "loop": t + 1, "group_by": group_by, "group_value": name,
+                             "metric": metric, "mean": mean, "median": med, "q25": q25, "q75": q75,
+                             "count": count})
+    return rows
 
 
 def _median_int(x: np.ndarray) -> float:
@@ -536,13 +593,12 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     sum_metrics = SUMMARY_METRICS + (("gate_logit",) if has_gate else ())
     keys = cfg.convergence_keys()
     scratch = tmp / "_scratch"
-    scratch.mkdir()
     tl_writer = pq.ParquetWriter(tmp / "token_loop.parquet", _TOKEN_LOOP_SCHEMA)
     cv_writer = pq.ParquetWriter(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
     summaries, dlr_rows, split_metrics = [], [], {}
     try:
         for split, st in stores.items():
-            loop_writers = [None] * n_loops
+            loop_cols = LoopColumns(scratch / split, n_loops, sum_metrics)
             depths: dict[tuple[str, float, str], list] = {}
             dlr_parts: dict[int, dict[str, list]] = {g: {"drift": [], "loop_step": [], "dlr": []}
                                                      for g, _, _ in handoffs}
@@ -558,22 +614,14 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                 for g, parts in drift_to_loop_ratio(block.per_loop["step_norm"], loop_group).items():
                     for k, v in parts.items():
                         dlr_parts[g][k].append(v.astype(np.float32))
-                for t in range(n_loops):
-                    frame = _loop_frame(block, t, sum_metrics)
-                    if loop_writers[t] is None:
-                        loop_writers[t] = pq.ParquetWriter(scratch / f"{split}.{t + 1}.parquet", frame.schema)
-                    loop_writers[t].write_table(frame)
+                loop_cols.append(block)
                 bar.update(block.n)
             bar.close()
-            for w in loop_writers:
-                if w is not None:
-                    w.close()
+            loop_cols.close()
             token_types = list(st.attrs.get("token_types") or [])
             for t in range(n_loops):
-                path = scratch / f"{split}.{t + 1}.parquet"
-                if path.exists():
-                    summaries.append(summarise_loop(path, split, t + 1, sum_metrics, token_types))
-                    path.unlink()
+                summaries.extend(summarise_loop(loop_cols, t, split, token_types))
+            shutil.rmtree(scratch / split)
             split_metrics[split] = _convergence_metrics(depths, keys, n_loops, st.n_tokens)
             for g, _last, first_next in handoffs:
                 parts = {k: np.concatenate(v) if v else np.zeros(0, np.float32) for k, v in dlr_parts[g].items()}
@@ -591,11 +639,8 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     finally:
         tl_writer.close()
         cv_writer.close()
-    shutil.rmtree(scratch)
-    summary = (pl.concat(summaries) if summaries else pl.DataFrame(
-        schema={"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
-                "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
-                "q75": pl.Float64, "count": pl.Int64}))
+    shutil.rmtree(scratch, ignore_errors=True)
+    summary = pl.DataFrame(summaries, schema=SUMMARY_SCHEMA)
     summary.write_parquet(tmp / "loop_summary.parquet")
     # Always written (zero rows for a single looped group) so the stage's outputs are a fixed set.
     pl.DataFrame(dlr_rows, schema=DLR_SCHEMA).write_parquet(tmp / "dlr.parquet")
@@ -720,8 +765,6 @@ def training_dynamics(train_dir: Path | str, cfg: GeometryConfig, dump_cfg, devi
     from .store import open_store
     from .tasks import make_task
 
-    if cfg.probe_batch_tokens is not None and hasattr(dump_cfg, "batch_tokens"):
-        dump_cfg = dataclasses.replace(dump_cfg, batch_tokens=cfg.probe_batch_tokens)
     rows = []
     paths = checkpoint_paths(train_dir)
     with tempfile.TemporaryDirectory(prefix="looptrace-probe-") as tmpdir:
@@ -736,7 +779,10 @@ def training_dynamics(train_dir: Path | str, cfg: GeometryConfig, dump_cfg, devi
                                  "retrain with the current train stage")
             data = task.dataset(cfg.probe_split, cfg.probe_sequences, int(seeds[cfg.probe_split]))
             store_path = Path(tmpdir) / f"{path.stem}.zarr"
-            dump_split(adapter, data, store_path, dump_cfg)
+            attrs = {"split": cfg.probe_split, "difficulty_name": task.difficulty_name,
+                     "difficulty_levels": list(task.difficulty_levels), "token_types": list(task.token_types),
+                     "data_seed": int(seeds[cfg.probe_split])}
+            dump_split(adapter, data, store_path, dump_cfg, attrs, progress=False)
             summ = probe_summary(open_store(store_path), cfg.block_tokens)
             n_tokens = int((data.targets != -100).sum())
             for t in range(adapter.info.n_loops):

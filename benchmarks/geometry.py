@@ -1,0 +1,152 @@
+"""Benchmark of the geometry stage: streamed blocks vs the whole store in memory, and memory flatness.
+
+One run, on synthetic stores big enough that ``hidden`` dominates (d_model 512, float16):
+
+1. stream: ``geometry_model`` reading the store block by block (chunk-aligned, the stage default);
+2. memory: the same code with one block holding every token (the whole ``hidden`` upcast in numpy);
+3. stream on a store with 4× the tokens.
+
+Each run is a fresh subprocess that reports its own wall time (around ``geometry_model`` only) and
+peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``). Targets: time(stream) / time(memory) ≤ 1.2,
+RSS(stream) / RSS(memory) ≤ 0.25, RSS(stream, 4×) / RSS(stream) ≤ 1.10. Exit status 1 when a target
+is missed.
+
+    python benchmarks/geometry.py [--tokens 40000] [--d-model 512] [--loops 6] [--chunk 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TARGETS = {"time_ratio": 1.2, "rss_ratio": 0.25, "rss_growth": 1.10}
+
+
+def build_store(path: Path, n_tokens: int, d_model: int, loops: int, vocab: int, chunk: int, seed: int) -> None:
+    """Write a synthetic store: contracting trajectories h_t = h_{t−1} + r^t ξ_t (float16 hidden)."""
+    from pipeline.store import write_store
+
+    rng = np.random.default_rng(seed)
+    seq_len = 16
+    h0 = rng.standard_normal((n_tokens, d_model), dtype=np.float32)
+    hidden = np.empty((n_tokens, loops, d_model), dtype=np.float16)
+    h = h0.copy()
+    for t in range(loops):
+        h += (0.6 ** (t + 1)) * rng.standard_normal((n_tokens, d_model), dtype=np.float32)
+        hidden[:, t] = h
+    del h
+
+    def stat(positive: bool = True, first_nan: bool = False) -> np.ndarray:
+        x = rng.random((n_tokens, loops), dtype=np.float32)
+        x = x if positive else x - 0.5
+        if first_nan:
+            x[:, 0] = np.nan
+        return x
+
+    target = rng.integers(0, vocab, n_tokens)
+    argmax = np.where(rng.random((n_tokens, loops)) < 0.8, target[:, None], rng.integers(0, vocab, (n_tokens, loops)))
+    arrays = {
+        "hidden": hidden, "hidden_init": h0.astype(np.float16),
+        "entropy": stat(), "max_prob": stat(), "margin": stat(), "target_logprob": -stat(),
+        "kl_prev": stat(first_nan=True), "kl_prev_rev": stat(first_nan=True), "kl_final": stat(),
+        "logit_change": stat(first_nan=True), "argmax": argmax.astype(np.int32),
+        "target": target.astype(np.int64), "token_id": rng.integers(0, vocab, n_tokens).astype(np.int64),
+        "sequence": (np.arange(n_tokens) // seq_len).astype(np.int64),
+        "position": (np.arange(n_tokens) % seq_len).astype(np.int64),
+        "difficulty": (np.arange(n_tokens) % seq_len + 1).astype(np.int64),
+        "token_type": rng.integers(0, 2, n_tokens).astype(np.int64),
+        "loop_group": np.zeros(loops, dtype=np.int32),
+    }
+    attrs = {"split": "test", "token_types": ["keep", "change"], "difficulty_name": "position",
+             "difficulty_levels": list(range(1, seq_len + 1)), "model": {"name": "bench"}}
+    write_store(path, arrays, attrs, chunk_tokens=chunk)
+
+
+def child(mode: str, store: Path, out: Path) -> None:
+    """Run ``geometry_model`` once and print {"seconds", "max_rss_mb"} as JSON."""
+    from pipeline.geometry import GeometryConfig, geometry_model
+    from pipeline.store import open_store
+
+    st = open_store(store)
+    block = None if mode == "stream" else st.n_tokens
+    cfg = GeometryConfig(block_tokens=block, splits=("test",), training_dynamics=False)
+    t0 = time.perf_counter()
+    geometry_model({"test": st}, cfg, out, meta={"model": "bench"}, progress=False)
+    seconds = time.perf_counter() - t0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(json.dumps({"seconds": seconds, "max_rss_mb": rss_mb}))
+
+
+def _run_child(mode: str, store: Path, out: Path) -> dict:
+    res = subprocess.run([sys.executable, __file__, "--child", mode, "--store", str(store), "--out", str(out)],
+                         check=True, capture_output=True, text=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _build_child(path: Path, args: argparse.Namespace, n_tokens: int) -> None:
+    subprocess.run([sys.executable, __file__, "--build", str(path), "--tokens", str(n_tokens),
+                    "--d-model", str(args.d_model), "--loops", str(args.loops), "--chunk", str(args.chunk)],
+                   check=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=40_000)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--loops", type=int, default=6)
+    ap.add_argument("--vocab", type=int, default=16)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--child", choices=["stream", "memory"], help=argparse.SUPPRESS)
+    ap.add_argument("--build", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--store", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.store, args.out)
+        return 0
+    if args.build:
+        build_store(args.build, args.tokens, args.d_model, args.loops, args.vocab, args.chunk, seed=0)
+        return 0
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="looptrace-bench-geometry-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        small, big = work / "small.zarr", work / "big.zarr"
+        _build_child(small, args, args.tokens)
+        gb = args.tokens * args.loops * args.d_model * 2 / 2**30
+        print(f"store: {args.tokens} tokens x {args.loops} loops x d_model {args.d_model} "
+              f"(hidden {gb:.2f} GiB float16, chunk {args.chunk} tokens)")
+        stream = _run_child("stream", small, work / "out_stream")
+        memory = _run_child("memory", small, work / "out_memory")
+        shutil.rmtree(small)
+        _build_child(big, args, 4 * args.tokens)
+        stream4 = _run_child("stream", big, work / "out_stream4")
+        ratios = {"time_ratio": stream["seconds"] / memory["seconds"],
+                  "rss_ratio": stream["max_rss_mb"] / memory["max_rss_mb"],
+                  "rss_growth": stream4["max_rss_mb"] / stream["max_rss_mb"]}
+        print(f"{'run':<14}{'seconds':>10}{'peak RSS MiB':>14}")
+        for name, r in (("stream", stream), ("memory", memory), ("stream 4x", stream4)):
+            print(f"{name:<14}{r['seconds']:>10.2f}{r['max_rss_mb']:>14.0f}")
+        ok = True
+        for k, v in ratios.items():
+            good = v <= TARGETS[k]
+            ok &= good
+            print(f"{k:<12} {v:6.3f}  (target <= {TARGETS[k]})  {'ok' if good else 'MISSED'}")
+        return 0 if ok else 1
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
