@@ -409,19 +409,27 @@ def block_convergence(block: Block, keys: list[tuple[str, float]]) -> dict[tuple
 
 
 def convergence_table(block: Block, split: str, conv: dict[tuple[str, float], dict]) -> pa.Table:
-    """The ``convergence.parquet`` rows of one block: token × (signal, ε) × kind (first, settled)."""
-    idx = _token_index(block)
-    parts = []
-    for (sig, eps), res in conv.items():
-        for kind in ("first", "settled"):
-            parts.append(pa.table({
-                "split": pa.array([split] * block.n, pa.string()), "token": idx,
-                "difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"],
-                "signal": pa.array([sig] * block.n, pa.string()), "eps": np.full(block.n, eps),
-                "kind": pa.array([kind] * block.n, pa.string()), "depth": res[kind],
-                "censored": res[f"{kind}_censored"],
-            }, schema=_CONVERGENCE_SCHEMA))
-    return pa.concat_tables(parts) if parts else _CONVERGENCE_SCHEMA.empty_table()
+    """The ``convergence.parquet`` rows of one block: token × (signal, ε) × kind (first, settled).
+
+    Rows are token-major (all (signal, ε, kind) of a token together), so concatenating the blocks gives
+    the same table whatever the block size.
+    """
+    if not conv:
+        return _CONVERGENCE_SCHEMA.empty_table()
+    combos = [(sig, eps, kind) for (sig, eps) in conv for kind in ("first", "settled")]
+    k = len(combos)
+    depth = np.stack([conv[(sig, eps)][kind] for sig, eps, kind in combos], axis=1)  # [token, combo]
+    cens = np.stack([conv[(sig, eps)][f"{kind}_censored"] for sig, eps, kind in combos], axis=1)
+    rep = lambda a: np.repeat(a, k)  # noqa: E731 - [token] -> [token * combo]
+    tile = lambda vals: np.tile(np.asarray(vals, dtype=object), block.n)  # noqa: E731
+    return pa.table({
+        "split": pa.array([split] * (block.n * k), pa.string()), "token": rep(_token_index(block)),
+        "difficulty": rep(block.fields["difficulty"]), "token_type": rep(block.fields["token_type"]),
+        "signal": pa.array(tile([c[0] for c in combos]), pa.string()),
+        "eps": np.tile(np.array([c[1] for c in combos], dtype=np.float64), block.n),
+        "kind": pa.array(tile([c[2] for c in combos]), pa.string()),
+        "depth": depth.reshape(-1), "censored": cens.reshape(-1),
+    }, schema=_CONVERGENCE_SCHEMA)
 
 
 class LoopColumns:

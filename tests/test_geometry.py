@@ -64,7 +64,7 @@ def test_orthogonal_steps_cosine_zero():
 
 
 def test_geometric_shrinkage_known_norms_and_ratios():
-    r, T, D = 0.6, 6, 4
+    r, T = 0.6, 6
     h0 = np.array([[3.0, 0, 0, 0]])
     v = np.array([0, 2.0, 0, 0])  # ⟂ h0
     steps = np.stack([r ** k * v for k in range(1, T + 1)])[None]  # Δ_t = r^t v
@@ -189,3 +189,198 @@ def test_config_rejects_bad_values():
     with pytest.raises(ConfigError, match="block_tokens"):
         GeometryConfig(block_tokens=0)
     assert GeometryConfig().convergence_keys()[0] == ("kl_prev", 1e-3)
+
+
+# ----------------------------------------------------------------------------- streamed stage on real stores
+
+STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final", "logit_change")
+
+
+def _arrays(rng, N=40, T=5, D=6, V=4, loop_group=(0, 0, 0, 1, 1), gate=True, hidden=None, h0=None):
+    """Store arrays with random states and statistics (NaN at t = 1 where t − 1 is needed)."""
+    a = {"hidden": rng.normal(size=(N, T, D)).astype(np.float32) if hidden is None else hidden,
+         "hidden_init": rng.normal(size=(N, D)).astype(np.float32) if h0 is None else h0}
+    for s in STATS:
+        x = rng.random((N, T)).astype(np.float32)
+        if s in ("kl_prev", "kl_prev_rev", "logit_change"):
+            x[:, 0] = np.nan
+        a[s] = x
+    a["target"] = rng.integers(0, V, N)
+    a["argmax"] = np.where(rng.random((N, T)) < 0.6, a["target"][:, None], rng.integers(0, V, (N, T)))
+    a["token_id"] = rng.integers(0, V, N)
+    a["sequence"], a["position"] = np.arange(N) // 4, np.arange(N) % 4
+    a["difficulty"], a["token_type"] = np.arange(N) % 4 + 1, rng.integers(0, 2, N)
+    a["loop_group"] = np.asarray(loop_group)
+    if gate:
+        a["gate_logit"] = rng.normal(size=(N, T)).astype(np.float32)
+    return a
+
+
+def _write(path, arrays, chunk=16):
+    from pipeline.store import write_store
+
+    return write_store(path, arrays, {"token_types": ["keep", "change"], "vocab_size": 4}, chunk_tokens=chunk,
+                       hidden_dtype="float32")
+
+
+def _run(stores, out, block, **cfg):
+    from pipeline.geometry import geometry_model
+
+    cfg.setdefault("eps", {"kl_prev": (0.3,), "rel_step": (0.5, 1.0), "argmax": (0.5,)})
+    return geometry_model(stores, GeometryConfig(block_tokens=block, **cfg), out, meta={"model": "m"},
+                          progress=False)
+
+
+def _first_settled_loop(sig, eps):
+    """Independent scalar implementation of first / settled (T + 1 when never)."""
+    T = len(sig)
+    below = [bool(v < eps) for v in sig]  # NaN < eps is False
+    first = next((t + 1 for t in range(T) if below[t]), T + 1)
+    settled = next((t + 1 for t in range(T) if all(below[t:])), T + 1)
+    return first, settled
+
+
+@pytest.fixture(scope="module")
+def stage_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("geo")
+    rng = np.random.default_rng(7)
+    arrays = {"val": _arrays(rng, N=33), "test": _arrays(rng, N=40)}
+    stores = {s: _write(tmp / f"{s}.zarr", a) for s, a in arrays.items()}
+    metrics7 = _run(stores, tmp / "out7", 7)
+    metrics_big = _run(stores, tmp / "out4096", 4096)
+    return tmp, arrays, stores, metrics7, metrics_big
+
+
+def test_stage_token_loop_matches_independent_numpy(stage_run):
+    import polars as pl
+
+    from pipeline.geometry import TOKEN_LOOP_COLUMNS
+
+    tmp, arrays, _, _, _ = stage_run
+    df = pl.read_parquet(tmp / "out7" / "token_loop.parquet")
+    assert tuple(df.columns) == TOKEN_LOOP_COLUMNS
+    for split, a in arrays.items():
+        sub = df.filter(pl.col("split") == split).sort("token", "loop")
+        N, T, _ = a["hidden"].shape
+        assert sub.height == N * T
+        np.testing.assert_array_equal(sub["loop"].to_numpy().reshape(N, T), np.tile(np.arange(1, T + 1), (N, 1)))
+        h = np.concatenate([a["hidden_init"][:, None], a["hidden"]], axis=1).astype(np.float64)
+        steps = np.diff(h, axis=1)
+        ref = np.linalg.norm(steps, axis=2)
+        got = lambda c, sub=sub, N=N, T=T: sub[c].to_numpy().reshape(N, T)  # noqa: E731
+        np.testing.assert_allclose(got("step_norm"), ref, rtol=1e-6)
+        np.testing.assert_array_equal(got("hidden_change"), got("step_norm"))
+        cos = np.sum(steps[:, 1:] * steps[:, :-1], axis=2) / (ref[:, 1:] * ref[:, :-1])
+        np.testing.assert_allclose(got("step_cos")[:, 1:], cos, rtol=1e-5, atol=1e-6)
+        assert np.isnan(got("step_cos")[:, 0]).all() and np.isnan(got("step_d2")[:, :2]).all()
+        np.testing.assert_array_equal(got("correct"), a["argmax"] == a["target"][:, None])
+        np.testing.assert_array_equal(got("gate_logit"), a["gate_logit"])
+        np.testing.assert_array_equal(got("kl_prev"), a["kl_prev"])  # NaN at t = 1 kept (equal_nan)
+        np.testing.assert_array_equal(got("loop_group"), np.tile([0, 0, 0, 1, 1], (N, 1)))
+        np.testing.assert_array_equal(sub["difficulty"].to_numpy()[::T], a["difficulty"])
+
+
+def test_stage_results_do_not_depend_on_block_size(stage_run):
+    import polars as pl
+
+    tmp, _, _, metrics7, metrics_big = stage_run
+    for name in ("token_loop", "loop_summary", "convergence", "dlr"):
+        a = pl.read_parquet(tmp / "out7" / f"{name}.parquet")
+        b = pl.read_parquet(tmp / "out4096" / f"{name}.parquet")
+        assert a.equals(b), name
+    strip = lambda m: {**m, "params": {k: v for k, v in m["params"].items() if k != "block_tokens"}}  # noqa: E731
+    assert metrics7["params"]["block_tokens"] == 7 and strip(metrics7) == strip(metrics_big)
+
+
+def test_loop_summary_matches_polars(stage_run):
+    import polars as pl
+
+    tmp, _, _, metrics, _ = stage_run
+    tl = pl.read_parquet(tmp / "out7" / "token_loop.parquet")
+    summ = pl.read_parquet(tmp / "out7" / "loop_summary.parquet")
+    assert summ.columns == ["split", "loop", "group_by", "group_value", "metric", "mean", "median", "q25", "q75",
+                            "count"]
+    sel = tl.filter((pl.col("split") == "test") & (pl.col("loop") == 3) & (pl.col("difficulty") == 2))["accel"]
+    row = summ.filter((pl.col("split") == "test") & (pl.col("loop") == 3) & (pl.col("group_by") == "difficulty")
+                      & (pl.col("group_value") == "2") & (pl.col("metric") == "accel")).row(0, named=True)
+    assert row["count"] == sel.len()
+    assert row["mean"] == pytest.approx(sel.mean(), rel=1e-6)
+    assert row["median"] == pytest.approx(sel.median(), rel=1e-6)
+    assert row["q25"] == pytest.approx(sel.quantile(0.25, "linear"), rel=1e-6)
+    assert row["q75"] == pytest.approx(sel.quantile(0.75, "linear"), rel=1e-6)
+    # token types by name; accuracy = mean of correct; undefined step_cos at loop 1 -> count 0
+    tt = summ.filter((pl.col("group_by") == "token_type") & (pl.col("split") == "val") & (pl.col("loop") == 1)
+                     & (pl.col("metric") == "correct"))
+    assert sorted(tt["group_value"]) == ["change", "keep"]
+    acc_val = tl.filter(pl.col("split") == "val").group_by("loop").agg(pl.col("correct").mean()).sort("loop")
+    np.testing.assert_allclose(metrics["splits"]["val"]["accuracy_per_loop"], acc_val["correct"], rtol=1e-12)
+    c1 = summ.filter((pl.col("metric") == "step_cos") & (pl.col("loop") == 1) & (pl.col("group_by") == "all"))
+    assert (c1["count"] == 0).all() and c1["mean"].is_nan().all()
+    last = tl.filter((pl.col("split") == "test") & (pl.col("loop") == 5))["step_cos"].mean()
+    assert metrics["splits"]["test"]["step_cos_mean_last_loop"] == pytest.approx(last, rel=1e-6)
+
+
+def test_convergence_table_matches_scalar_reference(stage_run):
+    import polars as pl
+
+    tmp, arrays, _, metrics, _ = stage_run
+    cv = pl.read_parquet(tmp / "out7" / "convergence.parquet")
+    a = arrays["test"]
+    N, T, _ = a["hidden"].shape
+    rel = (np.linalg.norm(np.diff(np.concatenate([a["hidden_init"][:, None], a["hidden"]], 1).astype(np.float64),
+                                  axis=1), axis=2) / np.linalg.norm(a["hidden"].astype(np.float64), axis=2))
+    differs = (a["argmax"] != a["argmax"][:, -1:]).astype(float)
+    for sig, eps, values in (("kl_prev", 0.3, a["kl_prev"]), ("rel_step", 1.0, rel), ("argmax", 0.5, differs)):
+        sub = cv.filter((pl.col("split") == "test") & (pl.col("signal") == sig) & (pl.col("eps") == eps))
+        assert sub.height == 2 * N  # every token, both kinds: censored tokens are kept
+        for kind, col in (("first", 0), ("settled", 1)):
+            k = sub.filter(pl.col("kind") == kind).sort("token")
+            ref = np.array([_first_settled_loop(values[i], eps)[col] for i in range(N)])
+            np.testing.assert_array_equal(k["depth"].to_numpy(), ref)
+            np.testing.assert_array_equal(k["censored"].to_numpy(), ref == T + 1)
+            m = metrics["splits"]["test"]["convergence"][f"{sig}@{eps:g}"]
+            assert m[f"censored_{kind}"] == int((ref == T + 1).sum())
+            assert m[f"median_{kind}"] == float(np.median(ref))
+
+
+def test_dlr_from_a_store_with_two_groups(tmp_path):
+    import polars as pl
+
+    # Every token: steps of norm 7 (enters g0), 1, 3 (within g0), 10 (hand-off), 4 (within g1), scaled by c.
+    N, D = 9, 3
+    c = np.arange(1, N + 1, dtype=np.float64)[:, None]
+    norms = np.array([7.0, 1.0, 3.0, 10.0, 4.0])
+    dirs = np.stack([np.eye(D)[i % D] for i in range(5)])  # [loop, d_model]
+    steps = c[:, :, None] * norms[None, :, None] * dirs[None]
+    h0 = np.full((N, D), 0.5)
+    hidden = (h0[:, None] + np.cumsum(steps, axis=1)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    st = _write(tmp_path / "s.zarr", _arrays(rng, N=N, T=5, D=D, gate=False, hidden=hidden,
+                                            h0=h0.astype(np.float32)), chunk=4)
+    metrics = _run({"test": st}, tmp_path / "out", 3)
+    dlr = pl.read_parquet(tmp_path / "out" / "dlr.parquet")
+    assert dlr.height == 1
+    row = dlr.row(0, named=True)
+    # ‖h_4 − h_3‖ = 10c; within g0: mean(1c, 3c) = 2c  -> DLR = 5 for every token
+    assert (row["group"], row["next_group"], row["last_loop"], row["first_loop_next"]) == (0, 1, 3, 4)
+    assert row["dlr_median"] == pytest.approx(5.0, rel=1e-6)
+    assert row["dlr_mean"] == pytest.approx(5.0, rel=1e-6)
+    assert row["drift_mean"] == pytest.approx(10 * c.mean(), rel=1e-6)
+    assert row["dlr_of_means"] == pytest.approx(5.0, rel=1e-6)
+    assert metrics["splits"]["test"]["dlr"][0]["dlr_median"] == pytest.approx(5.0, rel=1e-6)
+    tl = pl.read_parquet(tmp_path / "out" / "token_loop.parquet")
+    assert tl["gate_logit"].null_count() == tl.height  # no gate -> null, not NaN or 0
+
+
+def test_single_group_writes_empty_dlr_and_failed_run_leaves_nothing(tmp_path):
+    import polars as pl
+
+    rng = np.random.default_rng(3)
+    one = _write(tmp_path / "one.zarr", _arrays(rng, N=10, loop_group=(0,) * 5, gate=False))
+    _run({"val": one}, tmp_path / "ok", None)
+    assert pl.read_parquet(tmp_path / "ok" / "dlr.parquet").height == 0
+    two = _write(tmp_path / "two.zarr", _arrays(rng, N=10))
+    with pytest.raises(ValueError, match="different loop structure"):
+        _run({"val": one, "test": two}, tmp_path / "bad", None)
+    assert not (tmp_path / "bad").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
