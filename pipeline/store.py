@@ -13,6 +13,8 @@ Layout choices and why:
   a store only if each writes whole chunks; unaligned concurrent writes silently lose rows (SPEC §1).
 - Codecs: Blosc(zstd, byte shuffle) then a crc32c checksum (SPEC §1), so a damaged chunk raises
   :class:`StoreError` instead of returning wrong numbers.
+- Every chunk is written, even one that equals the fill value (``write_empty_chunks``), so a missing chunk
+  file is detected on open instead of reading back as zeros.
 - Resume markers: ``chunk_nan_count`` [chunk] int64, one Zarr chunk per element, ``-1`` until every array
   of that token chunk is written; then the number of non-finite values in that chunk's ``hidden`` and
   ``hidden_init`` (after the cast to the stored dtype, so float16 overflow counts). A killed dump resumes
@@ -152,6 +154,7 @@ class TrajectoryStore:
     def __init__(self, group: zarr.Group, label: str):
         self._group = group
         self.label = label
+        self.target: StoreTarget = label if not isinstance(group.store, zarr.storage.MemoryStore) else group.store
         self.attrs: dict = dict(group.attrs.asdict())
         self._arrays: dict[str, zarr.Array] = {name: arr for name, arr in group.arrays()}
 
@@ -285,7 +288,8 @@ def _open_group(target: StoreTarget, mode: str) -> zarr.Group:
             raise StoreError(f"{label} is not a Zarr v3 store (no zarr.json); {_RERUN}")
         target = str(p)
     try:
-        return zarr.open_group(target, mode=mode, zarr_format=3)
+        # use_consolidated=False: validate what is really on disk, not a summary written at the end
+        return zarr.open_group(target, mode=mode, zarr_format=3, use_consolidated=False)
     except Exception as exc:  # noqa: BLE001 - any failure to parse the metadata is the same user problem
         raise StoreError(f"store {label} cannot be opened as a Zarr v3 group ({type(exc).__name__}); {_RERUN}") from None
 
@@ -333,6 +337,22 @@ def open_store(path: StoreTarget, allow_nan: bool = False, allow_incomplete: boo
     return st
 
 
+def _stored_chunks(target: StoreTarget, name: str) -> int:
+    """Number of chunk objects stored for array ``name`` (default v3 key encoding ``<name>/c/i/j/...``).
+
+    Counted by hand: zarr 3.1's ``nchunks_initialized`` mis-lists arrays whose name prefixes another's
+    (``hidden`` / ``hidden_init``) in a memory store.
+    """
+    if isinstance(target, zarr.storage.MemoryStore):
+        prefix = f"{name}/c/"
+        return sum(1 for k in target._store_dict if k.startswith(prefix))
+    root = Path(target) / name / "c"
+    n = 0
+    for _, _, files in os.walk(root):
+        n += sum(1 for f in files if f.isdigit())  # skip temp files an interrupted atomic write may leave
+    return n
+
+
 def _marker_progress(group: zarr.Group) -> tuple[int, int]:
     if _MARKER not in group:
         return 0, 0
@@ -367,6 +387,11 @@ def _validate_arrays(st: TrajectoryStore) -> None:
             expl = ", ".join(f"{d}={s}" for d, s in zip(dims, want, strict=True))
             raise StoreError(f"store {label}: array '{name}' has shape {tuple(arr.shape)}, inconsistent with "
                              f"the attributes ({expl}); {_RERUN}")
+        if st.complete:
+            have, total = _stored_chunks(st.target, name), arr.nchunks
+            if have != total:
+                raise StoreError(f"store {label}: array '{name}' is missing {total - have} of {total} chunks "
+                                 f"(deleted or never written); {_RERUN}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,7 +418,9 @@ class StoreWriter:
         self.target = target
         self.label = _label(target)
         self._group = group
-        self._arrays: dict[str, zarr.Array] = {name: arr for name, arr in group.arrays()}
+        # write_empty_chunks is a runtime setting (not stored in the metadata): set it on every handle
+        self._arrays: dict[str, zarr.Array] = {name: arr.with_config({"write_empty_chunks": True})
+                                               for name, arr in group.arrays()}
         self.attrs: dict = dict(group.attrs.asdict())
         self.n_tokens = int(self.attrs["n_tokens"])
         self.chunk_tokens = int(self.attrs["chunk_tokens"])
@@ -484,7 +511,8 @@ class StoreWriter:
                 continue
             if name not in data:
                 raise StoreError(f"store {self.label}: chunk {chunk} lacks array '{name}'")
-            x = np.asarray(data[name], dtype=arr.dtype)
+            with np.errstate(over="ignore", invalid="ignore"):  # float16 overflow -> inf, counted below
+                x = np.asarray(data[name], dtype=arr.dtype)
             if x.shape != (n, *arr.shape[1:]):
                 raise StoreError(f"store {self.label}: chunk {chunk} of '{name}' has shape {x.shape}, "
                                  f"expected {(n, *arr.shape[1:])}")
@@ -588,6 +616,8 @@ def write_store(path: StoreTarget, arrays: Mapping[str, np.ndarray], attrs: Mapp
             raise StoreError(f"write_store: array '{name}' has shape {a.shape}, expected {want} for dims {dims}")
         specs[name] = ArraySpec(a.shape, dtypes[name])
     on_disk = not isinstance(path, zarr.storage.MemoryStore)
+    if on_disk and Path(path).exists() and not (Path(path) / "zarr.json").is_file() and any(Path(path).iterdir()):
+        raise StoreError(f"{path} exists and is not a trajectory store; remove it or choose another path")
     target: StoreTarget = Path(str(path) + ".tmp") if on_disk else path
     writer = StoreWriter.create(target, specs, attrs, chunk_tokens, clevel)
     writer.write_small("loop_group", arrays["loop_group"])

@@ -1,0 +1,260 @@
+"""The dump (SPEC §1): rows, states and readouts against an independent forward pass; top-k mode; NaN
+handling; resume after a crash and after SIGKILL (arrays equal to an uninterrupted dump); the stage."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+from pipeline.config import ConfigError, from_dict, load_section
+from pipeline.dump import DumpConfig, dump_split
+from pipeline.interface import LoopedTransformerAdapter, States
+from pipeline.store import STAT_NAMES, StoreError, StoreWriter, memory_store, open_store
+from pipeline.tasks import IGNORE, make_task
+from tests.dump_helpers import KILL_CFG, model_and_data
+from tests.test_stats import _np_reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _same_stores(a, b):
+    assert a.names == b.names
+    for name in a.names:
+        np.testing.assert_array_equal(a.read(name), b.read(name), err_msg=name)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def test_dump_matches_independent_forward():
+    adapter, data = model_and_data()
+    st = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=7, chunk_tokens=16), {"split": "val"})
+    mask = data.targets != IGNORE
+    b, p = np.nonzero(mask)  # (sequence, position) order
+    assert st.n_tokens == mask.sum() == len(b)
+    np.testing.assert_array_equal(st.read("sequence"), b)
+    np.testing.assert_array_equal(st.read("position"), p)
+    np.testing.assert_array_equal(st.read("target"), data.targets[mask])
+    np.testing.assert_array_equal(st.read("token_id"), data.tokens[mask])
+    np.testing.assert_array_equal(st.read("difficulty"), data.difficulty[mask])
+    np.testing.assert_array_equal(st.read("token_type"), data.token_type[mask])
+    assert 2 not in st.read("sequence")
+    with torch.no_grad():  # one whole-data forward pass with every loop read out
+        out = adapter.model(torch.from_numpy(data.tokens))
+    m = torch.from_numpy(mask)
+    np.testing.assert_allclose(st.read("logits"), out.logits[m].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(st.read("hidden"), out.hidden[m].numpy(), rtol=1e-3, atol=1e-3)  # float16
+    assert st.attrs["dtypes"]["hidden"] == "float16"
+    np.testing.assert_allclose(st.read("gate_logit"), out.gate_logits[m].numpy(), rtol=1e-5, atol=1e-6)
+    ref = _np_reference(out.logits[m].numpy(), data.targets[mask])
+    for k in STAT_NAMES:
+        np.testing.assert_allclose(st.read(k), ref[k], rtol=1e-4, atol=1e-5, equal_nan=True, err_msg=k)
+    np.testing.assert_array_equal(st.loop_group, [0, 0, 0])
+    assert st.attrs["complete"] and st.attrs["split"] == "val" and st.attrs["model"]["checkpoint_hash"] == "abc"
+    assert st.attrs["task"]["kind"] == "running_sum" and st.attrs["params"]["chunk_tokens"] == 16
+    assert st.attrs["logits_mode"] == "full" and st.attrs["nan_count"] == 0
+
+
+def test_topk_mode_agrees_with_full_mode():
+    adapter, data = model_and_data(gate="none")
+    full = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=8, chunk_tokens=32))
+    topk = dump_split(adapter, data, memory_store(),
+                      DumpConfig(batch_size=8, chunk_tokens=32, full_logits_max_vocab=4, topk=3))
+    assert "logits" not in topk and topk.attrs["logits_mode"] == "topk" and not topk.has_gate
+    for k in STAT_NAMES:  # exact: computed from the full logits in both modes
+        np.testing.assert_array_equal(topk.read(k), full.read(k), err_msg=k)
+    z = torch.from_numpy(full.read("logits"))
+    ref = z.topk(3, dim=-1)
+    np.testing.assert_array_equal(topk.read("topk_logits"), ref.values.numpy())
+    np.testing.assert_array_equal(topk.read("topk_ids"), ref.indices.numpy())
+    np.testing.assert_array_equal(topk.read("topk_ids")[..., 0], full.read("argmax"))
+
+
+def test_xarray_opens_a_dump(tmp_path):
+    adapter, data = model_and_data()
+    dump_split(adapter, data, tmp_path / "val.zarr", DumpConfig(batch_size=16, chunk_tokens=64))
+    ds = xr.open_zarr(tmp_path / "val.zarr")
+    assert ds["hidden"].dims == ("token", "loop", "d_model") and ds["hidden"].shape[1:] == (3, 16)
+    assert ds["kl_prev"].dims == ("token", "loop") and ds["target"].dims == ("token",)
+    assert ds.sizes["token"] == int((data.targets != IGNORE).sum())
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+def test_resume_after_crash_and_start_over_on_new_params(tmp_path, monkeypatch, capsys):
+    adapter, data = model_and_data()
+    cfg = DumpConfig(batch_size=5, chunk_tokens=16)
+    ref = dump_split(adapter, data, memory_store(), cfg)
+    path = tmp_path / "val.zarr"
+    real = StoreWriter.write_chunk
+    calls = {"n": 0}
+
+    def flaky(self, chunk, arrays):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise _Crash("disk full")
+        return real(self, chunk, arrays)
+
+    monkeypatch.setattr(StoreWriter, "write_chunk", flaky)
+    with pytest.raises(_Crash):
+        dump_split(adapter, data, path, cfg)
+    with pytest.raises(StoreError, match=r"incomplete \(4 of \d+ chunks written\)"):
+        open_store(path)
+    calls["n"] = -3  # the resume crashes too, after 3 more chunks
+    with pytest.raises(_Crash):
+        dump_split(adapter, data, path, cfg)
+    assert "resuming (4 of" in capsys.readouterr().err
+    monkeypatch.setattr(StoreWriter, "write_chunk", real)
+    st = dump_split(adapter, data, path, cfg)
+    assert "resuming (11 of" in capsys.readouterr().err
+    _same_stores(st, ref)
+    # already complete, same fingerprint: nothing is recomputed
+    monkeypatch.setattr(StoreWriter, "write_chunk", lambda *a: (_ for _ in ()).throw(AssertionError("rewrote")))
+    _same_stores(dump_split(adapter, data, path, cfg), ref)
+    monkeypatch.setattr(StoreWriter, "write_chunk", real)
+    # different params: start over (and say so)
+    st32 = dump_split(adapter, data, path, DumpConfig(batch_size=5, chunk_tokens=16, hidden_dtype="float32"))
+    assert "starting over" in capsys.readouterr().err
+    assert st32.attrs["dtypes"]["hidden"] == "float32"
+    np.testing.assert_array_equal(st32.read("logits"), ref.read("logits"))
+
+
+class _NanAdapter(LoopedTransformerAdapter):
+    def states(self, input_ids):
+        s = super().states(input_ids)
+        h = s.hidden.clone()
+        h[0, 0, 1, :2] = float("nan")
+        return States(h, s.hidden_init, s.gate_logits)
+
+
+def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
+    base, data = model_and_data(gate="none")
+    adapter = _NanAdapter(base.model, "nan")
+    cfg = DumpConfig(batch_size=10)
+    with pytest.raises(StoreError, match=r"NaN/Inf values in 'hidden'/'hidden_init'.*dump.allow_nan"):
+        dump_split(adapter, data, tmp_path / "a.zarr", cfg)
+    # 2 NaNs at (row 0 of each batch, position 0, loop 2): sequences 0, 10, 20, all scored there
+    assert open_store(tmp_path / "a.zarr", allow_nan=True).attrs["nan_count"] == 6
+    with pytest.raises(StoreError, match="6 NaN/Inf"):
+        open_store(tmp_path / "a.zarr")
+    allowed = DumpConfig(batch_size=10, allow_nan=True)
+    st = dump_split(adapter, data, tmp_path / "b.zarr", allowed)
+    assert st.attrs["nan_count"] == 6 and np.isnan(st.read("hidden")[0, 1, :2]).all()
+    assert open_store(tmp_path / "b.zarr").n_tokens == st.n_tokens  # the dump's allow_nan is recorded
+
+
+# ----------------------------------------------------------------------------- SIGKILL and resume
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    import torch
+    torch.set_num_threads(1)
+    from pipeline.dump import DumpConfig, dump_split
+    from pipeline.store import StoreWriter
+    from tests.dump_helpers import model_and_data, KILL_CFG
+    real = StoreWriter.write_chunk
+    def slow(self, c, a):  # widen every chunk write so the kill lands anywhere, mid-chunk included
+        time.sleep(0.01)
+        out = real(self, c, a)
+        time.sleep(0.02)
+        return out
+    StoreWriter.write_chunk = slow
+    adapter, data = model_and_data(n_seq=60)
+    print("ready", flush=True)
+    dump_split(adapter, data, {path!r}, KILL_CFG, progress=False)
+    print("done", flush=True)
+""")
+
+def _markers(path: Path) -> int:
+    d = path / "chunk_nan_count" / "c"
+    return sum(1 for f in d.iterdir() if f.name.isdigit()) if d.is_dir() else 0
+
+
+def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path, capsys):
+    adapter, data = model_and_data(n_seq=60)
+    ref = dump_split(adapter, data, memory_store(), KILL_CFG)
+    n_chunks = -(-ref.n_tokens // KILL_CFG.chunk_tokens)
+    path = tmp_path / "val.zarr"
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(repo=str(REPO), path=str(path)))
+    rng = random.Random(1234)
+    target = rng.randint(2, n_chunks - 3)  # chunks written before the kill (then a random extra delay)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    deadline = time.monotonic() + 60
+    while _markers(path) < target and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0, 0.03))  # anywhere inside the next chunk's write
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    killed_at = _markers(path)
+    assert target <= killed_at < n_chunks
+    with pytest.raises(StoreError, match="incomplete"):
+        open_store(path)
+    capsys.readouterr()
+    st = dump_split(adapter, data, path, KILL_CFG)
+    assert f"resuming ({killed_at} of {n_chunks} chunks" in capsys.readouterr().err
+    _same_stores(open_store(path), ref)
+    assert st.attrs["complete"]
+
+
+# ----------------------------------------------------------------------------- config and stage
+
+def test_config_defaults_match_params_yaml_and_reject_bad_values():
+    cfg = load_section(DumpConfig, "dump", REPO / "params.yaml")
+    assert cfg == DumpConfig()
+    assert cfg.sequences == {"fit": 1024, "val": 512, "test": 512}
+    with pytest.raises(ConfigError, match="unknown key 'chunk'"):
+        from_dict(DumpConfig, {"chunk": 3}, "dump")
+    with pytest.raises(ConfigError, match="hidden_dtype"):
+        DumpConfig(hidden_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="unknown split 'train'"):
+        DumpConfig(sequences={"train": 3})
+
+
+def test_stage_dumps_every_split_with_checkpoint_seeds(tmp_path, tiny_base):
+    from typer.testing import CliRunner
+
+    import stages.dump as stage
+    from pipeline.train import train_model
+    from tests.conftest import tiny_train_config
+
+    train_model(tiny_base, tiny_train_config(steps=2), "rp", "uniform", tmp_path / "train" / "rp-uniform",
+                progress=False)
+    params = tmp_path / "params.yaml"
+    params.write_text("base: {seed: 0, threads: 1, device: cpu}\n"
+                      "dump: {sequences: {fit: 12, val: 6, test: 5}, batch_size: 4, chunk_tokens: 20}\n")
+    import typer
+
+    app = typer.Typer()
+    app.command()(stage.main)
+    res = CliRunner().invoke(app, ["--model", "rp-uniform", "--params", str(params),
+                                   "--train-root", str(tmp_path / "train"), "--out", str(tmp_path / "dump")])
+    assert res.exit_code == 0, res.output
+    task = make_task("rp", {"kind": "running_parity", "length": 8})
+    for split, n, seed in (("fit", 12, 42), ("val", 6, 43), ("test", 5, 44)):
+        st = open_store(tmp_path / "dump" / "rp-uniform" / f"{split}.zarr")
+        data = task.dataset(split, n, seed)
+        assert st.attrs["split"] == split and st.attrs["data_seed"] == seed
+        np.testing.assert_array_equal(st.read("token_id"), data.tokens[data.targets != IGNORE])
+        assert st.attrs["token_types"] == task.token_types and st.n_loops == 4
+    res = CliRunner().invoke(app, ["--model", "nope", "--params", str(params), "--train-root", str(tmp_path)])
+    assert res.exit_code == 2 and "not found" in res.output

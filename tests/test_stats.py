@@ -1,0 +1,118 @@
+"""Logit statistics (SPEC §3): hand cases with closed forms and an independent float64 numpy computation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.stats import STAT_NAMES, LoopStats, kl_div, logit_stats
+
+
+def _np_reference(z: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:
+    """Independent float64 implementation: z [N, T, V], y [N] -> name -> [N, T]."""
+    z = z.astype(np.float64)
+    N, T, V = z.shape
+    zmax = z.max(-1, keepdims=True)
+    logp = z - zmax - np.log(np.exp(z - zmax).sum(-1, keepdims=True))
+    p = np.exp(logp)
+    srt = np.sort(z, axis=-1)
+    out = {
+        "entropy": -(p * logp).sum(-1),
+        "max_prob": p.max(-1),
+        "margin": srt[..., -1] - srt[..., -2],
+        "target_logprob": np.take_along_axis(logp, y[:, None, None].repeat(T, 1), -1)[..., 0],
+        "argmax": z.argmax(-1),
+        "kl_final": (p[:, -1:, :] * (logp[:, -1:, :] - logp)).sum(-1),
+    }
+    nan = np.full((N, 1), np.nan)
+    out["kl_prev"] = np.concatenate([nan, (p[:, 1:] * (logp[:, 1:] - logp[:, :-1])).sum(-1)], 1)
+    out["kl_prev_rev"] = np.concatenate([nan, (p[:, :-1] * (logp[:, :-1] - logp[:, 1:])).sum(-1)], 1)
+    out["logit_change"] = np.concatenate([nan, np.linalg.norm(z[:, 1:] - z[:, :-1], axis=-1)], 1)
+    return out
+
+
+def test_random_logits_match_numpy_float64():
+    rng = np.random.default_rng(0)
+    N, T, V = 40, 5, 11
+    z = (rng.normal(size=(N, T, V)) * 3).astype(np.float32)
+    y = rng.integers(0, V, N)
+    got = logit_stats(z, y)
+    ref = _np_reference(z, y)
+    assert set(got) == set(STAT_NAMES)
+    for k in STAT_NAMES:
+        if k == "argmax":
+            assert got[k].dtype == np.int32
+            np.testing.assert_array_equal(got[k], ref[k])
+            continue
+        assert got[k].dtype == np.float32, k
+        assert got[k].shape == (N, T)
+        np.testing.assert_allclose(got[k], ref[k], rtol=2e-5, atol=2e-6, equal_nan=True, err_msg=k)
+
+
+def test_missing_at_first_loop_and_zero_final_kl():
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(6, 4, 7)).astype(np.float32)
+    s = logit_stats(z, rng.integers(0, 7, 6))
+    for k in ("kl_prev", "kl_prev_rev", "logit_change"):
+        assert np.isnan(s[k][:, 0]).all(), k  # NaN, never 0 (SPEC §3)
+        assert np.isfinite(s[k][:, 1:]).all(), k
+    assert (s["kl_final"][:, -1] == 0).all()  # KL(p_T ‖ p_T) is exactly 0
+    assert (s["kl_final"][:, :-1] > 0).all()
+
+
+def test_kl_of_two_known_distributions():
+    # p = (1/2, 1/2), q = (9/10, 1/10): KL(p‖q) = ½ ln(5/9) + ½ ln 5 ; KL(q‖p) = 0.9 ln 1.8 + 0.1 ln 0.2
+    p, q = np.array([0.5, 0.5]), np.array([0.9, 0.1])
+    kl_pq = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    kl_qp = 0.9 * math.log(0.9 / 0.5) + 0.1 * math.log(0.1 / 0.5)
+    assert kl_pq == pytest.approx(0.5108256, abs=1e-6)
+    # loop 1 = q, loop 2 = p: kl_prev(t=2) = KL(p_2‖p_1) = KL(p‖q), kl_prev_rev = KL(q‖p)
+    z = np.log(np.stack([q, p]))[None].astype(np.float32) + 3.0  # shift-invariant
+    s = logit_stats(z, np.array([0]))
+    assert s["kl_prev"][0, 1] == pytest.approx(kl_pq, rel=1e-5)
+    assert s["kl_prev_rev"][0, 1] == pytest.approx(kl_qp, rel=1e-5)
+    assert s["kl_final"][0, 0] == pytest.approx(kl_pq, rel=1e-5)  # KL(p_T‖p_1) with p_T = p
+    assert s["max_prob"][0, 0] == pytest.approx(0.9, rel=1e-6)
+    assert s["entropy"][0, 1] == pytest.approx(math.log(2), rel=1e-6)
+    assert s["target_logprob"][0, 0] == pytest.approx(math.log(0.9), rel=1e-5)
+    assert kl_div(torch.log(torch.tensor([[0.5, 0.5]])), torch.log(torch.tensor([[0.9, 0.1]]))).item() == \
+        pytest.approx(kl_pq, rel=1e-5)
+
+
+def test_margin_argmax_entropy_logit_change_hand_cases():
+    z = np.array([[[1.0, 3.0, 2.5, -1.0], [0.0, 0.0, 0.0, 0.0], [3.0, 4.0, 0.0, 0.0]]], dtype=np.float32)
+    s = logit_stats(z, np.array([2]))
+    np.testing.assert_allclose(s["margin"][0], [0.5, 0.0, 1.0])
+    np.testing.assert_array_equal(s["argmax"][0], [1, 0, 1])  # ties -> first index
+    assert s["entropy"][0, 1] == pytest.approx(math.log(4), rel=1e-6)  # uniform over 4
+    assert s["max_prob"][0, 1] == pytest.approx(0.25, rel=1e-6)
+    assert s["target_logprob"][0, 1] == pytest.approx(-math.log(4), rel=1e-6)
+    # ‖z_2 − z_1‖ = ‖(−1, −3, −2.5, 1)‖ = √17.25 ; ‖z_3 − z_2‖ = ‖(3, 4, 0, 0)‖ = 5
+    np.testing.assert_allclose(s["logit_change"][0, 1:], [math.sqrt(17.25), 5.0], rtol=1e-6)
+
+
+def test_masked_vocabulary_minus_inf_is_finite():
+    z = np.array([[[0.0, 0.0, -np.inf], [1.0, -np.inf, -np.inf]]], dtype=np.float32)
+    s = logit_stats(z, np.array([0]))
+    assert s["entropy"][0, 0] == pytest.approx(math.log(2), rel=1e-6)
+    assert s["entropy"][0, 1] == 0.0
+    # p_T = (1, 0, 0): KL(p_T‖p_1) = ln 2; KL(p_1‖p_T) = ∞ (p_1 puts mass where p_T has none)
+    assert s["kl_final"][0, 0] == pytest.approx(math.log(2), rel=1e-6)
+    assert s["kl_prev"][0, 1] == pytest.approx(math.log(2), rel=1e-6)
+    assert np.isinf(s["kl_prev_rev"][0, 1])
+
+
+def test_streaming_equals_batch_and_bad_target():
+    rng = np.random.default_rng(2)
+    z = torch.from_numpy(rng.normal(size=(8, 3, 5)).astype(np.float32))
+    y = torch.from_numpy(rng.integers(0, 5, 8))
+    acc = LoopStats(z[:, -1], y)
+    rows = [acc.update(z[:, t]) for t in range(3)]
+    full = logit_stats(z, y)
+    for k in STAT_NAMES:
+        np.testing.assert_array_equal(torch.stack([r[k] for r in rows], 1).numpy(), full[k])
+    with pytest.raises(ValueError, match="target ids"):
+        LoopStats(z[:, -1], torch.full((8,), 5))

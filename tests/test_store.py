@@ -1,0 +1,226 @@
+"""Trajectory store (SPEC §1): exact round trips (memory and disk), xarray, and every validation error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from pipeline.store import (
+    STAT_NAMES,
+    TOKEN_FIELDS,
+    ArraySpec,
+    StoreError,
+    StoreWriter,
+    memory_store,
+    open_store,
+    write_store,
+)
+
+
+def _arrays(n=37, T=3, D=4, V=5, seed=0, gate=False, topk=None) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a = {"hidden": rng.normal(size=(n, T, D)).astype(np.float32),
+         "hidden_init": rng.normal(size=(n, D)).astype(np.float32)}
+    if topk:
+        a["topk_ids"] = rng.integers(0, V, (n, T, topk)).astype(np.int32)
+        a["topk_logits"] = rng.normal(size=(n, T, topk)).astype(np.float32)
+    else:
+        a["logits"] = rng.normal(size=(n, T, V)).astype(np.float32)
+    for s in STAT_NAMES:
+        a[s] = rng.integers(0, V, (n, T)).astype(np.int32) if s == "argmax" else \
+            rng.normal(size=(n, T)).astype(np.float32)
+    a["kl_prev"][:, 0] = np.nan
+    for f in TOKEN_FIELDS:
+        a[f] = rng.integers(0, V, n).astype(np.int64)
+    a["loop_group"] = np.array([0, 0, 1][:T], dtype=np.int32)
+    if gate:
+        a["gate_logit"] = rng.normal(size=(n, T)).astype(np.float32)
+    return a
+
+
+ATTRS = {"split": "val", "task": {"name": "rp", "kind": "running_parity", "length": 8},
+         "regime": {"name": "uniform", "kind": "uniform"}, "token_types": ["keep", "change"],
+         "model": {"name": "rp-uniform", "vocab_size": 5, "config": {"groups": [{"n_layer": 1, "loops": 3}]}}}
+
+
+def _assert_same(st, arrays):
+    for k, v in arrays.items():
+        got = st.read(k)
+        assert got.dtype == (np.float32 if k.startswith("hidden") else v.dtype), k
+        np.testing.assert_array_equal(got, v, err_msg=k)  # NaN == NaN for array_equal on floats
+
+
+@pytest.mark.parametrize("where", ["memory", "disk"])
+def test_exact_round_trip(where, tmp_path):
+    arrays = _arrays(gate=True)
+    target = memory_store() if where == "memory" else tmp_path / "val.zarr"
+    st = write_store(target, arrays, ATTRS, chunk_tokens=10)
+    st = open_store(target)
+    _assert_same(st, arrays)
+    assert (st.n_tokens, st.n_loops, st.d_model, st.vocab_size, st.chunk_tokens) == (37, 3, 4, 5, 10)
+    assert st.has_gate and st.has_logits and "hidden" in st and "topk_ids" not in st
+    np.testing.assert_array_equal(st.loop_group, [0, 0, 1])
+    assert st.attrs["task"] == ATTRS["task"] and st.attrs["token_types"] == ["keep", "change"]
+    assert st.attrs["complete"] is True and st.attrs["nan_count"] == 0 and st.attrs["schema_version"] == 1
+    assert st.attrs["dtypes"]["hidden"] == "float32" and st.attrs["dtypes"]["argmax"] == "int32"
+    # blocks: chunk-aligned by default; arbitrary sizes on request; together they cover every row once
+    assert list(st.blocks()) == [slice(0, 10), slice(10, 20), slice(20, 30), slice(30, 37)]
+    rows = np.concatenate([st.read_block(["hidden", "entropy"], sl)["entropy"] for sl in st.blocks(8)])
+    np.testing.assert_array_equal(rows, arrays["entropy"])
+    idx = np.array([36, 3, 3, 0])
+    np.testing.assert_array_equal(st.read("hidden", idx), arrays["hidden"][idx])
+    tf = st.tokens_frame()
+    assert tf.columns == ["token", *TOKEN_FIELDS]
+    np.testing.assert_array_equal(tf["token"].to_numpy(), np.arange(37))
+    for f in TOKEN_FIELDS:
+        np.testing.assert_array_equal(tf[f].to_numpy(), arrays[f])
+    if where == "disk":
+        assert not Path(str(target) + ".tmp").exists()
+        assert (target / "hidden" / "c" / "3" / "0" / "0").is_file()  # chunked along token only
+
+
+def test_float16_states_and_topk_round_trip():
+    arrays = _arrays(topk=2)
+    st = write_store(memory_store(), arrays, {}, chunk_tokens=16, hidden_dtype="float16")
+    assert st.attrs["dtypes"]["hidden"] == "float16" and not st.has_logits and "topk_ids" in st
+    np.testing.assert_array_equal(st.read("hidden"), arrays["hidden"].astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(st.read("topk_ids"), arrays["topk_ids"])
+    assert st.vocab_size == 5  # no logits, no attrs: 1 + the largest id seen
+    assert st.attrs["split"] is None and st.attrs["difficulty_name"] == "difficulty"
+
+
+def test_xarray_opens_store_with_named_dims(tmp_path):
+    arrays = _arrays(gate=True)
+    write_store(tmp_path / "s.zarr", arrays, ATTRS, chunk_tokens=10)
+    ds = xr.open_zarr(tmp_path / "s.zarr")
+    assert ds["hidden"].dims == ("token", "loop", "d_model")
+    assert ds["hidden_init"].dims == ("token", "d_model")
+    assert ds["logits"].dims == ("token", "loop", "vocab")
+    assert ds["entropy"].dims == ("token", "loop") and ds["gate_logit"].dims == ("token", "loop")
+    assert ds["sequence"].dims == ("token",) and ds["loop_group"].dims == ("loop",)
+    assert dict(ds.sizes) | {"chunk": 4} == {"token": 37, "loop": 3, "d_model": 4, "vocab": 5, "chunk": 4}
+    assert ds["position"].dtype == np.int64  # no fill-value masking of ints
+    np.testing.assert_array_equal(ds["hidden"].values, arrays["hidden"])
+    assert ds.attrs["split"] == "val" and ds.attrs["n_loops"] == 3
+
+
+# ----------------------------------------------------------------------------- validation
+
+def _disk_store(tmp_path, **kw) -> Path:
+    p = tmp_path / "val.zarr"
+    write_store(p, _arrays(**kw), ATTRS, chunk_tokens=10)
+    return p
+
+
+def _edit_json(path: Path, fn) -> None:
+    meta = json.loads(path.read_text())
+    fn(meta)
+    path.write_text(json.dumps(meta))
+
+
+def test_missing_store_and_not_a_store(tmp_path):
+    with pytest.raises(StoreError, match=r"not found; run `looptrace dump`"):
+        open_store(tmp_path / "nope.zarr")
+    (tmp_path / "junk").mkdir()
+    with pytest.raises(StoreError, match="not a Zarr v3 store"):
+        open_store(tmp_path / "junk")
+
+
+def test_wrong_schema_version(tmp_path):
+    p = _disk_store(tmp_path)
+    _edit_json(p / "zarr.json", lambda m: m["attributes"].update(schema_version=0))
+    with pytest.raises(StoreError, match=r"schema_version 0, this looptrace reads 1; re-run `looptrace dump`"):
+        open_store(p)
+
+
+def test_missing_array(tmp_path):
+    p = _disk_store(tmp_path)
+    shutil.rmtree(p / "kl_final")
+    with pytest.raises(StoreError, match=r"array 'kl_final' missing; re-run `looptrace dump`"):
+        open_store(p)
+
+
+def test_inconsistent_shapes(tmp_path):
+    p = _disk_store(tmp_path)
+    _edit_json(p / "target" / "zarr.json", lambda m: m.update(shape=[36]))
+    with pytest.raises(StoreError, match=r"array 'target' has shape \(36,\), inconsistent .*token=37"):
+        open_store(p)
+    with pytest.raises(StoreError, match="array 'margin' has shape"):
+        bad = _arrays()
+        bad["margin"] = bad["margin"][:, :2]
+        write_store(memory_store(), bad, {})
+
+
+def test_nan_in_hidden_counted_and_refused(tmp_path):
+    arrays = _arrays()
+    arrays["hidden"][3, 1, 2] = np.nan
+    arrays["hidden_init"][5, 0] = np.inf
+    arrays["hidden"][7, 0, 0] = 1e5  # overflows float16 -> inf, counted after the cast
+    p = tmp_path / "nan.zarr"
+    write_store(p, arrays, ATTRS, chunk_tokens=10, hidden_dtype="float16")
+    with pytest.raises(StoreError, match=r"3 NaN/Inf values in 'hidden'/'hidden_init'.*allow_nan=True"):
+        open_store(p)
+    st = open_store(p, allow_nan=True)
+    assert st.attrs["nan_count"] == 3 and np.isposinf(st.read("hidden")[7, 0, 0])
+
+
+def test_damaged_chunk_is_an_error(tmp_path):
+    p = _disk_store(tmp_path)
+    chunk = p / "hidden" / "c" / "1" / "0" / "0"
+    raw = bytearray(chunk.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    st = open_store(p)  # lazy: the damage is found on read
+    np.testing.assert_array_equal(st.read("hidden", slice(0, 10)), _arrays()["hidden"][:10])  # other chunks fine
+    with pytest.raises(StoreError, match=r"array 'hidden' has a damaged chunk \(checksum mismatch\)"):
+        st.read("hidden", slice(10, 20))
+    with pytest.raises(StoreError, match="damaged chunk"):
+        open_store(p, verify=True)
+
+
+def test_missing_chunk_is_an_error_not_zeros(tmp_path):
+    p = _disk_store(tmp_path)
+    (p / "difficulty" / "c" / "2").unlink()
+    with pytest.raises(StoreError, match=r"array 'difficulty' is missing 1 of 4 chunks"):
+        open_store(p)
+
+
+def test_incomplete_store_says_resume(tmp_path):
+    arrays = _arrays()
+    p = tmp_path / "inc.zarr"
+    specs = {k: ArraySpec(v.shape, str(v.dtype)) for k, v in arrays.items()}
+    w = StoreWriter.create(p, specs, {"n_tokens": 37, "n_loops": 3, "d_model": 4, "vocab_size": 5,
+                                      "dtypes": {}}, chunk_tokens=10)
+    w.write_chunk(0, {k: v[:10] for k, v in arrays.items() if k != "loop_group"})
+    with pytest.raises(StoreError, match=r"incomplete \(1 of 4 chunks written\); re-run `looptrace dump` to resume"):
+        open_store(p)
+    assert open_store(p, allow_incomplete=True).n_tokens == 37
+    # only whole, aligned chunks can be written
+    with pytest.raises(StoreError, match="expected"):
+        w.write_chunk(1, {k: v[10:15] for k, v in arrays.items() if k != "loop_group"})
+    np.testing.assert_array_equal(w.done_chunks(), [True, False, False, False])
+    with pytest.raises(StoreError, match="chunk 1 was never written"):
+        w.finish()
+
+
+def test_write_store_names_missing_or_unknown_arrays():
+    arrays = _arrays()
+    del arrays["token_type"]
+    with pytest.raises(StoreError, match="array 'token_type'"):
+        write_store(memory_store(), arrays, {})
+    with pytest.raises(StoreError, match="unknown array 'hiden'"):
+        write_store(memory_store(), {**_arrays(), "hiden": np.zeros(3)}, {})
+
+
+def test_refuses_to_replace_a_non_store_directory(tmp_path):
+    (tmp_path / "x.zarr").mkdir()
+    (tmp_path / "x.zarr" / "precious.txt").write_text("keep")
+    with pytest.raises(StoreError, match="not a trajectory store"):
+        write_store(tmp_path / "x.zarr", _arrays(), {})
+    assert (tmp_path / "x.zarr" / "precious.txt").read_text() == "keep"
+    assert not (tmp_path / "x.zarr.tmp").exists()
