@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import polars as pl
 import pytest
 
 from pipeline.config import ConfigError
@@ -252,8 +253,6 @@ def stage_run(tmp_path_factory):
 
 
 def test_stage_token_loop_matches_independent_numpy(stage_run):
-    import polars as pl
-
     from pipeline.geometry import TOKEN_LOOP_COLUMNS
 
     tmp, arrays, _, _, _ = stage_run
@@ -281,8 +280,6 @@ def test_stage_token_loop_matches_independent_numpy(stage_run):
 
 
 def test_stage_results_do_not_depend_on_block_size(stage_run):
-    import polars as pl
-
     tmp, _, _, metrics7, metrics_big = stage_run
     for name in ("token_loop", "loop_summary", "convergence", "dlr"):
         a = pl.read_parquet(tmp / "out7" / f"{name}.parquet")
@@ -293,8 +290,6 @@ def test_stage_results_do_not_depend_on_block_size(stage_run):
 
 
 def test_loop_summary_matches_polars(stage_run):
-    import polars as pl
-
     tmp, _, _, metrics, _ = stage_run
     tl = pl.read_parquet(tmp / "out7" / "token_loop.parquet")
     summ = pl.read_parquet(tmp / "out7" / "loop_summary.parquet")
@@ -321,8 +316,6 @@ def test_loop_summary_matches_polars(stage_run):
 
 
 def test_convergence_table_matches_scalar_reference(stage_run):
-    import polars as pl
-
     tmp, arrays, _, metrics, _ = stage_run
     cv = pl.read_parquet(tmp / "out7" / "convergence.parquet")
     a = arrays["test"]
@@ -344,8 +337,6 @@ def test_convergence_table_matches_scalar_reference(stage_run):
 
 
 def test_dlr_from_a_store_with_two_groups(tmp_path):
-    import polars as pl
-
     # Every token: steps of norm 7 (enters g0), 1, 3 (within g0), 10 (hand-off), 4 (within g1), scaled by c.
     N, D = 9, 3
     c = np.arange(1, N + 1, dtype=np.float64)[:, None]
@@ -373,8 +364,6 @@ def test_dlr_from_a_store_with_two_groups(tmp_path):
 
 
 def test_single_group_writes_empty_dlr_and_failed_run_leaves_nothing(tmp_path):
-    import polars as pl
-
     rng = np.random.default_rng(3)
     one = _write(tmp_path / "one.zarr", _arrays(rng, N=10, loop_group=(0,) * 5, gate=False))
     _run({"val": one}, tmp_path / "ok", None)
@@ -384,3 +373,83 @@ def test_single_group_writes_empty_dlr_and_failed_run_leaves_nothing(tmp_path):
         _run({"val": one, "test": two}, tmp_path / "bad", None)
     assert not (tmp_path / "bad").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+
+
+# ----------------------------------------------------------------------------- training dynamics and the stage
+
+def test_training_dynamics_match_an_independent_forward(tmp_path, tiny_base):
+    import torch
+
+    from pipeline.dump import DumpConfig
+    from pipeline.geometry import training_dynamics
+    from pipeline.model import load_checkpoint
+    from pipeline.tasks import IGNORE, make_task
+    from pipeline.train import train_model
+    from tests.conftest import tiny_train_config
+
+    torch.set_num_threads(1)
+    train_dir = tmp_path / "rp-uniform"
+    train_model(tiny_base, tiny_train_config(steps=20), "rp", "uniform", train_dir, progress=False)
+    dump_cfg = DumpConfig(sequences={"val": 12}, batch_size=5, chunk_tokens=16, hidden_dtype="float32")
+    df = training_dynamics(train_dir, GeometryConfig(probe_sequences=12), dump_cfg, progress=False)
+    assert df["step"].unique().sort().to_list() == [10, 20]
+    assert df.filter(pl.col("step") == 20)["fraction"].unique().to_list() == [1.0]
+    task = make_task("rp", {"kind": "running_parity", "length": 8})
+    data = task.dataset("val", 12, 43)  # the checkpoint's val data seed
+    mask = torch.from_numpy(data.targets != IGNORE)
+    for name, step in (("checkpoints/step_000010.pt", 10), ("model.pt", 20)):
+        model, _ = load_checkpoint(train_dir / name)
+        with torch.no_grad():
+            out = model(torch.from_numpy(data.tokens))
+        h = torch.cat([out.hidden_init.unsqueeze(2), out.hidden], dim=2)[mask].double().numpy()  # [N, T+1, D]
+        s = np.linalg.norm(np.diff(h, axis=1), axis=2)
+        acc = (out.logits.argmax(-1) == torch.from_numpy(data.targets).unsqueeze(-1))[mask].double().mean(0)
+        rows = df.filter(pl.col("step") == step).sort("loop")
+        assert rows["loop"].to_list() == [1, 2, 3, 4]
+        np.testing.assert_allclose(rows["step_norm_mean"], s.mean(axis=0), rtol=1e-5)
+        np.testing.assert_allclose(rows["step_norm_median"], np.median(s, axis=0), rtol=1e-5)
+        np.testing.assert_allclose(rows["accuracy"], acc.numpy(), atol=1e-12)
+        assert (rows["n_tokens"] == int(mask.sum())).all()
+
+
+def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
+    import json
+
+    import typer
+    from typer.testing import CliRunner
+
+    import stages.dump as dump_stage
+    import stages.geometry as stage
+    from pipeline.train import train_model
+    from tests.conftest import tiny_train_config
+
+    train_model(tiny_base, tiny_train_config(steps=10), "rp", "uniform", tmp_path / "train" / "rp-uniform",
+                progress=False)
+    params = tmp_path / "params.yaml"
+    params.write_text("base: {seed: 0, threads: 1, device: cpu}\n"
+                      "dump: {sequences: {fit: 6, val: 6, test: 5}, batch_size: 4, chunk_tokens: 20}\n"
+                      "geometry: {probe_sequences: 4, eps: {kl_prev: [0.001], argmax: [0.5]}}\n")
+    runner = CliRunner()
+    dump_app, app = typer.Typer(), typer.Typer()
+    dump_app.command()(dump_stage.main)
+    app.command()(stage.main)
+    res = runner.invoke(dump_app, ["--model", "rp-uniform", "--params", str(params), "--train-root",
+                                   str(tmp_path / "train"), "--out", str(tmp_path / "dump")])
+    assert res.exit_code == 0, res.output
+    args = ["--params", str(params), "--dump-root", str(tmp_path / "dump"), "--train-root", str(tmp_path / "train"),
+            "--out", str(tmp_path / "geometry")]
+    res = runner.invoke(app, ["--model", "rp-uniform", *args])
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "geometry" / "rp-uniform"
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["token_loop.parquet", "loop_summary.parquet", "convergence.parquet", "dlr.parquet",
+         "training_dynamics.parquet", "metrics.json"])
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["training_dynamics"]["step"] == [5, 10] and m["model"] == "rp-uniform"
+    assert set(m["splits"]) == {"fit", "val", "test"} and m["splits"]["test"]["n_tokens"] == 5 * 8
+    assert set(m["splits"]["test"]["convergence"]) == {"kl_prev@0.001", "argmax@0.5"}
+    res = runner.invoke(app, ["--model", "nope", *args])
+    assert res.exit_code == 2 and "not found" in res.output and len(res.output.strip().splitlines()) == 1
+    params.write_text("geometry: {epz: {}}\n")
+    res = runner.invoke(app, ["--model", "rp-uniform", *args])
+    assert res.exit_code == 2 and "unknown key 'epz' in params section 'geometry'" in res.output
