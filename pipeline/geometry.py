@@ -607,7 +607,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     try:
         for split, st in stores.items():
             loop_cols = LoopColumns(scratch / split, n_loops, sum_metrics)
-            depths: dict[tuple[str, float, str], list] = {}
+            depths: dict = {}  # (signal, eps, kind) -> [token] int16 blocks; "difficulty" -> [token]
             dlr_parts: dict[int, dict[str, list]] = {g: {"drift": [], "loop_step": [], "dlr": []}
                                                      for g, _, _ in handoffs}
             bar = tqdm(total=st.n_tokens, desc=f"geometry {split}", unit="tok", disable=None if progress else True,
@@ -616,6 +616,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                 tl_writer.write_table(token_loop_table(block, split, loop_group))
                 conv = block_convergence(block, keys)
                 cv_writer.write_table(convergence_table(block, split, conv))
+                depths.setdefault("difficulty", []).append(block.fields["difficulty"])
                 for (sig, eps), res in conv.items():
                     for kind in ("first", "settled"):
                         depths.setdefault((sig, eps, kind), []).append(res[kind].astype(np.int16))
@@ -658,6 +659,10 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
 
 
 def _convergence_metrics(depths: dict, keys: list[tuple[str, float]], n_loops: int, n_tokens: int) -> dict:
+    """Per (signal, ε): median depth, mean over converged tokens, censored count and fraction for
+    first / settled, and the settled depth by difficulty (mean, censored tokens counted as T + 1)."""
+    diff = np.concatenate(depths.get("difficulty", [np.zeros(0, np.int64)]))
+    levels = np.unique(diff)
     out = {}
     for sig, eps in keys:
         entry = {}
@@ -668,6 +673,8 @@ def _convergence_metrics(depths: dict, keys: list[tuple[str, float]], n_loops: i
             entry[f"mean_{kind}_uncensored"] = float(d[~censored].mean()) if (~censored).any() else math.nan
             entry[f"censored_{kind}"] = int(censored.sum())
             entry[f"censored_frac_{kind}"] = float(censored.mean()) if d.size else math.nan
+            if kind == "settled":
+                entry["settled_mean_by_difficulty"] = {str(int(v)): float(d[diff == v].mean()) for v in levels}
         out[f"{sig}@{eps:g}"] = entry
     return out
 

@@ -334,6 +334,9 @@ def test_convergence_table_matches_scalar_reference(stage_run):
             m = metrics["splits"]["test"]["convergence"][f"{sig}@{eps:g}"]
             assert m[f"censored_{kind}"] == int((ref == T + 1).sum())
             assert m[f"median_{kind}"] == float(np.median(ref))
+            if kind == "settled":
+                by = {str(d): float(ref[a["difficulty"] == d].mean()) for d in np.unique(a["difficulty"])}
+                assert m["settled_mean_by_difficulty"] == pytest.approx(by)
 
 
 def test_dlr_from_a_store_with_two_groups(tmp_path):
