@@ -105,7 +105,7 @@ class GeometryConfig:
     """
 
     eps: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
-        "kl_prev": (1e-3, 5e-4), "rel_step": (0.03, 0.01), "argmax": (0.5,)})
+        "kl_prev": (1e-3, 5e-4), "rel_step": (0.3, 0.1, 0.03), "argmax": (0.5,)})
     block_tokens: int | None = None
     splits: tuple[str, ...] = SPLITS
     training_dynamics: bool = True

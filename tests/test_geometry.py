@@ -192,6 +192,12 @@ def test_config_rejects_bad_values():
     assert GeometryConfig().convergence_keys()[0] == ("kl_prev", 1e-3)
 
 
+def test_params_yaml_section_loads_and_matches_defaults(repo_root):
+    from pipeline.config import load_section
+
+    assert load_section(GeometryConfig, "geometry", repo_root / "params.yaml") == GeometryConfig()
+
+
 # ----------------------------------------------------------------------------- streamed stage on real stores
 
 STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final", "logit_change")
