@@ -1,0 +1,106 @@
+"""Stored precision of the states (``hidden``/``hidden_init``): never a silent overflow.
+
+Zarr v3 has no bfloat16, and LM checkpoints run in bf16 / fp16 / fp32. The stored representations:
+
+- ``float16`` — 2 bytes, 10-bit mantissa, but a largest finite value of 65504: bf16/fp32 models can exceed
+  it (massive activations of large LMs reach 1e3–1e5). Every cast to float16 first checks the largest
+  finite magnitude and raises :class:`PrecisionError` (naming the array and the fix) instead of storing inf.
+- ``bfloat16`` — stored as its uint16 bit pattern (Zarr dtype ``uint16``; ``dtypes`` attribute
+  ``bfloat16``; decoded to float32 on read by a 16-bit shift, exact). The natural choice for bf16 models:
+  lossless, same range as float32, 2 bytes.
+- ``float32`` — exact for every model, 4 bytes.
+- ``auto`` (a dump parameter, resolved per model) — bfloat16 for bf16 models, float16 for fp16 models
+  (lossless in both cases), float16 (range-checked) for everything else.
+
+Values that are non-finite *in the model* (NaN/Inf) are not overflow: they are stored as such and
+counted (``nan_count``), as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: Stored dtypes of the states, and the Zarr dtype that holds each.
+STATE_DTYPES = {"float16": "float16", "float32": "float32", "bfloat16": "uint16"}
+FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
+
+
+class PrecisionError(ValueError):
+    """A state does not fit the stored dtype (one line: the array, the magnitude and the fix)."""
+
+
+def resolve_state_dtype(requested: str, model_dtype: str | None) -> str:
+    """The stored dtype for ``requested`` (``auto`` resolves from the model's compute dtype name)."""
+    if requested != "auto":
+        return requested
+    return {"bfloat16": "bfloat16", "float16": "float16"}.get(str(model_dtype or "").replace("torch.", ""), "float16")
+
+
+def _max_finite_abs(x: torch.Tensor) -> float:
+    a = x.detach().abs()
+    if a.dtype not in (torch.float32, torch.float64):
+        a = a.float()
+    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    return float(a.max()) if a.numel() else 0.0
+
+
+def check_fits(x: torch.Tensor | np.ndarray, dtype: str, what: str) -> None:
+    """Raise :class:`PrecisionError` when a finite value of ``x`` exceeds the range of ``dtype``.
+
+    Args:
+        x: the values (any float dtype).
+        dtype: the stored dtype (only ``float16`` has a narrower range than the models' dtypes).
+        what: names the array (and chunk / batch) in the message.
+    """
+    if dtype != "float16":
+        return
+    t = torch.as_tensor(x) if isinstance(x, np.ndarray) else x
+    m = _max_finite_abs(t)
+    if m > FLOAT16_MAX:
+        raise PrecisionError(f"{what}: |value| reaches {m:.4g}, beyond float16's largest finite value "
+                             f"{FLOAT16_MAX:.0f} (it would be stored as inf); set dump.hidden_dtype: float32 or "
+                             "bfloat16 (auto picks bfloat16 for bf16 models)")
+
+
+def encode_states(x: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.ndarray:
+    """States → the numpy array stored for ``dtype`` (range-checked; bfloat16 as uint16 bits).
+
+    Args:
+        x: [..., d_model] states, any float dtype (torch or numpy); uint16 input is taken as bfloat16 bits.
+        dtype: ``float16`` | ``bfloat16`` | ``float32``.
+        what: names the array in an error message.
+    """
+    if dtype not in STATE_DTYPES:
+        raise PrecisionError(f"{what}: unknown state dtype {dtype!r} (one of {', '.join(STATE_DTYPES)})")
+    if isinstance(x, np.ndarray):
+        if x.dtype == np.uint16:
+            if dtype != "bfloat16":
+                raise PrecisionError(f"{what}: uint16 (bfloat16 bits) given for a {dtype} array")
+            return x
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    else:
+        t = x.detach()
+    check_fits(t, dtype, what)
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.to(torch.float16 if dtype == "float16" else torch.float32).cpu().numpy()
+
+
+def decode_states(a: np.ndarray, dtype: str | None) -> np.ndarray:
+    """Stored states → float32 (bfloat16 bits are widened exactly: the 16 bits become the high half)."""
+    if dtype == "bfloat16" or a.dtype == np.uint16:
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return a if a.dtype == np.float32 else a.astype(np.float32)
+
+
+def count_nonfinite(stored: np.ndarray, dtype: str) -> int:
+    """Number of NaN/Inf values in a stored state array."""
+    if dtype == "bfloat16":
+        # exponent all ones ⇔ inf or NaN
+        return int(np.count_nonzero((stored & np.uint16(0x7F80)) == np.uint16(0x7F80)))
+    return int(stored.size - np.count_nonzero(np.isfinite(stored)))
+
+
+__all__ = ["FLOAT16_MAX", "STATE_DTYPES", "PrecisionError", "check_fits", "count_nonfinite", "decode_states",
+           "encode_states", "resolve_state_dtype"]

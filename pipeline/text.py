@@ -1,0 +1,343 @@
+"""Text corpora as dump input: documents → tokens → packed next-token sequences (a :class:`TaskBatch`).
+
+So that the dump, geometry, readouts, gates and diagnose stages run unchanged on a real language model,
+a text corpus is turned into the same :class:`~pipeline.tasks.TaskBatch` the synthetic tasks produce:
+
+- Documents come from a local JSONL (one JSON object per line, text in ``text.field``), Parquet (column
+  ``text.field``) or plain-text file (documents separated by blank lines).
+- Splits are disjoint by content, as for the tasks: document d goes to split ``sha256(d) mod 3``
+  (0 fit, 1 val, 2 test), so no document is in two splits.
+- Each split's documents are tokenised with the checkpoint's own tokenizer (``AutoTokenizer`` from the
+  local directory), framed as ``[bos] doc [eos]`` when the tokenizer has those tokens, concatenated in file
+  order and cut into windows of ``seq_len + 1`` tokens with stride ``seq_len``: ``tokens`` = the first
+  ``seq_len``, ``targets`` = the next token of each. Every position is scored; a trailing partial
+  window is dropped.
+- ``token_type`` per scored position, from the decoded text of the position's token (the input token —
+  the token whose state converges, as in [FP]; or the target with ``text.token_type_of: target``):
+  whitespace, punctuation, number, function word (a fixed English list, :data:`FUNCTION_WORDS`), content
+  word, plus ``special`` (the tokenizer's special tokens) and ``other`` (e.g. a byte-level piece that is not
+  valid UTF-8 by itself). Classification is per token, so a sub-word piece ``the`` of "theory" counts as a
+  function word: that is a property of token-level typing, not a bug.
+- ``difficulty`` = the bin (decile by default) of the full-depth loss ℓ_T = −log p_T(y) among the split's
+  tokens. It is only known after the forward pass, so the dump writes −1 first and
+  :func:`loss_bins_finalizer` rewrites the column from the stored ``target_logprob`` at loop T before the
+  store is marked complete (``dump_split(..., finalize=...)``). Bin edges are the empirical quantiles
+  k/n (k = 1..n−1) of ℓ_T in that split; bin b holds edges[b−1] < ℓ_T ≤ edges[b] (equal losses share
+  a bin), computed per split so each store is self-contained. The edges are recorded in the store attributes (``difficulty_edges``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ConfigError
+from .tasks import SPLITS, TaskBatch
+
+TOKEN_TYPES = ("whitespace", "punctuation", "number", "function_word", "content_word", "special", "other")
+DIFFICULTY_NAME = "final_loss_bin"
+
+#: Closed-class English words (articles, determiners, pronouns, prepositions, conjunctions, auxiliaries,
+#: modals, particles). Fixed so token types are reproducible; lower-cased match on the stripped token.
+FUNCTION_WORDS = frozenset("""
+a an the this that these those some any each every either neither no all both half several many much
+few little more most less least other another such what which whose whatever whichever
+i me my mine myself you your yours yourself yourselves he him his himself she her hers herself it its
+itself we us our ours ourselves they them their theirs themselves one ones who whom whoever
+about above across after against along amid among around as at before behind below beneath beside
+besides between beyond by despite down during except for from in inside into like near of off on onto
+out outside over past per since than through throughout till to toward towards under underneath unlike
+until up upon via with within without
+and or but nor so yet if because although though while whereas unless whether once when whenever where
+wherever why how then else also too not n't
+be am is are was were been being have has had having do does did doing done
+will would shall should can could may might must ought
+there here just only very again ever even
+'s 're 've 'd 'll 'm
+""".split())
+
+_NUMBER = re.compile(r"[0-9][0-9.,:_']*|[.,][0-9][0-9.,:_']*")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """``dump.text`` section: the corpus of a language-model dump.
+
+    Attributes:
+        path: local JSONL / Parquet / text file.
+        format: ``auto`` (from the suffix: .jsonl/.json, .parquet, else text) | ``jsonl`` | ``parquet`` | ``text``.
+        field: the text field (JSONL key / Parquet column).
+        seq_len: tokens per sequence (each scored against the next token).
+        tokenizer: tokenizer directory (default: ``dump.adapter.path``).
+        add_bos: start each document with the tokenizer's BOS token (when it has one).
+        add_eos: end each document with the tokenizer's EOS token (when it has one).
+        token_type_of: ``input`` (the position's own token) or ``target`` (the token predicted).
+        difficulty_bins: number of full-depth-loss bins of ``difficulty`` (10 = deciles).
+        max_documents: read at most this many documents (null = all).
+    """
+
+    path: str
+    format: str = "auto"
+    field: str = "text"
+    seq_len: int = 512
+    tokenizer: str | None = None
+    add_bos: bool = True
+    add_eos: bool = True
+    token_type_of: str = "input"
+    difficulty_bins: int = 10
+    max_documents: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in ("auto", "jsonl", "parquet", "text"):
+            raise ConfigError(f"dump.text.format must be auto, jsonl, parquet or text; got {self.format!r}")
+        if self.seq_len < 1:
+            raise ConfigError(f"dump.text.seq_len must be >= 1, got {self.seq_len}")
+        if self.token_type_of not in ("input", "target"):
+            raise ConfigError(f"dump.text.token_type_of must be input or target, got {self.token_type_of!r}")
+        if self.difficulty_bins < 1:
+            raise ConfigError(f"dump.text.difficulty_bins must be >= 1, got {self.difficulty_bins}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents
+# ---------------------------------------------------------------------------------------------
+
+def read_documents(path: Path | str, fmt: str = "auto", field: str = "text",
+                   max_documents: int | None = None) -> list[str]:
+    """Documents of a local corpus file, in file order (empty documents dropped).
+
+    Args:
+        path: JSONL (one object per line), Parquet, or plain text (documents separated by blank lines).
+        fmt: ``auto`` (by suffix), ``jsonl``, ``parquet`` or ``text``.
+        field: JSONL key / Parquet column holding the text.
+        max_documents: keep at most this many.
+
+    Raises:
+        ValueError: one line naming the file (and line / field) and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"dump.text.path '{path}' not found; point it at a local JSONL, Parquet or text file")
+    if fmt == "auto":
+        fmt = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}.get(
+            path.suffix.lower(), "text")
+    docs: list[str] = []
+    if fmt == "jsonl":
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg}); one JSON object per line") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
+                    raise ValueError(f"{path}:{i}: no string field '{field}'; set dump.text.field")
+                docs.append(obj[field])
+                if max_documents is not None and len(docs) >= max_documents:
+                    break
+    elif fmt == "parquet":
+        import polars as pl
+
+        try:
+            col = pl.read_parquet(path, columns=[field], n_rows=max_documents)[field]
+        except Exception as exc:  # noqa: BLE001 - polars raises several types for a missing column / bad file
+            raise ValueError(f"{path}: cannot read column '{field}' ({type(exc).__name__}); set dump.text.field") from None
+        if col.dtype != pl.String:
+            raise ValueError(f"{path}: column '{field}' is {col.dtype}, not text; set dump.text.field")
+        docs = [d for d in col.to_list() if d is not None]
+    else:
+        text = path.read_text(encoding="utf-8")
+        docs = [d.strip("\n") for d in re.split(r"\n\s*\n", text)]
+    docs = [d for d in docs if d.strip()]
+    if max_documents is not None:
+        docs = docs[:max_documents]
+    if not docs:
+        raise ValueError(f"{path}: no non-empty documents")
+    return docs
+
+
+def document_split(doc: str) -> int:
+    """Split index of a document (0 fit, 1 val, 2 test): sha256 of its UTF-8 text mod 3."""
+    return int.from_bytes(hashlib.sha256(doc.encode("utf-8")).digest()[:8], "little") % 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Token types
+# ---------------------------------------------------------------------------------------------
+
+def classify_token_text(text: str, special: bool = False) -> int:
+    """Token-type id (index into :data:`TOKEN_TYPES`) of one token's decoded text."""
+    if special:
+        return TOKEN_TYPES.index("special")
+    t = text.strip()
+    if not t:
+        return TOKEN_TYPES.index("whitespace")
+    if "\ufffd" in t:  # a byte-level piece that is not valid UTF-8 on its own
+        return TOKEN_TYPES.index("other")
+    if all(unicodedata.category(ch)[0] in "PS" for ch in t):
+        return TOKEN_TYPES.index("punctuation")
+    if _NUMBER.fullmatch(t):
+        return TOKEN_TYPES.index("number")
+    if t.lower() in FUNCTION_WORDS:
+        return TOKEN_TYPES.index("function_word")
+    if any(ch.isalpha() for ch in t):
+        return TOKEN_TYPES.index("content_word")
+    return TOKEN_TYPES.index("other")
+
+
+def token_type_table(tokenizer, ids: np.ndarray) -> dict[int, int]:
+    """Token-type id of each distinct token id in ``ids`` (decoded one token at a time)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    out = {}
+    for i in np.unique(ids).tolist():
+        text = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        out[i] = classify_token_text(text, special=i in special)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+def load_tokenizer(path: Path | str):
+    """``AutoTokenizer`` of a local directory (no download)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"tokenizer directory '{path}': cannot load a tokenizer ({msg}); set dump.text.tokenizer") from None
+
+
+def _stream(tokenizer, docs: Sequence[str], cfg: TextConfig) -> np.ndarray:
+    enc = tokenizer(list(docs), add_special_tokens=False)["input_ids"] if docs else []
+    bos = tokenizer.bos_token_id if cfg.add_bos else None
+    eos = tokenizer.eos_token_id if cfg.add_eos else None
+    parts = []
+    for ids in enc:
+        if bos is not None:
+            parts.append([bos])
+        parts.append(ids)
+        if eos is not None:
+            parts.append([eos])
+    flat = [t for p in parts for t in p]
+    return np.asarray(flat, dtype=np.int64)
+
+
+def pack(stream: np.ndarray, seq_len: int, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Windows of ``seq_len + 1`` tokens, stride ``seq_len``: (tokens [batch, seq], targets [batch, seq]).
+
+    Every token of the stream but the first is a target exactly once (trailing partial window dropped).
+    """
+    m = max(0, (len(stream) - 1) // seq_len)
+    if n is not None:
+        m = min(m, n)
+    idx = np.arange(m)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    win = stream[idx] if m else np.zeros((0, seq_len + 1), dtype=np.int64)
+    return win[:, :-1].copy(), win[:, 1:].copy()
+
+
+def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = None,
+               vocab_size: int | None = None) -> TaskBatch:
+    """Pack one split's documents into a :class:`TaskBatch` (difficulty −1: filled after the dump).
+
+    Args:
+        tokenizer: the checkpoint's tokenizer.
+        docs: the split's documents, in order.
+        cfg: the ``dump.text`` section.
+        n: at most this many sequences.
+        vocab_size: the model's logit width; every target must be below it.
+    """
+    tokens, targets = pack(_stream(tokenizer, docs, cfg), cfg.seq_len, n)
+    if vocab_size is not None and targets.size and int(max(tokens.max(), targets.max())) >= vocab_size:
+        raise ValueError(f"tokenizer produces id {int(max(tokens.max(), targets.max()))} but the model reads out "
+                         f"{vocab_size} classes; dump.text.tokenizer does not match the checkpoint")
+    which = tokens if cfg.token_type_of == "input" else targets
+    table = token_type_table(tokenizer, which)
+    lut = np.vectorize(table.__getitem__, otypes=[np.int64])
+    token_type = lut(which) if which.size else np.zeros_like(which)
+    return TaskBatch(tokens=tokens, targets=targets, difficulty=np.full_like(tokens, -1), token_type=token_type)
+
+
+def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: Path | str,
+                vocab_size: int | None = None) -> dict[str, TaskBatch]:
+    """Every split of ``sequences`` (split → at most that many sequences) from the corpus of ``cfg``.
+
+    Raises:
+        ValueError: a split gets no full window (names the file, split and the fix).
+    """
+    docs = read_documents(cfg.path, cfg.format, cfg.field, cfg.max_documents)
+    tok = load_tokenizer(cfg.tokenizer or tokenizer_path)
+    by_split: dict[int, list[str]] = {0: [], 1: [], 2: []}
+    for d in docs:
+        by_split[document_split(d)].append(d)
+    out = {}
+    for split, n in sequences.items():
+        batch = text_batch(tok, by_split[SPLITS.index(split)], cfg, int(n), vocab_size)
+        if len(batch) == 0:
+            raise ValueError(f"dump.text.path '{cfg.path}': split '{split}' gets {len(by_split[SPLITS.index(split)])} "
+                             f"documents, not one window of {cfg.seq_len + 1} tokens; use a longer corpus or a "
+                             "smaller dump.text.seq_len")
+        out[split] = batch
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Difficulty after the forward pass
+# ---------------------------------------------------------------------------------------------
+
+def loss_bins(loss: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bin of each loss among all of them: (bins [token] int64 in 0..n_bins−1, edges [n_bins−1]).
+
+    Edges are the empirical quantiles k / n_bins (k = 1..n_bins−1, numpy's linear rule) of the finite
+    losses; a loss goes to the number of edges strictly below it (equal losses share a bin). NaN → −1.
+    """
+    loss = np.asarray(loss, dtype=np.float64)
+    ok = np.isfinite(loss)
+    if not ok.any() or n_bins == 1:
+        return np.where(ok, 0, -1).astype(np.int64), np.zeros(0)
+    edges = np.quantile(loss[ok], np.arange(1, n_bins) / n_bins)
+    bins = np.searchsorted(edges, loss, side="left").astype(np.int64)
+    bins[~ok] = -1
+    return bins, edges
+
+
+def loss_bins_finalizer(n_bins: int):
+    """``dump_split(finalize=...)`` hook: rewrite ``difficulty`` as the bin of ℓ_T = −target_logprob[:, T−1].
+
+    Returns:
+        A callable ``(writer) -> attrs`` (records ``difficulty_edges``, nats).
+    """
+
+    def finalize(writer) -> dict[str, Any]:
+        T = int(writer.attrs["n_loops"])
+        loss = -writer.read("target_logprob")[:, T - 1].astype(np.float64)
+        bins, edges = loss_bins(loss, n_bins)
+        writer.rewrite("difficulty", bins)
+        return {"difficulty_edges": edges.tolist()}
+
+    return finalize
+
+
+def text_attrs(cfg: TextConfig, split: str, n_documents: int | None = None) -> dict[str, Any]:
+    """Store attributes of a text split (task description, difficulty and token-type names)."""
+    from .config import to_dict
+
+    return {"split": split, "task": {"name": "text", "kind": "text", **to_dict(cfg)},
+            "difficulty_name": DIFFICULTY_NAME, "difficulty_levels": list(range(cfg.difficulty_bins)),
+            "token_types": list(TOKEN_TYPES), "n_documents": n_documents}
+
+
+__all__ = ["DIFFICULTY_NAME", "FUNCTION_WORDS", "TOKEN_TYPES", "TextConfig", "classify_token_text",
+           "document_split", "load_tokenizer", "loss_bins", "loss_bins_finalizer", "pack", "read_documents",
+           "text_attrs", "text_batch", "text_splits", "token_type_table"]
