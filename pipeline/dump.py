@@ -192,22 +192,27 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     m = torch.from_numpy(mask[rows]).to(dev)
     st = adapter.states(ids)
     tdtype = torch.float16 if hidden_dtype == "float16" else torch.float32
+    # cast before selecting (half the bytes to gather); all scored: a reshape instead of a gather
+    if bool(m.all()):
+        sel = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - [B, S, ...] -> [B*S, ...] row-major
+    else:
+        sel = lambda x: x[m]  # noqa: E731
     out: dict[str, np.ndarray] = {
-        "hidden": st.hidden[m].to(tdtype).cpu().numpy(),          # [n, T, D]
-        "hidden_init": st.hidden_init[m].to(tdtype).cpu().numpy(),  # [n, D]
+        "hidden": sel(st.hidden.to(tdtype)).cpu().numpy(),            # [n, T, D]
+        "hidden_init": sel(st.hidden_init.to(tdtype)).cpu().numpy(),  # [n, D]
     }
     if info.has_gate:
         if st.gate_logits is None:
             raise ValueError(f"adapter '{info.name}' declares a gate but returned no gate logits")
-        out["gate_logit"] = st.gate_logits[m].float().cpu().numpy()
+        out["gate_logit"] = sel(st.gate_logits.float()).cpu().numpy()
     target = torch.from_numpy(data.targets[rows][mask[rows]].astype(np.int64)).to(dev)
     # Loop T first (kl_final needs p_T), then 1..T keeping only the previous loop (bounded memory).
-    z_final = adapter.readout(st.hidden[:, :, T - 1], T - 1)[m].float()  # [n, V]
+    z_final = sel(adapter.readout(st.hidden[:, :, T - 1], T - 1)).float()  # [n, V]
     acc = LoopStats(z_final, target)
     per_loop: dict[str, list[torch.Tensor]] = {s: [] for s in STAT_NAMES}
     zs, ids_k = [], []
     for t in range(T):
-        z = z_final if t == T - 1 else adapter.readout(st.hidden[:, :, t], t)[m].float()
+        z = z_final if t == T - 1 else sel(adapter.readout(st.hidden[:, :, t], t)).float()
         for name, v in acc.update(z).items():
             per_loop[name].append(v)
         if k is None:
@@ -223,14 +228,14 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     else:
         out["topk_logits"] = torch.stack(zs, dim=1).cpu().numpy()
         out["topk_ids"] = torch.stack(ids_k, dim=1).cpu().numpy()
-    sel = mask[rows]
-    b_idx, p_idx = np.nonzero(sel)  # row-major: (sequence, position) order, matching hidden[m]
-    out["target"] = data.targets[rows][sel].astype(np.int64)
-    out["token_id"] = data.tokens[rows][sel].astype(np.int64)
+    keep = mask[rows]
+    b_idx, p_idx = np.nonzero(keep)  # row-major: (sequence, position) order, matching hidden[m]
+    out["target"] = data.targets[rows][keep].astype(np.int64)
+    out["token_id"] = data.tokens[rows][keep].astype(np.int64)
     out["sequence"] = (b_idx + (rows.start or 0)).astype(np.int64)
     out["position"] = p_idx.astype(np.int64)
-    out["difficulty"] = data.difficulty[rows][sel].astype(np.int64)
-    out["token_type"] = data.token_type[rows][sel].astype(np.int64)
+    out["difficulty"] = data.difficulty[rows][keep].astype(np.int64)
+    out["token_type"] = data.token_type[rows][keep].astype(np.int64)
     return out
 
 
@@ -304,7 +309,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         "difficulty_name": "difficulty", "difficulty_levels": [], "token_types": [],
         "seeds": {kk: extra[kk] for kk in ("seed", "data_seeds") if kk in extra},
         "params": to_dict(cfg), "topk": k, "logits_mode": "full" if k is None else "topk",
-        "dtypes": {name: s.dtype for name, s in specs.items()},
+        "dtypes": {name: spec.dtype for name, spec in specs.items()},
         "versions": _versions(),
     }
     base_attrs.update(user)

@@ -39,8 +39,9 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def test_dump_matches_independent_forward():
-    adapter, data = model_and_data()
+@pytest.mark.parametrize("unscored", [True, False])
+def test_dump_matches_independent_forward(unscored):
+    adapter, data = model_and_data(unscored=unscored)
     st = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=7, chunk_tokens=16), {"split": "val"})
     mask = data.targets != IGNORE
     b, p = np.nonzero(mask)  # (sequence, position) order
@@ -51,7 +52,7 @@ def test_dump_matches_independent_forward():
     np.testing.assert_array_equal(st.read("token_id"), data.tokens[mask])
     np.testing.assert_array_equal(st.read("difficulty"), data.difficulty[mask])
     np.testing.assert_array_equal(st.read("token_type"), data.token_type[mask])
-    assert 2 not in st.read("sequence")
+    assert (2 not in st.read("sequence")) == unscored
     with torch.no_grad():  # one whole-data forward pass with every loop read out
         out = adapter.model(torch.from_numpy(data.tokens))
     m = torch.from_numpy(mask)

@@ -1,0 +1,137 @@
+"""Benchmark of the dump stage: capture cost over the bare forward pass, vs a naive capture, and bytes.
+
+Each is measured ``--reps`` times, interleaved, and its best run counts (the machine is shared), on
+the same random-init LoopedTransformer and the same batches (medium config: d_model 512, T = 8 loops
+of one layer, vocab 64 so full logits are stored, 256 sequences × 64 positions = 16,384 scored tokens):
+
+1. bare forward: ``adapter.states`` plus the per-loop readout of every loop (what the dump computes
+   anyway), nothing kept, nothing stored;
+2. dump: ``pipeline.dump.dump_split`` to a fresh on-disk store (float16 states, full logits, the nine
+   SPEC §3 statistics, background chunk writer);
+3. naive: the model's forward with per-loop readouts, then ``np.save`` of ``hidden``, ``hidden_init``
+   and ``logits`` as float32, one set of files per batch, in the main thread (no statistics).
+
+Reported: wall(dump) / wall(bare), wall(dump) / wall(naive), bytes on disk of the store / bytes of
+the naive ``.npy`` files. Targets: ≤ 1.15, ≤ 0.7, ≤ 0.5. Exit status 1 when a target is missed.
+
+    python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TARGETS = {"dump/bare": 1.15, "dump/naive": 0.7, "bytes": 0.5}
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sequences", type=int, default=256)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--loops", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32, help="sequences per forward pass")
+    ap.add_argument("--chunk", type=int, default=4096, help="dump.chunk_tokens")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions (best one counts)")
+    args = ap.parse_args()
+
+    from pipeline.dump import DumpConfig, dump_split
+    from pipeline.interface import LoopedTransformerAdapter
+    from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig
+    from pipeline.tasks import TaskBatch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=args.vocab, block_size=args.seq_len, d_model=args.d_model, n_head=8,
+                      groups=(GroupConfig(1, args.loops),))
+    model = LoopedTransformer(cfg).eval()
+    adapter = LoopedTransformerAdapter(model, "bench")
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, args.vocab, (args.sequences, args.seq_len))
+    zeros = np.zeros_like(tokens)
+    data = TaskBatch(tokens, rng.integers(0, args.vocab, tokens.shape), zeros, zeros)
+    batches = [torch.from_numpy(tokens[i:i + args.batch]) for i in range(0, args.sequences, args.batch)]
+    n_tokens, T = tokens.size, args.loops
+    print(f"config: d_model {args.d_model}, T {T}, vocab {args.vocab}, {n_tokens} tokens, "
+          f"batch {args.batch} sequences, {args.threads} threads, chunk {args.chunk} tokens")
+
+    with torch.inference_mode():
+        adapter.states(batches[0][:2])  # warm-up (allocator, kernels)
+
+    def bare() -> None:
+        with torch.inference_mode():
+            for ids in batches:
+                st = adapter.states(ids)
+                for t in range(T):
+                    adapter.readout(st.hidden[:, :, t], t)
+
+    tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-dump-"))
+    dcfg = DumpConfig(batch_size=args.batch, chunk_tokens=args.chunk)
+    sizes: dict[str, int] = {}
+
+    def dump() -> None:
+        shutil.rmtree(tmp / "val.zarr", ignore_errors=True)
+        st = dump_split(adapter, data, tmp / "val.zarr", dcfg, progress=False)
+        assert st.n_tokens == n_tokens
+        sizes["store"] = _dir_bytes(tmp / "val.zarr")
+
+    def naive() -> None:
+        d = tmp / "naive"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
+        with torch.inference_mode():
+            for b, ids in enumerate(batches):
+                out = model(ids)  # per-loop readouts stacked: logits [B, S, T, V]
+                np.save(d / f"hidden_{b:04d}.npy", out.hidden.float().numpy())
+                np.save(d / f"hidden_init_{b:04d}.npy", out.hidden_init.float().numpy())
+                np.save(d / f"logits_{b:04d}.npy", out.logits.float().numpy())
+        sizes["naive"] = _dir_bytes(d)
+
+    # The machine is shared: run the three interleaved, --reps times, and keep each one's fastest run
+    # (wall) and its least CPU time (all threads: the background writer included).
+    wall = {k: float("inf") for k in ("bare", "dump", "naive")}
+    cpu = dict(wall)
+    try:
+        for _ in range(args.reps):
+            for name, fn in (("bare", bare), ("dump", dump), ("naive", naive)):
+                w0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                wall[name] = min(wall[name], time.perf_counter() - w0)
+                cpu[name] = min(cpu[name], time.process_time() - c0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    t_bare, t_dump, t_naive = wall["bare"], wall["dump"], wall["naive"]
+    store_bytes, naive_bytes = sizes["store"], sizes["naive"]
+    hidden_f32 = n_tokens * T * args.d_model * 4
+
+    ratios = {"dump/bare": t_dump / t_bare, "dump/naive": t_dump / t_naive, "bytes": store_bytes / naive_bytes}
+    print(f"wall (best of {args.reps}): bare forward {t_bare:.2f} s, dump {t_dump:.2f} s, naive np.save {t_naive:.2f} s")
+    print(f"cpu  (all threads):  bare forward {cpu['bare']:.2f} s, dump {cpu['dump']:.2f} s, "
+          f"naive np.save {cpu['naive']:.2f} s  (cpu dump/bare {cpu['dump'] / cpu['bare']:.3f}, "
+          f"dump/naive {cpu['dump'] / cpu['naive']:.3f})")
+    print(f"bytes: store {store_bytes / 2**20:.1f} MiB, naive float32 .npy {naive_bytes / 2**20:.1f} MiB "
+          f"(hidden alone in float32: {hidden_f32 / 2**20:.1f} MiB; store / that = {store_bytes / hidden_f32:.3f})")
+    ok = True
+    for k, v in ratios.items():
+        hit = v <= TARGETS[k]
+        ok &= hit
+        print(f"{k:11s} {v:6.3f}  (target <= {TARGETS[k]}) {'ok' if hit else 'MISSED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
