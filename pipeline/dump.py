@@ -318,13 +318,21 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
     label = "<memory>" if not isinstance(path, str | Path) else str(path)
 
     writer = StoreWriter.reopen(path)
-    if writer is not None and writer.attrs.get("fingerprint") == fp:
-        if writer.attrs.get("complete"):
+    invalid = None
+    if writer is not None and writer.attrs.get("fingerprint") == fp and writer.attrs.get("complete"):
+        try:  # same inputs and finished: nothing to recompute, unless it was damaged since
+            open_store(path, allow_nan=True)
+        except StoreError as exc:
+            invalid = str(exc)
+        else:
             return _finished(path, label, cfg)
+    if invalid is None and writer is not None and writer.attrs.get("fingerprint") == fp:
         done = writer.done_chunks()
         _say(f"{label}: resuming ({int(done.sum())} of {writer.n_chunks} chunks already written)")
     else:
-        if writer is not None:
+        if invalid is not None:
+            _say(f"{label}: existing store is invalid ({invalid}); starting over")
+        elif writer is not None:
             _say(f"{label}: existing store was dumped with different parameters, checkpoint or data; starting over")
         elif Path(path).exists() if isinstance(path, str | Path) else _memory_keys(path):
             _say(f"{label}: existing store is unreadable or from another schema; starting over")
