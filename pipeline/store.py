@@ -123,9 +123,9 @@ def _jsonable(x: Any) -> Any:
         return x.item()
     if isinstance(x, float) and not math.isfinite(x):
         return None
-    if isinstance(x, os.PathLike):
-        return str(x)
-    return x
+    if x is None or isinstance(x, bool | int | float | str):
+        return x
+    return str(x)  # paths, dtypes, devices...: recorded by name rather than failing the JSON encoding
 
 
 def _codecs(clevel: int) -> list:
