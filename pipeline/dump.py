@@ -26,7 +26,7 @@ import json
 import queue
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .adapters.hf import AdapterConfig
 from .config import BaseConfig, ConfigError, to_dict
 from .interface import LoopedModelAdapter
+from .precision import encode_states, resolve_state_dtype
 from .stats import LoopStats
 from .store import (
     DIMS,
@@ -52,6 +54,7 @@ from .store import (
     open_store,
 )
 from .tasks import IGNORE, SPLITS, Task, TaskBatch
+from .text import TextConfig
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,9 @@ class DumpConfig:
         sequences: split -> number of sequences to dump (data seeds come from the checkpoint).
         batch_size: sequences per forward pass.
         chunk_tokens: rows per store chunk along ``token`` (the unit of writing, resuming and streaming reads).
-        hidden_dtype: stored dtype of ``hidden``/``hidden_init``: ``float16`` or ``float32``.
+        hidden_dtype: stored dtype of ``hidden``/``hidden_init``: ``float16``, ``float32``, ``bfloat16`` (kept as
+            its uint16 bits) or ``auto`` (bfloat16 for bf16 models, else float16; :mod:`pipeline.precision`).
+            A finite state beyond float16's range is an error, never a silent inf.
         full_logits_max_vocab: store full ``logits`` when vocab ≤ this, else ``topk_ids``/``topk_logits``
             (the statistics are exact either way: computed from the full logits at dump time).
         topk: k of the top-k logits (capped at the vocabulary size).
@@ -70,6 +75,9 @@ class DumpConfig:
         allow_nan: accept NaN/Inf in the stored states (they are counted in ``nan_count`` either way);
             when false a dump that produced any fails after writing, and readers refuse the store.
         clevel: zstd compression level (Blosc, byte shuffle).
+        adapter: a real checkpoint to dump instead of a trained looptrace model (``pipeline.adapters.hf``;
+            the run name is ``adapter.name``); null = the default pipeline's checkpoints.
+        text: the corpus of an adapter dump (:class:`pipeline.text.TextConfig`); required with ``adapter``.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -81,6 +89,8 @@ class DumpConfig:
     writer_queue: int = 2
     allow_nan: bool = False
     clevel: int = 1
+    adapter: AdapterConfig | None = None
+    text: TextConfig | None = None
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
@@ -91,8 +101,11 @@ class DumpConfig:
         for name in ("batch_size", "chunk_tokens", "topk", "writer_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"dump.{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_dtype not in HIDDEN_DTYPES:
-            raise ConfigError(f"dump.hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, got {self.hidden_dtype!r}")
+        if self.hidden_dtype not in (*HIDDEN_DTYPES, "auto"):
+            raise ConfigError(f"dump.hidden_dtype must be one of {', '.join(HIDDEN_DTYPES)}, auto; "
+                              f"got {self.hidden_dtype!r}")
+        if self.adapter is not None and self.text is None:
+            raise ConfigError("dump.adapter needs dump.text (the corpus to run the checkpoint on)")
         if not 0 <= self.clevel <= 9:
             raise ConfigError(f"dump.clevel must be in 0..9, got {self.clevel}")
 
@@ -164,8 +177,8 @@ def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tupl
     info = adapter.info
     T, D, V = info.n_loops, info.d_model, info.vocab_size
     k = None if V <= cfg.full_logits_max_vocab else min(cfg.topk, V)
-    specs = {"hidden": ArraySpec((n_tokens, T, D), cfg.hidden_dtype),
-             "hidden_init": ArraySpec((n_tokens, D), cfg.hidden_dtype)}
+    sdt = state_dtype(adapter, cfg)
+    specs = {"hidden": ArraySpec((n_tokens, T, D), sdt), "hidden_init": ArraySpec((n_tokens, D), sdt)}
     if k is None:
         specs["logits"] = ArraySpec((n_tokens, T, V), DTYPES["logits"])
     else:
@@ -181,6 +194,11 @@ def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tupl
     return specs, k
 
 
+def state_dtype(adapter: LoopedModelAdapter, cfg: DumpConfig) -> str:
+    """The stored dtype of the states for this model (``auto`` resolved from ``info.extra['dtype']``)."""
+    return resolve_state_dtype(cfg.hidden_dtype, adapter.info.extra.get("dtype"))
+
+
 @torch.inference_mode()
 def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
              k: int | None, hidden_dtype: str) -> dict[str, np.ndarray]:
@@ -191,16 +209,18 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     ids = torch.from_numpy(np.ascontiguousarray(data.tokens[rows], dtype=np.int64)).to(dev)
     m = torch.from_numpy(mask[rows]).to(dev)
     st = adapter.states(ids)
-    tdtype = torch.float16 if hidden_dtype == "float16" else torch.float32
     # cast before selecting (half the bytes to gather); all scored: a reshape instead of a gather
     if bool(m.all()):
         sel = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - [B, S, ...] -> [B*S, ...] row-major
     else:
         sel = lambda x: x[m]  # noqa: E731
-    out: dict[str, np.ndarray] = {
-        "hidden": sel(st.hidden.to(tdtype)).cpu().numpy(),            # [n, T, D]
-        "hidden_init": sel(st.hidden_init.to(tdtype)).cpu().numpy(),  # [n, D]
-    }
+    mnp = mask[rows]
+    where = f"dump of '{info.name}', sequences {rows.start}..{rows.stop - 1}"
+    # range-checked cast to the stored representation (float16 overflow is an error; bfloat16 as bits)
+    enc = {name: encode_states(x, hidden_dtype, f"{where}: '{name}'")
+           for name, x in (("hidden", st.hidden), ("hidden_init", st.hidden_init))}
+    out: dict[str, np.ndarray] = {name: (a.reshape(-1, *a.shape[2:]) if mnp.all() else a[mnp])
+                                  for name, a in enc.items()}  # hidden [n, T, D], hidden_init [n, D]
     if info.has_gate:
         if st.gate_logits is None:
             raise ValueError(f"adapter '{info.name}' declares a gate but returned no gate logits")
@@ -271,7 +291,8 @@ class _ChunkAssembler:
 
 
 def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, cfg: DumpConfig,
-               attrs: Mapping[str, Any] | None = None, progress: bool = True) -> TrajectoryStore:
+               attrs: Mapping[str, Any] | None = None, progress: bool = True,
+               finalize: Callable[[StoreWriter], Mapping[str, Any] | None] | None = None) -> TrajectoryStore:
     """Dump one split of one model to a trajectory store (resumable).
 
     Args:
@@ -283,6 +304,9 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         attrs: extra group attributes (split, task, regime, difficulty_name, difficulty_levels, token_types,
             seeds...); ``task``/``regime`` default to the adapter's ``info.extra``.
         progress: show a tqdm bar (silent when not a terminal anyway).
+        finalize: called with the writer after every chunk is written and before the store is marked
+            complete; may :meth:`~pipeline.store.StoreWriter.rewrite` token columns and returns extra
+            attributes (or None). Runs again on resume, so it must be idempotent.
 
     Returns:
         The completed store, opened (``allow_nan`` as configured).
@@ -361,7 +385,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
                 if all(done[c] for c in chunks):  # nothing left to write in this batch
                     asm.pos = hi
                 else:
-                    asm.add(_capture(adapter, data, mask, rows, k, cfg.hidden_dtype))
+                    asm.add(_capture(adapter, data, mask, rows, k, specs["hidden"].dtype))
                 bar.update(hi - lo)
         except BaseException:
             # let the writer finish the chunks already queued (their markers keep them), then stop
@@ -371,7 +395,8 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         finally:
             bar.close()
         bg.close()
-    writer.finish()
+    # columns known only once every chunk is written (a text dump's loss-bin difficulty), before `complete`
+    writer.finish(finalize(writer) if finalize is not None else None)
     return _finished(path, label, cfg)
 
 
@@ -384,8 +409,8 @@ def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore
     nan = int(st.attrs.get("nan_count") or 0)
     if nan and not cfg.allow_nan:
         raise StoreError(f"store {label}: {nan} NaN/Inf values in 'hidden'/'hidden_init' "
-                         f"(dtype {cfg.hidden_dtype}); set dump.hidden_dtype: float32 if float16 overflowed, "
-                         "or dump.allow_nan: true to keep them")
+                         f"(dtype {cfg.hidden_dtype}) produced by the model itself (float16 overflow is refused "
+                         "before writing); set dump.allow_nan: true to keep them")
     return st
 
 

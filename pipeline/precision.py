@@ -18,8 +18,9 @@ counted (``nan_count``), as before.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-import torch
 
 #: Stored dtypes of the states, and the Zarr dtype that holds each.
 STATE_DTYPES = {"float16": "float16", "float32": "float32", "bfloat16": "uint16"}
@@ -37,7 +38,13 @@ def resolve_state_dtype(requested: str, model_dtype: str | None) -> str:
     return {"bfloat16": "bfloat16", "float16": "float16"}.get(str(model_dtype or "").replace("torch.", ""), "float16")
 
 
-def _max_finite_abs(x: torch.Tensor) -> float:
+def _max_finite_abs(x: Any) -> float:
+    if isinstance(x, np.ndarray):
+        a = np.abs(x.astype(np.float32, copy=False)) if x.dtype != np.float64 else np.abs(x)
+        a = a[np.isfinite(a)]
+        return float(a.max()) if a.size else 0.0
+    import torch
+
     a = x.detach().abs()
     if a.dtype not in (torch.float32, torch.float64):
         a = a.float()
@@ -45,29 +52,39 @@ def _max_finite_abs(x: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else 0.0
 
 
-def check_fits(x: torch.Tensor | np.ndarray, dtype: str, what: str) -> None:
+def check_fits(x: Any, dtype: str, what: str) -> None:
     """Raise :class:`PrecisionError` when a finite value of ``x`` exceeds the range of ``dtype``.
 
     Args:
-        x: the values (any float dtype).
+        x: the values (any float dtype; numpy array or torch tensor).
         dtype: the stored dtype (only ``float16`` has a narrower range than the models' dtypes).
         what: names the array (and chunk / batch) in the message.
     """
     if dtype != "float16":
         return
-    t = torch.as_tensor(x) if isinstance(x, np.ndarray) else x
-    m = _max_finite_abs(t)
+    m = _max_finite_abs(x)
     if m > FLOAT16_MAX:
         raise PrecisionError(f"{what}: |value| reaches {m:.4g}, beyond float16's largest finite value "
                              f"{FLOAT16_MAX:.0f} (it would be stored as inf); set dump.hidden_dtype: float32 or "
                              "bfloat16 (auto picks bfloat16 for bf16 models)")
 
 
-def encode_states(x: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.ndarray:
+def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
+    # round to nearest even, as torch's float32 -> bfloat16 cast; NaN stays a (quiet) NaN
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(a)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return rounded
+
+
+def encode_states(x: Any, dtype: str, what: str) -> np.ndarray:
     """States → the numpy array stored for ``dtype`` (range-checked; bfloat16 as uint16 bits).
 
     Args:
-        x: [..., d_model] states, any float dtype (torch or numpy); uint16 input is taken as bfloat16 bits.
+        x: [..., d_model] states, any float dtype (torch tensor or numpy); uint16 numpy input is taken as
+            bfloat16 bits already.
         dtype: ``float16`` | ``bfloat16`` | ``float32``.
         what: names the array in an error message.
     """
@@ -78,9 +95,16 @@ def encode_states(x: torch.Tensor | np.ndarray, dtype: str, what: str) -> np.nda
             if dtype != "bfloat16":
                 raise PrecisionError(f"{what}: uint16 (bfloat16 bits) given for a {dtype} array")
             return x
-        t = torch.from_numpy(np.ascontiguousarray(x))
-    else:
-        t = x.detach()
+        if dtype != "bfloat16" and x.dtype == np.dtype(dtype):
+            return x  # already in the stored representation (cast, and range-checked, by the producer)
+        check_fits(x, dtype, what)
+        if dtype == "bfloat16":
+            return _f32_to_bf16_bits(x)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return x.astype(dtype, copy=False)
+    import torch
+
+    t = x.detach()
     check_fits(t, dtype, what)
     if dtype == "bfloat16":
         return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)

@@ -45,6 +45,8 @@ import polars as pl
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
 
+from .precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
+
 #: Bumped whenever an array, dimension or required attribute changes meaning.
 SCHEMA_VERSION = 1
 
@@ -77,7 +79,8 @@ DTYPES: dict[str, str] = {
 }
 
 HIDDEN_NAMES = ("hidden", "hidden_init")
-HIDDEN_DTYPES = ("float16", "float32")
+#: Stored dtypes of the states; bfloat16 is kept as its uint16 bit pattern (pipeline.precision).
+HIDDEN_DTYPES = ("float16", "float32", "bfloat16")
 
 #: Arrays every store must hold (``logits`` or ``topk_*`` and ``gate_logit`` are optional).
 REQUIRED = ("hidden", "hidden_init", *STAT_NAMES, *TOKEN_FIELDS, "loop_group")
@@ -242,8 +245,8 @@ class TrajectoryStore:
                                  f"{_RERUN}") from None
             raise
         out = np.asarray(out)
-        if name in HIDDEN_NAMES and out.dtype != np.float32:
-            out = out.astype(np.float32)
+        if name in HIDDEN_NAMES:
+            out = decode_states(out, (self.attrs.get("dtypes") or {}).get(name))  # float32 (bfloat16 bits widened)
         return out
 
     def blocks(self, block_tokens: int | None = None) -> Iterator[slice]:
@@ -426,6 +429,7 @@ class StoreWriter:
         self.n_tokens = int(self.attrs["n_tokens"])
         self.chunk_tokens = int(self.attrs["chunk_tokens"])
         self.n_chunks = math.ceil(self.n_tokens / self.chunk_tokens)
+        self.state_dtypes = {n: d for n, d in (self.attrs.get("dtypes") or {}).items() if n in HIDDEN_NAMES}
 
     @classmethod
     def create(cls, target: StoreTarget, specs: Mapping[str, ArraySpec], attrs: Mapping[str, Any],
@@ -456,7 +460,8 @@ class StoreWriter:
                 raise StoreError(f"array '{name}' has {spec.shape[0]} rows, expected n_tokens={n_tokens}")
             chunks = (max(1, chunk_tokens),) + tuple(max(1, s) for s in spec.shape[1:]) if dims[0] == "token" \
                 else tuple(max(1, s) for s in spec.shape)
-            group.create_array(name, shape=spec.shape, chunks=chunks, dtype=spec.dtype, compressors=codecs,
+            zdtype = STATE_DTYPES.get(spec.dtype, spec.dtype) if name in HIDDEN_NAMES else spec.dtype
+            group.create_array(name, shape=spec.shape, chunks=chunks, dtype=zdtype, compressors=codecs,
                                dimension_names=dims, fill_value=0)
         group.create_array(_MARKER, shape=(n_chunks,), chunks=(1,), dtype="int64", compressors=[Crc32cCodec()],
                            dimension_names=DIMS[_MARKER], fill_value=-1)
@@ -512,16 +517,43 @@ class StoreWriter:
                 continue
             if name not in data:
                 raise StoreError(f"store {self.label}: chunk {chunk} lacks array '{name}'")
-            with np.errstate(over="ignore", invalid="ignore"):  # float16 overflow -> inf, counted below
+            if name in HIDDEN_NAMES:
+                # states: range-checked cast (float16 overflow is an error, never a silent inf), bfloat16 as bits
+                try:
+                    x = encode_states(np.asarray(data[name]), self.state_dtypes.get(name, str(arr.dtype)),
+                                      f"store {self.label}: chunk {chunk} of '{name}'")
+                except PrecisionError as exc:
+                    raise StoreError(str(exc)) from None
+            else:
                 x = np.asarray(data[name], dtype=arr.dtype)
             if x.shape != (n, *arr.shape[1:]):
                 raise StoreError(f"store {self.label}: chunk {chunk} of '{name}' has shape {x.shape}, "
                                  f"expected {(n, *arr.shape[1:])}")
             if name in HIDDEN_NAMES:
-                nonfinite += int(x.size - np.count_nonzero(np.isfinite(x)))
+                nonfinite += count_nonfinite(x, self.state_dtypes.get(name, str(arr.dtype)))
             arr[rows] = x
         self._arrays[_MARKER][chunk] = nonfinite
         return nonfinite
+
+    def read(self, name: str) -> np.ndarray:
+        """Read back a whole array already written (for :meth:`rewrite` hooks run before :meth:`finish`)."""
+        out = np.asarray(self._arrays[name][...])
+        return decode_states(out, self.state_dtypes.get(name)) if name in HIDDEN_NAMES else out
+
+    def rewrite(self, name: str, values: np.ndarray) -> None:
+        """Replace one token-axis array whole, chunk by chunk (whole aligned chunks only).
+
+        Used by ``dump_split(finalize=...)`` for columns known only after every chunk is written (a text
+        dump's ``difficulty`` = bin of the full-depth loss). Idempotent, so a killed rewrite is redone on resume.
+        """
+        arr = self._arrays[name]
+        values = np.asarray(values, dtype=arr.dtype)
+        if values.shape != arr.shape or DIMS.get(name, ("",))[0] != "token" or name in HIDDEN_NAMES:
+            raise StoreError(f"store {self.label}: rewrite of '{name}' needs a non-state token array of shape "
+                             f"{arr.shape}, got {values.shape}")
+        for c in range(self.n_chunks):
+            rows = self.chunk_rows(c)
+            arr[rows] = values[rows]
 
     def write_small(self, name: str, value: np.ndarray) -> None:
         """Write a non-token array whole (``loop_group``)."""
@@ -580,8 +612,9 @@ def write_store(path: StoreTarget, arrays: Mapping[str, np.ndarray], attrs: Mapp
             ``attrs['model']['vocab_size']`` or 1 + the largest target / argmax / token id), ``dtypes``,
             ``chunk_tokens``, ``nan_count``, ``schema_version`` and ``complete`` are filled in.
         chunk_tokens: rows per chunk along ``token``.
-        hidden_dtype: stored dtype of ``hidden``/``hidden_init`` (``float16``/``float32``); ``None`` keeps
-            the given array's dtype when it is one of those, else float16.
+        hidden_dtype: stored dtype of ``hidden``/``hidden_init`` (``float16``/``float32``/``bfloat16``);
+            ``None`` keeps the given array's dtype when it is one of those, else float16. A finite value beyond
+            float16's range is a :class:`StoreError` (never stored as inf; ``pipeline.precision``).
 
     Returns:
         The store, opened with ``allow_nan=True`` (non-finite states are counted in ``nan_count``).

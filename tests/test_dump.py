@@ -230,7 +230,7 @@ def test_config_defaults_match_params_yaml_and_reject_bad_values():
     with pytest.raises(ConfigError, match="unknown key 'chunk'"):
         from_dict(DumpConfig, {"chunk": 3}, "dump")
     with pytest.raises(ConfigError, match="hidden_dtype"):
-        DumpConfig(hidden_dtype="bfloat16")
+        DumpConfig(hidden_dtype="int8")
     with pytest.raises(ConfigError, match="unknown split 'train'"):
         DumpConfig(sequences={"train": 3})
 

@@ -160,13 +160,16 @@ def test_nan_in_hidden_counted_and_refused(tmp_path):
     arrays = _arrays()
     arrays["hidden"][3, 1, 2] = np.nan
     arrays["hidden_init"][5, 0] = np.inf
-    arrays["hidden"][7, 0, 0] = 1e5  # overflows float16 -> inf, counted after the cast
     p = tmp_path / "nan.zarr"
     write_store(p, arrays, ATTRS, chunk_tokens=10, hidden_dtype="float16")
-    with pytest.raises(StoreError, match=r"3 NaN/Inf values in 'hidden'/'hidden_init'.*allow_nan=True"):
+    with pytest.raises(StoreError, match=r"2 NaN/Inf values in 'hidden'/'hidden_init'.*allow_nan=True"):
         open_store(p)
     st = open_store(p, allow_nan=True)
-    assert st.attrs["nan_count"] == 3 and np.isposinf(st.read("hidden")[7, 0, 0])
+    assert st.attrs["nan_count"] == 2 and np.isposinf(st.read("hidden_init")[5, 0])
+    # a finite state beyond float16's range is refused, never stored as inf (pipeline.precision)
+    arrays["hidden"][7, 0, 0] = 1e5
+    with pytest.raises(StoreError, match=r"chunk 0 of 'hidden': \|value\| reaches 1e\+05, beyond float16"):
+        write_store(tmp_path / "over.zarr", arrays, ATTRS, chunk_tokens=10, hidden_dtype="float16")
 
 
 def test_damaged_chunk_is_an_error(tmp_path):
