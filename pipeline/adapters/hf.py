@@ -153,6 +153,10 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
                           "dtype": "auto" if cfg.dtype == "auto" else MODEL_DTYPES[cfg.dtype]}
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the dump has its own progress bar; keep stage output to one line
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
         auto = AutoModelForCausalLM
@@ -162,6 +166,9 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
     except (OSError, ValueError, KeyError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"dump.adapter.path '{path}': cannot load the checkpoint ({msg})") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval()
 
 

@@ -1,0 +1,216 @@
+"""Text corpora → TaskBatch, token types, loss-bin difficulty, and the LM profile end to end.
+
+The end-to-end test runs the repository's ``params-lm.yaml`` (paths pointed at a tiny Dory checkpoint and
+corpus built here) through ``looptrace dump`` → ``geometry`` → ``readouts`` → ``diagnose`` with the CLI, and
+checks the store against the model's own forward pass (independent of the adapter and the dump).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+import torch
+import yaml
+
+from pipeline.text import (
+    TOKEN_TYPES,
+    TextConfig,
+    classify_token_text,
+    document_split,
+    loss_bins,
+    pack,
+    read_documents,
+    text_batch,
+)
+from tests import hf_helpers as H
+from tests.conftest import REPO
+
+torch.set_num_threads(1)
+T_ = {name: i for i, name in enumerate(TOKEN_TYPES)}
+
+
+@pytest.mark.parametrize("text, kind", [
+    (" ", "whitespace"), ("\n\n", "whitespace"), ("", "whitespace"), (",", "punctuation"), (" ...", "punctuation"),
+    ("$", "punctuation"), (" 42", "number"), ("3.14", "number"), ("2,718", "number"), (" the", "function_word"),
+    ("The", "function_word"), (" of", "function_word"), ("n't", "function_word"), (" cat", "content_word"),
+    ("ing", "content_word"), ("Über", "content_word"), ("x2", "content_word"), ("\ufffd", "other"),
+])
+def test_token_types_of_hand_picked_strings(text, kind):
+    assert TOKEN_TYPES[classify_token_text(text)] == kind
+
+
+def test_special_tokens_and_tokenizer_table():
+    assert TOKEN_TYPES[classify_token_text("</s>", special=True)] == "special"
+    tok = H.tokenizer()
+    cfg = TextConfig(path="unused", seq_len=6, add_bos=True, add_eos=True)
+    b = text_batch(tok, ["The cat sat on the mat, 42 times."], cfg)
+    ids = tok("The cat sat on the mat, 42 times.", add_special_tokens=False)["input_ids"]
+    stream = [tok.bos_token_id, *ids, tok.eos_token_id]
+    n = (len(stream) - 1) // 6
+    np.testing.assert_array_equal(b.tokens.ravel(), stream[: 6 * n])
+    np.testing.assert_array_equal(b.targets.ravel(), stream[1: 6 * n + 1])
+    assert (b.difficulty == -1).all()
+    want = [classify_token_text(tok.decode([i]), special=i in tok.all_special_ids) for i in b.tokens.ravel()]
+    np.testing.assert_array_equal(b.token_type.ravel(), want)
+    assert b.token_type.ravel()[0] == T_["special"]  # <s>
+    with pytest.raises(ValueError, match="model reads out 10 classes"):
+        text_batch(tok, ["The cat sat on the mat."], cfg, vocab_size=10)
+
+
+def test_pack_windows_score_every_next_token_once():
+    s = np.arange(20)
+    tokens, targets = pack(s, 6)
+    np.testing.assert_array_equal(tokens, [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]])
+    np.testing.assert_array_equal(targets, tokens + 1)
+    assert pack(s, 6, n=2)[0].shape == (2, 6)
+    assert pack(np.arange(5), 6)[0].shape == (0, 6)
+
+
+def test_read_documents_formats_and_errors(tmp_path):
+    docs = ["one doc", "two\ndocs", "three"]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)) + "\n\n")
+    assert read_documents(tmp_path / "c.jsonl") == docs
+    assert read_documents(tmp_path / "c.jsonl", max_documents=2) == docs[:2]
+    pl.DataFrame({"body": docs}).write_parquet(tmp_path / "c.parquet")
+    assert read_documents(tmp_path / "c.parquet", field="body") == docs
+    (tmp_path / "c.txt").write_text("one doc\n\ntwo\ndocs\n  \nthree\n")
+    assert read_documents(tmp_path / "c.txt") == docs
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON"):
+        read_documents(tmp_path / "bad.jsonl")
+    with pytest.raises(ValueError, match="no string field 'content'"):
+        read_documents(tmp_path / "c.jsonl", field="content")
+    with pytest.raises(ValueError, match="cannot read column 'text'"):
+        read_documents(tmp_path / "c.parquet")
+    with pytest.raises(ValueError, match="not found"):
+        read_documents(tmp_path / "none.jsonl")
+
+
+def test_document_splits_are_disjoint_and_content_defined():
+    docs = [f"document number {i}" for i in range(300)]
+    s = np.array([document_split(d) for d in docs])
+    assert set(s) == {0, 1, 2} and all(np.bincount(s) > 70)
+    assert [document_split(d) for d in docs] == list(s)  # a function of the text only
+
+
+def test_loss_bins_hand_case():
+    loss = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, np.nan])
+    bins, edges = loss_bins(loss, 2)
+    np.testing.assert_allclose(edges, [0.55])
+    np.testing.assert_array_equal(bins, [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, -1])
+    bins, edges = loss_bins(np.array([1.0, 1.0, 1.0, 2.0]), 4)  # ties share a bin
+    np.testing.assert_array_equal(bins, [0, 0, 0, 3])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def corpus(path, n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    words = " ".join(H.CORPUS).split()
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(8, 20)))) + f" {i}."}) + "\n")
+    return path
+
+
+def lm_params(tmp_path, ckpt, corpus_path, **adapter):
+    """The repository's params-lm.yaml with paths and sizes for a tiny run."""
+    p = yaml.safe_load((REPO / "params-lm.yaml").read_text())
+    p["base"]["threads"] = 1
+    p["dump"]["adapter"].update(path=str(ckpt), dtype="float32", name="tiny", **adapter)
+    p["dump"]["text"].update(path=str(corpus_path), seq_len=16)
+    p["dump"].update(sequences={"fit": 4, "val": 4, "test": 4}, batch_size=3, chunk_tokens=20)
+    out = tmp_path / "params-lm.yaml"
+    out.write_text(yaml.safe_dump(p, sort_keys=False))
+    return out
+
+
+def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
+    from transformers import DoryForCausalLM
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.store import open_store
+    from pipeline.text import text_splits
+
+    ckpt = H.build_dory(tmp_path / "dory")
+    params = lm_params(tmp_path, ckpt, corpus(tmp_path / "corpus.jsonl"))
+    art = tmp_path / "artifacts"
+    run = CliRunner().invoke
+    r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump")])
+    assert r.exit_code == 0, r.output
+    assert "tiny: dumped tokens per split: fit 64, val 64, test 64 (T = 3)" in r.output
+
+    model = DoryForCausalLM.from_pretrained(ckpt, local_files_only=True).eval()
+    tcfg = TextConfig(path=str(tmp_path / "corpus.jsonl"), seq_len=16)
+    data = text_splits(tcfg, {"fit": 4, "val": 4, "test": 4}, ckpt, H.VOCAB)
+    tok = H.tokenizer()
+    for split in ("fit", "val", "test"):
+        st = open_store(art / "dump" / "tiny" / f"{split}.zarr")
+        a = st.attrs
+        assert (a["split"], a["task"]["kind"], a["difficulty_name"], a["logits_mode"]) == (
+            split, "text", "final_loss_bin", "topk")  # vocab 300 > full_logits_max_vocab 256
+        assert a["dtypes"]["hidden"] == "float16" and a["token_types"] == list(TOKEN_TYPES)
+        b = data[split]
+        np.testing.assert_array_equal(st.read("token_id"), b.tokens.ravel())
+        np.testing.assert_array_equal(st.read("target"), b.targets.ravel())
+        with torch.no_grad():
+            out = model(torch.from_numpy(b.tokens), output_hidden_states=True)
+        logp = torch.log_softmax(out.logits.float(), -1).reshape(-1, H.VOCAB).numpy()
+        tgt = b.targets.ravel()
+        ref_lp = logp[np.arange(len(tgt)), tgt]
+        np.testing.assert_allclose(st.read("target_logprob")[:, -1], ref_lp, rtol=1e-5, atol=1e-5)
+        # states after each loop = the model's own hidden states (float16 storage)
+        for t in range(3):
+            ref_h = out.hidden_states[1 + 2 * (t + 1)].reshape(-1, 32).numpy()
+            np.testing.assert_allclose(st.read("hidden")[:, t], ref_h, rtol=2e-3, atol=2e-3)
+        # top-k of the last loop = top-k of the model's logits
+        z = out.logits.reshape(-1, H.VOCAB)
+        np.testing.assert_array_equal(st.read("topk_ids")[:, -1], z.topk(16, -1).indices.numpy())
+        # difficulty = decile of the full-depth loss within the split (independent numpy quantiles)
+        loss = -ref_lp.astype(np.float64)
+        edges = np.quantile(loss, np.arange(1, 10) / 10)
+        np.testing.assert_array_equal(st.read("difficulty"), [int((edges < x).sum()) for x in loss])
+        assert np.allclose(a["difficulty_edges"], edges, rtol=1e-4)
+        types = [classify_token_text(tok.decode([i]), special=i in tok.all_special_ids) for i in st.read("token_id")]
+        np.testing.assert_array_equal(st.read("token_type"), types)
+
+    # the downstream stages run unchanged on the LM stores
+    for cmd in (["geometry", "--model", "tiny", "--dump-root", str(art / "dump"), "--out", str(art / "geometry")],
+                ["readouts", "--model", "tiny", "--geometry-root", str(art / "geometry"), "--out",
+                 str(art / "readouts")],
+                ["diagnose", "--models", "tiny", "--readouts-root", str(art / "readouts"), "--gates-root",
+                 str(art / "gates"), "--geometry-root", str(art / "geometry"), "--out", str(art / "diagnose")]):
+        r = run(app, [*cmd, "--params", str(params)])
+        assert r.exit_code == 0, (cmd[0], r.output)
+    tl = pl.read_parquet(art / "geometry" / "tiny" / "token_loop.parquet")
+    assert tl.height == 3 * 64 * 3 and set(tl["loop"].unique()) == {1, 2, 3}
+    ops = pl.read_parquet(art / "readouts" / "tiny" / "operating_points.parquet")
+    assert {"entropy", "kl_prev", "fixed", "oracle"} <= set(ops["rule"].unique())
+    assert "q_exit" not in set(ops["rule"].unique())  # Dory has no native gate
+    assert (art / "diagnose" / "summary.md").is_file()
+
+    # resume: a second dump finds the complete stores and writes nothing
+    before = {p: p.stat().st_mtime_ns for p in (art / "dump" / "tiny").rglob("*") if p.is_file()}
+    r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump")])
+    assert r.exit_code == 0, r.output
+    assert before == {p: p.stat().st_mtime_ns for p in (art / "dump" / "tiny").rglob("*") if p.is_file()}
+
+
+def test_lm_stage_errors_are_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    params = lm_params(tmp_path, tmp_path / "nope", tmp_path / "none.jsonl")
+    r = CliRunner().invoke(app, ["dump", "--params", str(params), "--out", str(tmp_path / "a")])
+    assert r.exit_code == 2 and "dump.adapter.path" in r.output and "is not a directory" in r.output
+    p = yaml.safe_load(params.read_text())
+    p["dump"]["adapter"]["kind"] = "lstm"
+    params.write_text(yaml.safe_dump(p, sort_keys=False))
+    r = CliRunner().invoke(app, ["dump", "--params", str(params)])
+    assert r.exit_code == 2 and "dump.adapter.kind must be one of" in r.output
