@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
 
 VOCAB = 300
 CORPUS = [
@@ -284,3 +288,29 @@ def build_fake_huginn(path: Path) -> Path:
     """A remote-code stand-in with Huginn's step API (random initial state, 5 recurrence steps)."""
     return _remote(path, "fake_huginn", _HUGINN_CONFIG, _HUGINN_MODEL, "FakeRavenConfig", "FakeRavenForCausalLM",
                    {"model_type": "fake_huginn_raven", "vocab_size": VOCAB, "n_embd": 16, "mean_recurrence": 5})
+
+
+# ---------------------------------------------------------------------------------------------
+# A corpus and the LM profile for tiny runs
+# ---------------------------------------------------------------------------------------------
+
+def corpus(path, n=60, seed=0):
+    """A JSONL corpus of ``n`` short documents of :data:`CORPUS` words (each ends with its index: distinct)."""
+    rng = np.random.default_rng(seed)
+    words = " ".join(CORPUS).split()
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(8, 20)))) + f" {i}."}) + "\n")
+    return path
+
+
+def lm_params(tmp_path, ckpt, corpus_path, **adapter):
+    """The repository's params-lm.yaml with paths and sizes for a tiny run."""
+    p = yaml.safe_load((REPO / "params-lm.yaml").read_text())
+    p["base"]["threads"] = 1
+    p["dump"]["adapter"].update(path=str(ckpt), dtype="float32", name="tiny", **adapter)
+    p["dump"]["text"].update(path=str(corpus_path), seq_len=16)
+    p["dump"].update(sequences={"fit": 4, "val": 4, "test": 4}, batch_size=3, chunk_tokens=20)
+    out = tmp_path / "params-lm.yaml"
+    out.write_text(yaml.safe_dump(p, sort_keys=False))
+    return out

@@ -195,3 +195,110 @@ def test_checkpoint_hash_follows_the_weights(ckpts, tmp_path):
         h.update(f.name.encode() + b"\0" + file_sha256(f).encode() + b"\n")
     assert checkpoint_hash(d) == h.hexdigest()
     assert np.unique([checkpoint_hash(ckpts[k]) for k in ("dory", "llama", "inkling")]).size == 3
+
+
+# ----------------------------------------------------------------------------- through the dump
+
+
+def _text_batch(path, n=4, seq_len=10):
+    from pipeline.tasks import TaskBatch
+
+    ids = _ids(b=n, s=seq_len + 1, seed=3).numpy()
+    tokens, targets = ids[:, :-1], ids[:, 1:]
+    return TaskBatch(tokens, targets, np.full_like(tokens, -1), np.zeros_like(tokens))
+
+
+def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
+    from pipeline.dump import DumpConfig, dump_split
+    from pipeline.store import memory_store
+
+    a = load_adapter(AdapterConfig(kind="inkling2loop", path=str(ckpts["inkling"])))
+    assert a.info.vocab_size == 296 > DumpConfig().full_logits_max_vocab
+    data = _text_batch(ckpts["inkling"])
+    topk = dump_split(a, data, memory_store(), DumpConfig(batch_size=3, chunk_tokens=16, hidden_dtype="float32"))
+    full = dump_split(a, data, memory_store(), DumpConfig(batch_size=3, chunk_tokens=16, hidden_dtype="float32",
+                                                           full_logits_max_vocab=1000))
+    assert "topk_ids" in topk and "logits" not in topk and "logits" in full
+    from pipeline.store import STAT_NAMES
+
+    for s in STAT_NAMES:  # exact either way: both computed from the full logits at dump time
+        np.testing.assert_array_equal(topk.read(s), full.read(s))
+    z = torch.from_numpy(full.read("logits"))
+    top = z.topk(16, dim=-1)
+    np.testing.assert_array_equal(topk.read("topk_ids"), top.indices.numpy())
+    np.testing.assert_array_equal(topk.read("topk_logits"), top.values.numpy())
+    # and the full logits are the model's own exits: loop T = the model's forward
+    with torch.no_grad():
+        ref = a.model(torch.from_numpy(data.tokens)).logits.reshape(-1, 296)
+    close(z[:, -1], ref)
+
+
+def test_bf16_model_states_stored_exactly_as_bfloat16_bits(tmp_path):
+    from pipeline.dump import DumpConfig, dump_split
+    from pipeline.store import memory_store
+
+    path = H.build_dory(tmp_path / "dory-bf16", dtype=torch.bfloat16)
+    a = load_adapter(AdapterConfig(kind="dory", path=str(path), dtype="auto"))
+    assert a.dtype == torch.bfloat16 and a.info.extra["dtype"] == "bfloat16"
+    data = _text_batch(path, n=2)
+    st = dump_split(a, data, memory_store(), DumpConfig(batch_size=2, chunk_tokens=8, hidden_dtype="auto"))
+    assert st.attrs["dtypes"]["hidden"] == st.attrs["dtypes"]["hidden_init"] == "bfloat16"
+    ref = a.states(torch.from_numpy(data.tokens))
+    np.testing.assert_array_equal(st.read("hidden"), ref.hidden.float().reshape(-1, 3, 32).numpy())
+    np.testing.assert_array_equal(st.read("hidden_init"), ref.hidden_init.float().reshape(-1, 32).numpy())
+
+
+def test_float16_overflow_is_refused_not_stored_as_inf(ckpts):
+    from pipeline.dump import DumpConfig, dump_split
+    from pipeline.store import StoreError, memory_store
+
+    a = load_adapter(AdapterConfig(kind="retrofit", path=str(ckpts["llama"]), block=(1, 3), n_loops=2))
+    with torch.no_grad():
+        a.model.model.embed_tokens.weight.mul_(1e8)  # embeddings ~1e6 (init std 0.02): beyond float16
+    a._verified = True
+    data = _text_batch(ckpts["llama"], n=2)
+    with pytest.raises((StoreError, ValueError), match="beyond float16's largest finite value 65504"):
+        dump_split(a, data, memory_store(), DumpConfig(batch_size=2, chunk_tokens=8, hidden_dtype="float16"))
+    st = dump_split(a, data, memory_store(), DumpConfig(batch_size=2, chunk_tokens=8, hidden_dtype="float32"))
+    assert st.attrs["nan_count"] == 0 and np.abs(st.read("hidden")).max() > 65504
+
+
+def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path):
+    import polars as pl
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    from pipeline.store import open_store
+
+    text = H.corpus(tmp_path / "corpus.jsonl")
+    run = CliRunner().invoke
+    art = tmp_path / "artifacts"
+    for kind, key, extra in (("inkling2loop", "inkling", {}), ("retrofit", "llama", {"block": [1, 3], "n_loops": 2}),
+                             ("ouro", "ouro", {"trust_remote_code": True})):
+        d = tmp_path / kind
+        d.mkdir()
+        params = H.lm_params(d, ckpts[key], text, kind=kind, **extra)
+        r = run(app, ["dump", "--params", str(params), "--out", str(art / kind / "dump")])
+        assert r.exit_code == 0, (kind, r.output)
+        st = open_store(art / kind / "dump" / "tiny" / "test.zarr")
+        assert st.attrs["model"]["extra"]["adapter"] == kind and st.n_loops == {"inkling2loop": 3, "retrofit": 2,
+                                                                                   "ouro": 4}[kind]
+    # Ouro: the native gate is stored and the readouts stage evaluates its Q-exit
+    st = open_store(art / "ouro" / "dump" / "tiny" / "val.zarr")
+    assert st.has_gate
+    a = load_adapter(AdapterConfig(kind="ouro", path=str(ckpts["ouro"]), trust_remote_code=True))
+    seq = st.read("sequence")
+    from pipeline.text import TextConfig, text_splits
+
+    b = text_splits(TextConfig(path=str(text), seq_len=16), {"val": 4}, ckpts["ouro"], H.VOCAB)["val"]
+    g = a.states(torch.from_numpy(b.tokens)).gate_logits.reshape(-1, 4).numpy()
+    np.testing.assert_allclose(st.read("gate_logit"), g[np.arange(len(seq))], rtol=1e-6, atol=1e-6)
+    d = tmp_path / "ouro"
+    for cmd in (["geometry", "--model", "tiny", "--dump-root", str(art / "ouro" / "dump"), "--out",
+                 str(art / "ouro" / "geometry")],
+                ["readouts", "--model", "tiny", "--geometry-root", str(art / "ouro" / "geometry"), "--out",
+                 str(art / "ouro" / "readouts")]):
+        r = run(app, [*cmd, "--params", str(d / "params-lm.yaml")])
+        assert r.exit_code == 0, (cmd[0], r.output)
+    ops = pl.read_parquet(art / "ouro" / "readouts" / "tiny" / "operating_points.parquet")
+    assert "q_exit" in set(ops["rule"].unique())

@@ -26,7 +26,7 @@ from pipeline.text import (
     text_batch,
 )
 from tests import hf_helpers as H
-from tests.conftest import REPO
+from tests.hf_helpers import corpus, lm_params
 
 torch.set_num_threads(1)
 T_ = {name: i for i, name in enumerate(TOKEN_TYPES)}
@@ -106,27 +106,6 @@ def test_loss_bins_hand_case():
 
 
 # ----------------------------------------------------------------------------- end to end
-
-
-def corpus(path, n=60, seed=0):
-    rng = np.random.default_rng(seed)
-    words = " ".join(H.CORPUS).split()
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"text": " ".join(rng.choice(words, size=int(rng.integers(8, 20)))) + f" {i}."}) + "\n")
-    return path
-
-
-def lm_params(tmp_path, ckpt, corpus_path, **adapter):
-    """The repository's params-lm.yaml with paths and sizes for a tiny run."""
-    p = yaml.safe_load((REPO / "params-lm.yaml").read_text())
-    p["base"]["threads"] = 1
-    p["dump"]["adapter"].update(path=str(ckpt), dtype="float32", name="tiny", **adapter)
-    p["dump"]["text"].update(path=str(corpus_path), seq_len=16)
-    p["dump"].update(sequences={"fit": 4, "val": 4, "test": 4}, batch_size=3, chunk_tokens=20)
-    out = tmp_path / "params-lm.yaml"
-    out.write_text(yaml.safe_dump(p, sort_keys=False))
-    return out
 
 
 def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
