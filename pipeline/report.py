@@ -1,0 +1,900 @@
+"""The ``report`` stage: figures, headline tables and findings of a looptrace run, as PNGs and one
+offline HTML page (SPEC §10: ``artifacts/report/index.html``, ``figures/*.png``).
+
+Everything shown is read from the other stages' artifacts (never recomputed from trajectories):
+
+| figure | input |
+|---|---|
+| per-loop accuracy by regime | ``readouts/<model>/metrics.json`` (``test_accuracy_per_loop``) |
+| step norm and step cosine by loop | ``geometry/<model>/loop_summary.parquet`` |
+| convergence depth by difficulty and token type | ``geometry/<model>/convergence.parquet`` (+ loop_summary for names) |
+| Pareto fronts per task | ``readouts/<model>/pareto.parquet``, ``chosen.parquet``, ``gates/<model>/pareto.parquet`` |
+| failure classes | ``diagnose/failure_classes.parquet`` |
+| cross-regime gate matrix | ``gates/cross_regime.parquet`` |
+| realised vs ideal speedup | ``latency/latency.parquet`` |
+
+A figure whose inputs are missing is left out and the page says which stage to run, so the report
+works on partial pipelines (the tests build tiny constructed outputs). The page uses relative image
+paths and no scripts or external resources, so it opens offline from the file system.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+#: Figure file names (``figures/<name>.png``); Pareto fronts add one per task: ``pareto_<task>.png``.
+FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes", "cross_regime", "latency")
+#: Failure classes of SPEC §7 in plotting order, with their colours.
+FAILURE_CLASSES = (("correct", "#4c9f50"), ("trajectory", "#7f7f7f"), ("readout_early", "#e39b2d"),
+                   ("readout_overthinking", "#c44e52"))
+_REGIME_COLOURS = {"final": "#7f7f7f", "uniform": "#1f77b4", "geometric": "#2ca02c", "joint": "#d62728"}
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """``report`` section of ``params.yaml``.
+
+    Attributes:
+        x: the D@X target (percent) of the headline tables.
+        split: split the figures describe (the readouts/gates operating points are always test).
+        convergence_signal, convergence_eps, convergence_kind: which convergence depth of
+            ``convergence.parquet`` the convergence figure shows (SPEC §2: signal, ε, first|settled).
+        dpi: PNG resolution.
+        title: page title.
+    """
+
+    x: float = 95.0
+    split: str = "test"
+    convergence_signal: str = "kl_prev"
+    convergence_eps: float = 0.001
+    convergence_kind: str = "first"
+    dpi: int = 110
+    title: str = "looptrace report"
+
+    def __post_init__(self) -> None:
+        from .config import ConfigError
+
+        if not 0.0 < self.x <= 100.0:
+            raise ConfigError(f"report.x is an accuracy percentage in (0, 100], got {self.x}")
+        if self.convergence_kind not in ("first", "settled"):
+            raise ConfigError(f"report.convergence_kind must be first or settled, got {self.convergence_kind!r}")
+        if self.dpi < 50:
+            raise ConfigError(f"report.dpi must be ≥ 50, got {self.dpi}")
+
+
+@dataclass
+class Inputs:
+    """Everything the report reads, one frame per kind (``model`` column added), None when absent.
+
+    Attributes:
+        meta: model, task, regime, regime_kind, n_loops, full_depth_accuracy (test), has_gate.
+        acc_per_loop: model, loop, accuracy (test).
+        loop_summary: loop_summary rows of ``split`` (group_by all and token_type).
+        convergence: per model × group (difficulty | token_type) mean depth of the chosen signal.
+        pareto, chosen, dx: readouts (+ gates, ``source`` column) rows.
+        failures, verdicts: diagnose tables; summary: diagnose summary.md text.
+        cross_regime: gates' cross-regime table.
+        latency: latency.parquet; latency_metrics: its metrics.json.
+        missing: input -> what to run.
+    """
+
+    meta: pl.DataFrame
+    acc_per_loop: pl.DataFrame | None = None
+    loop_summary: pl.DataFrame | None = None
+    convergence: pl.DataFrame | None = None
+    pareto: pl.DataFrame | None = None
+    chosen: pl.DataFrame | None = None
+    dx: pl.DataFrame | None = None
+    failures: pl.DataFrame | None = None
+    verdicts: pl.DataFrame | None = None
+    summary: str | None = None
+    cross_regime: pl.DataFrame | None = None
+    latency: pl.DataFrame | None = None
+    latency_metrics: dict | None = None
+    missing: dict[str, str] = field(default_factory=dict)
+
+
+def _concat(frames: list[pl.DataFrame]) -> pl.DataFrame | None:
+    frames = [f for f in frames if f is not None and f.height]
+    return pl.concat(frames, how="diagonal_relaxed") if frames else None
+
+
+def _token_type_names(loop_summary: pl.DataFrame | None, ids: np.ndarray) -> dict[int, str]:
+    """token_type id -> name: loop_summary lists the token-type groups by increasing id (geometry
+    ``summarise_loop``), and convergence rows carry the ids of the same tokens."""
+    uniq = sorted(int(i) for i in np.unique(ids))
+    if loop_summary is None:
+        return {i: str(i) for i in uniq}
+    names = (loop_summary.filter((pl.col("group_by") == "token_type") & (pl.col("loop") == 1)
+                                 & (pl.col("metric") == loop_summary["metric"][0]))["group_value"].to_list())
+    return dict(zip(uniq, names, strict=True)) if len(names) == len(uniq) else {i: str(i) for i in uniq}
+
+
+def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> Inputs:
+    """Read every stage's outputs for ``models`` under the artifacts ``root`` (SPEC §10 layout).
+
+    Raises:
+        FileNotFoundError: a model has no ``readouts/<model>/metrics.json`` (the report's spine).
+    """
+    root = Path(root)
+    meta_rows, acc_rows, ls, conv, pareto, chosen, dx = [], [], [], [], [], [], []
+    missing: dict[str, str] = {}
+    for model in models:
+        rdir = root / "readouts" / model
+        mpath = rdir / "metrics.json"
+        if not mpath.is_file():
+            raise FileNotFoundError(f"{mpath} not found; run the readouts stage for {model} first")
+        rm = json.loads(mpath.read_text())
+        T = int(rm.get("n_loops") or len(rm.get("test_accuracy_per_loop") or []))
+        meta_rows.append({"model": model, "task": rm.get("task") or model, "regime": rm.get("regime") or model,
+                          "regime_kind": rm.get("regime_kind") or rm.get("regime") or "?", "n_loops": T,
+                          "full_depth_accuracy": (rm.get("full_depth_accuracy") or {}).get("test"),
+                          "has_gate": bool(rm.get("has_gate"))})
+        for t, a in enumerate(rm.get("test_accuracy_per_loop") or [], start=1):
+            acc_rows.append({"model": model, "loop": t, "accuracy": float(a)})
+        for src, d in (("readouts", rdir), ("gates", root / "gates" / model)):
+            for name, acc in (("pareto", pareto), ("chosen", chosen), ("dx", dx)):
+                p = d / f"{name}.parquet"
+                if p.is_file():
+                    f = pl.read_parquet(p)
+                    if "kind" not in f.columns:
+                        f = f.with_columns(kind=pl.lit("gate" if src == "gates" else "posthoc"))
+                    acc.append(f.with_columns(model=pl.lit(model), source=pl.lit(src)))
+                elif src == "readouts":
+                    raise FileNotFoundError(f"{p} not found; run the readouts stage for {model} first")
+                else:
+                    missing[f"gates/{model}"] = "run the gates stage"
+        gdir = root / "geometry" / model
+        lp, cp = gdir / "loop_summary.parquet", gdir / "convergence.parquet"
+        summ = None
+        if lp.is_file():
+            summ = pl.read_parquet(lp).filter(pl.col("split") == cfg.split)
+            ls.append(summ.filter(pl.col("group_by").is_in(["all", "token_type"])).with_columns(model=pl.lit(model)))
+        else:
+            missing[f"geometry/{model}/loop_summary.parquet"] = "run the geometry stage"
+        if cp.is_file():
+            c = (pl.scan_parquet(cp).filter((pl.col("split") == cfg.split)
+                                             & (pl.col("signal") == cfg.convergence_signal)
+                                             & ((pl.col("eps") - cfg.convergence_eps).abs() <= 1e-12 * max(1.0, cfg.convergence_eps))
+                                             & (pl.col("kind") == cfg.convergence_kind))
+                 .select("difficulty", "token_type", "depth", "censored").collect())
+            if c.height:
+                names = _token_type_names(summ, c["token_type"].to_numpy())
+                for key in ("difficulty", "token_type"):
+                    g = (c.group_by(key).agg(mean_depth=pl.col("depth").mean(), censored=pl.col("censored").mean(),
+                                             n=pl.len()).sort(key))
+                    labels = [names.get(int(v), str(v)) if key == "token_type" else str(v) for v in g[key].to_list()]
+                    conv.append(pl.DataFrame({"model": model, "group_by": key, "group_value": labels,
+                                              "order": g[key].cast(pl.Int64), "mean_depth": g["mean_depth"],
+                                              "censored": g["censored"], "n": g["n"].cast(pl.Int64)}))
+            else:
+                missing[f"geometry/{model}/convergence.parquet"] = (
+                    f"no rows for {cfg.convergence_signal}@{cfg.convergence_eps:g} ({cfg.convergence_kind}); "
+                    "check report.convergence_* against geometry.eps")
+        else:
+            missing[f"geometry/{model}/convergence.parquet"] = "run the geometry stage"
+    meta = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
+                                           "regime_kind": pl.String, "n_loops": pl.Int64,
+                                           "full_depth_accuracy": pl.Float64, "has_gate": pl.Boolean})
+    inp = Inputs(meta=meta, acc_per_loop=pl.DataFrame(acc_rows) if acc_rows else None, loop_summary=_concat(ls),
+                 convergence=_concat(conv), pareto=_concat(pareto), chosen=_concat(chosen), dx=_concat(dx),
+                 missing=missing)
+    ddir = root / "diagnose"
+    for name in ("failure_classes", "verdicts"):
+        p = ddir / f"{name}.parquet"
+        if p.is_file():
+            f = pl.read_parquet(p)
+            setattr(inp, "failures" if name == "failure_classes" else name,
+                    f.filter(pl.col("model").is_in(list(models))) if "model" in f.columns else f)
+        else:
+            missing[f"diagnose/{name}.parquet"] = "run the diagnose stage"
+    if (ddir / "summary.md").is_file():
+        inp.summary = (ddir / "summary.md").read_text()
+    cr = root / "gates" / "cross_regime.parquet"
+    if cr.is_file():
+        inp.cross_regime = pl.read_parquet(cr)
+    else:
+        missing["gates/cross_regime.parquet"] = "run the gates stage"
+    lat = root / "latency" / "latency.parquet"
+    if lat.is_file():
+        inp.latency = pl.read_parquet(lat).filter(pl.col("model").is_in(list(models)))
+        lm = root / "latency" / "metrics.json"
+        inp.latency_metrics = json.loads(lm.read_text()) if lm.is_file() else None
+    else:
+        missing["latency/latency.parquet"] = "run the latency stage"
+    return inp
+
+
+# ----------------------------------------------------------------------------------------------
+# Figures
+# ----------------------------------------------------------------------------------------------
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9,
+                         "figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3})
+    return plt
+
+
+def _regime_colour(kind: str, i: int) -> str:
+    import matplotlib
+
+    return _REGIME_COLOURS.get(kind) or matplotlib.colormaps["tab10"](i % 10)
+
+
+def _save(fig, path: Path, dpi: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def _tasks(meta: pl.DataFrame) -> list[str]:
+    return list(dict.fromkeys(meta["task"].to_list()))
+
+
+def _models_of(meta: pl.DataFrame, task: str) -> list[dict]:
+    return list(meta.filter(pl.col("task") == task).iter_rows(named=True))
+
+
+def fig_accuracy_per_loop(inp: Inputs, out: Path, dpi: int) -> Path | None:
+    """Test accuracy of the readout at every loop t, one panel per task, one line per regime."""
+    if inp.acc_per_loop is None:
+        return None
+    plt = _plt()
+    tasks = _tasks(inp.meta)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False, layout="constrained")
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for i, m in enumerate(_models_of(inp.meta, task)):
+            d = inp.acc_per_loop.filter(pl.col("model") == m["model"]).sort("loop")
+            ax.plot(d["loop"], 100 * d["accuracy"], marker="o", color=_regime_colour(m["regime_kind"], i),
+                    label=m["regime"])
+        ax.set(title=f"{task}: accuracy of each loop's readout", xlabel="loop t", ylabel="test accuracy (%)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(title="regime", loc="lower right")
+    return _save(fig, out / "accuracy_per_loop.png", dpi)
+
+
+def fig_step_geometry(inp: Inputs, out: Path, dpi: int) -> Path | None:
+    """Median step norm ‖Δ_t‖ and consecutive-step cosine cos(Δ_t, Δ_{t−1}) by loop ([TS]), IQR bands."""
+    if inp.loop_summary is None:
+        return None
+    plt = _plt()
+    tasks = _tasks(inp.meta)
+    metrics = (("step_norm", "step norm ‖Δ_t‖₂ (state units)"), ("step_cos", "step cosine cos(Δ_t, Δ_{t−1})"))
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.8), squeeze=False, layout="constrained")
+    for j, task in enumerate(tasks):
+        for r, (metric, label) in enumerate(metrics):
+            ax = axes[r, j]
+            for i, m in enumerate(_models_of(inp.meta, task)):
+                d = (inp.loop_summary.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "all")
+                                             & (pl.col("metric") == metric)).sort("loop")
+                     .filter(pl.col("count") > 0))
+                if not d.height:
+                    continue
+                c = _regime_colour(m["regime_kind"], i)
+                ax.plot(d["loop"], d["median"], marker="o", color=c, label=m["regime"])
+                ax.fill_between(d["loop"].to_numpy(), d["q25"].to_numpy(), d["q75"].to_numpy(), color=c, alpha=0.15)
+            ax.set(title=f"{task}: {metric.replace('_', ' ')} (median, IQR)", xlabel="loop t", ylabel=label)
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            if metric == "step_norm":
+                ax.set_yscale("log")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(title="regime", fontsize=8)
+    return _save(fig, out / "step_geometry.png", dpi)
+
+
+def fig_convergence(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Path | None:
+    """Mean convergence depth by difficulty (lines) and by token type (bars), per task and regime."""
+    if inp.convergence is None:
+        return None
+    plt = _plt()
+    tasks = _tasks(inp.meta)
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.8), squeeze=False, layout="constrained")
+    sig = f"{cfg.convergence_signal} < {cfg.convergence_eps:g} ({cfg.convergence_kind})"
+    for j, task in enumerate(tasks):
+        models = _models_of(inp.meta, task)
+        T = max(int(m["n_loops"]) for m in models)
+        ax = axes[0, j]
+        for i, m in enumerate(models):
+            d = inp.convergence.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "difficulty")).sort("order")
+            ax.plot(d["order"], d["mean_depth"], marker="o", color=_regime_colour(m["regime_kind"], i),
+                    label=m["regime"])
+        ax.axhline(T + 1, color="k", lw=0.8, ls=":", label=f"censored (T + 1 = {T + 1})")
+        ax.set(title=f"{task}: convergence depth by difficulty", xlabel="difficulty", ylabel=f"mean depth (loops)\n{sig}")
+        ax.legend(fontsize=8)
+        ax = axes[1, j]
+        groups = list(dict.fromkeys(inp.convergence.filter(
+            pl.col("model").is_in([m["model"] for m in models]) & (pl.col("group_by") == "token_type"))
+            .sort("order")["group_value"].to_list()))
+        width = 0.8 / max(1, len(models))
+        for i, m in enumerate(models):
+            d = inp.convergence.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "token_type"))
+            val = dict(zip(d["group_value"].to_list(), d["mean_depth"].to_list(), strict=True))
+            xs = np.arange(len(groups)) + (i - (len(models) - 1) / 2) * width
+            ax.bar(xs, [val.get(g, np.nan) for g in groups], width=width, color=_regime_colour(m["regime_kind"], i),
+                   label=m["regime"])
+        ax.set_xticks(np.arange(len(groups)), groups)
+        ax.axhline(T + 1, color="k", lw=0.8, ls=":")
+        ax.set(title=f"{task}: convergence depth by token type", xlabel="token type", ylabel="mean depth (loops)")
+        ax.legend(title="regime", fontsize=8)
+    return _save(fig, out / "convergence.png", dpi)
+
+
+#: Colours of post-hoc rules: tab20 without its reds (native gate) and greys (fixed depth, oracle edge).
+_POSTHOC_COLOURS = [i for i in range(20) if i not in (6, 7, 14, 15)]
+#: Legend / drawing order of rule kinds on the Pareto figure.
+_KIND_ORDER = {"fixed": 0, "native": 1, "gate": 2, "posthoc": 3, "oracle": 4}
+
+
+def _rule_style(rule: str, kind: str, i: int):
+    import matplotlib
+
+    if kind == "fixed":
+        return {"color": "black", "marker": "s", "ls": "-", "lw": 1.6}
+    if kind == "native":
+        return {"color": "#d62728", "marker": "D", "ls": "-", "lw": 1.8}
+    if kind == "oracle":
+        return {"color": "gold", "marker": "*", "ls": "none", "ms": 14, "mec": "k"}
+    if kind == "gate":
+        return {"color": matplotlib.colormaps["Dark2"](i % 8), "marker": "v", "ls": "--", "lw": 1.4}
+    return {"color": matplotlib.colormaps["tab20"](_POSTHOC_COLOURS[i % len(_POSTHOC_COLOURS)]), "marker": "o",
+            "ls": "-", "lw": 1.0, "ms": 3.5}
+
+
+def fig_pareto(inp: Inputs, task: str, out: Path, dpi: int) -> Path | None:
+    """Test operating points on each rule's own Pareto front (accuracy vs mean exit depth), one panel per
+    regime of ``task``: every post-hoc rule, fixed depth, the native gate, refit gates and the oracle."""
+    if inp.pareto is None:
+        return None
+    plt = _plt()
+    models = _models_of(inp.meta, task)
+    n = len(models)
+    fig, axes = plt.subplots(1, n, figsize=(4.6 * n + 2.6, 5.0), squeeze=False, layout="constrained")
+    handles: dict[str, object] = {}
+    sub = inp.pareto.filter(pl.col("model").is_in([m["model"] for m in models]))
+    kinds = dict(zip(sub["rule"].to_list(), sub["kind"].to_list(), strict=True))
+    rules = sorted(kinds, key=lambda r: (_KIND_ORDER.get(kinds[r], 5), r))
+    colour_index = {}
+    for r in rules:  # one colour per rule across panels, counted within its kind
+        colour_index[r] = sum(1 for q in colour_index if kinds[q] == kinds[r])
+    for ax, m in zip(axes[0], models, strict=True):
+        p = sub.filter(pl.col("model") == m["model"])
+        for rule in rules:
+            d = p.filter(pl.col("rule") == rule).sort("mean_depth")
+            if not d.height:
+                continue
+            (h,) = ax.plot(d["mean_depth"], 100 * d["accuracy"], label=rule,
+                           **_rule_style(rule, kinds[rule], colour_index[rule]))
+            handles.setdefault(rule, h)
+        if inp.chosen is not None:
+            c = inp.chosen.filter(pl.col("model") == m["model"])
+            if c.height:
+                h = ax.scatter(c["test_depth"], 100 * c["test_accuracy"], s=60, facecolors="none", edgecolors="k",
+                               linewidths=1.0, zorder=5, label="chosen point (val within δ)")
+                handles.setdefault("chosen point (val within δ)", h)
+        lo = 100 * float(p["accuracy"].min()) if p.height else 0.0
+        ax.set(title=f"{m['regime']}", xlabel="mean exit depth (loops)", ylabel="test accuracy (%)",
+               xlim=(0.8, m["n_loops"] + 0.2), ylim=(max(0.0, lo - 0.05 * (100 - lo) - 0.5), 100.3))
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    fig.suptitle(f"{task}: Pareto fronts of every exit rule (test split)")
+    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8, frameon=False)
+    return _save(fig, out / f"pareto_{_slug(task)}.png", dpi)
+
+
+def fig_failures(inp: Inputs, out: Path, dpi: int) -> Path | None:
+    """Failure classes (SPEC §7) of every rule at its chosen point, share of test tokens, per model."""
+    if inp.failures is None or not inp.failures.height:
+        return None
+    plt = _plt()
+    f = inp.failures.filter(pl.col("group") == "all")
+    models = [m for m in inp.meta["model"].to_list() if m in set(f["model"].to_list())]
+    if not models:
+        return None
+    ncol = min(3, len(models))
+    nrow = math.ceil(len(models) / ncol)
+    n_rules = max(f.filter(pl.col("model") == m).height for m in models)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.0 * ncol, 0.28 * n_rules * nrow + 1.6 * nrow + 0.6),
+                             squeeze=False, layout="constrained")
+    for k, model in enumerate(models):
+        ax = axes[k // ncol, k % ncol]
+        d = f.filter(pl.col("model") == model).sort("source", "rule", descending=True)
+        labels = d["rule"].to_list()
+        left = np.zeros(d.height)
+        for cls, colour in FAILURE_CLASSES:
+            v = 100 * d[f"frac_{cls}"].to_numpy()
+            ax.barh(np.arange(d.height), v, left=left, color=colour, label=cls.replace("_", " "))
+            left += v
+        ax.set_yticks(np.arange(d.height), labels, fontsize=8)
+        ax.set(title=model, xlabel="share of test tokens (%)", xlim=(0, 100))
+    for k in range(len(models), nrow * ncol):
+        axes[k // ncol, k % ncol].set_visible(False)
+    h, lab = axes[0, 0].get_legend_handles_labels()
+    fig.legend(h, lab, loc="outside lower center", ncol=4, frameon=False)
+    fig.suptitle("Failure classes at each rule's chosen operating point")
+    return _save(fig, out / "failure_classes.png", dpi)
+
+
+def _cross_columns(df: pl.DataFrame) -> tuple[str, str, str] | None:
+    """(row, column, value) columns of the cross-regime table: the gate's training model/regime, the
+    model/regime it is applied to, and the D@X-or-depth value (first match of known names)."""
+    def pick(cands):
+        return next((c for c in cands if c in df.columns), None)
+
+    row = pick(["fit_model", "train_model", "source_model", "gate_model", "fit_regime", "train_regime",
+                "source_regime", "from_model", "from_regime", "gate_regime"])
+    col = pick(["eval_model", "target_model", "apply_model", "test_model", "eval_regime", "target_regime",
+                "apply_regime", "test_regime", "to_model", "to_regime", "model"])
+    val = pick(["d_at", "d95", "d_at_95", "test_depth", "mean_depth", "accuracy", "test_accuracy"])
+    return (row, col, val) if row and col and val and row != col else None
+
+
+def fig_cross_regime(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Path | None:
+    """Gates fit on one model's frozen trajectory and applied to another's (gates' cross_regime.parquet)."""
+    if inp.cross_regime is None or not inp.cross_regime.height:
+        return None
+    cols = _cross_columns(inp.cross_regime)
+    if cols is None:
+        inp.missing["gates/cross_regime.parquet (columns)"] = (
+            f"unrecognised columns {inp.cross_regime.columns}; the report reads (fit model, eval model, value)")
+        return None
+    r, c, v = cols
+    d = inp.cross_regime
+    if "x" in d.columns and v == "d_at":
+        d = d.filter(pl.col("x") == float(cfg.x))
+    if "labels" in d.columns and d["labels"].n_unique() > 1:  # one matrix per label scheme
+        schemes = sorted(d["labels"].unique().to_list())
+    else:
+        schemes = [None]
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(schemes), figsize=(5.6 * len(schemes), 5.0), squeeze=False, layout="constrained")
+    for ax, s in zip(axes[0], schemes, strict=True):
+        ds = d if s is None else d.filter(pl.col("labels") == s)
+        ds = ds.group_by(r, c).agg(pl.col(v).mean())
+        rows, colsv = sorted(ds[r].unique().to_list()), sorted(ds[c].unique().to_list())
+        mat = np.full((len(rows), len(colsv)), np.nan)
+        for a, b, val in ds.iter_rows():
+            mat[rows.index(a), colsv.index(b)] = np.nan if val is None else val
+        im = ax.imshow(mat, cmap="viridis_r" if v in ("d_at", "d95", "d_at_95", "test_depth", "mean_depth") else "viridis",
+                       aspect="auto")
+        for i in range(len(rows)):
+            for j in range(len(colsv)):
+                txt = "n/a" if not np.isfinite(mat[i, j]) else f"{mat[i, j]:.2f}"
+                ax.text(j, i, txt, ha="center", va="center", fontsize=8,
+                        color="w" if np.isfinite(mat[i, j]) and mat[i, j] > np.nanmean(mat) else "k")
+        ax.set_xticks(np.arange(len(colsv)), colsv, rotation=30, ha="right", fontsize=8)
+        ax.set_yticks(np.arange(len(rows)), rows, fontsize=8)
+        ax.set(xlabel=f"applied to ({c})", ylabel=f"gate fit on ({r})", title=f"labels: {s}" if s else "")
+        ax.grid(False)
+        unit = f"D@{cfg.x:g} (loops)" if v.startswith("d") else v.replace("_", " ")
+        fig.colorbar(im, ax=ax, label=unit)
+    fig.suptitle("Cross-regime offline gates (n/a = target accuracy unreachable)")
+    return _save(fig, out / "cross_regime.png", dpi)
+
+
+def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
+    """Realised wall-clock speedup vs ideal T / mean exit depth, per batch size (SPEC §8)."""
+    if inp.latency is None or not inp.latency.height:
+        return None
+    plt = _plt()
+    import matplotlib
+
+    lat = inp.latency
+    sizes = sorted(lat["batch_size"].unique().to_list())
+    rules = list(dict.fromkeys(lat.sort("source", "rule")["rule"].to_list()))
+    models = list(dict.fromkeys(lat["model"].to_list()))
+    markers = "osD^vP*Xh<>"
+    ideals = (("ideal_speedup", "ideal speedup T / mean exit depth (×)"),
+              ("ideal_speedup_work", "exact-causal ideal: full / minimal position-loops (×)"))
+    fig, axes = plt.subplots(2, len(sizes), figsize=(5.0 * len(sizes) + 2.6, 8.6), squeeze=False,
+                             layout="constrained")
+    hi = float(max(lat["ideal_speedup"].max(), lat["realised_speedup"].max())) * 1.08
+    handles = {}
+    for row, (col, xlabel) in enumerate(ideals):
+        for ax, bs in zip(axes[row], sizes, strict=True):
+            d = lat.filter(pl.col("batch_size") == bs)
+            ax.plot([0, hi], [0, hi], color="k", lw=0.8, label="realised = ideal")
+            ax.plot([0, hi], [0, 0.8 * hi], color="k", lw=0.8, ls="--", label="0.8 × ideal")
+            ax.axhline(1.0, color="grey", lw=0.6, ls=":")
+            for r in d.iter_rows(named=True):
+                ci = rules.index(r["rule"])
+                mi = models.index(r["model"]) % len(markers)
+                ax.scatter(r[col], r["realised_speedup"], color=matplotlib.colormaps["tab10"](ci % 10),
+                           marker=markers[mi], s=42, edgecolors="k", linewidths=0.4, zorder=3)
+            ax.set(title=f"batch size {bs}" + (" (compacted)" if bs > 1 else ""), xlabel=xlabel,
+                   ylabel="realised speedup:\nwall time full / early exit (×)", xlim=(0.9, hi), ylim=(0, hi))
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+    from matplotlib.lines import Line2D
+
+    for ci, rule in enumerate(rules):
+        handles[f"rule: {rule}"] = Line2D([], [], color=matplotlib.colormaps["tab10"](ci % 10), marker="o", ls="none")
+    for mi, model in enumerate(models):
+        handles[f"model: {model}"] = Line2D([], [], color="grey", marker=markers[mi % len(markers)], ls="none")
+    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8, frameon=False)
+    fig.suptitle("Real early exit: realised speedup vs the token-level ideal (top) and the exact-causal ideal (bottom)")
+    return _save(fig, out / "latency.png", dpi)
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)
+
+
+def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Path]:
+    """Every figure whose inputs exist: name -> PNG path (inside ``fig_dir``)."""
+    made: dict[str, Path | None] = {
+        "accuracy_per_loop": fig_accuracy_per_loop(inp, fig_dir, cfg.dpi),
+        "step_geometry": fig_step_geometry(inp, fig_dir, cfg.dpi),
+        "convergence": fig_convergence(inp, cfg, fig_dir, cfg.dpi),
+    }
+    for task in _tasks(inp.meta):
+        made[f"pareto_{_slug(task)}"] = fig_pareto(inp, task, fig_dir, cfg.dpi)
+    made["failure_classes"] = fig_failures(inp, fig_dir, cfg.dpi)
+    made["cross_regime"] = fig_cross_regime(inp, cfg, fig_dir, cfg.dpi)
+    made["latency"] = fig_latency(inp, fig_dir, cfg.dpi)
+    return {k: v for k, v in made.items() if v is not None}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables, findings, the page
+# ----------------------------------------------------------------------------------------------
+
+
+def _num(v) -> float:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return math.nan
+    return f
+
+
+def _fmt(v, nd: int = 2, unit: str = "") -> str:
+    f = _num(v)
+    return "—" if not math.isfinite(f) else f"{f:.{nd}f}{unit}"
+
+
+def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
+    """One row per model: full-depth accuracy, D@X of fixed depth, the best post-hoc rule, the native
+    gate and the best refit gate, the oracle's depth, and diagnose's verdict.
+
+    Returns:
+        DataFrame model, task, regime, regime_kind, full_depth_accuracy, dx_fixed, best_posthoc_rule,
+        dx_best_posthoc, dx_native, best_gate_rule, dx_best_gate, oracle_depth, oracle_accuracy,
+        verdict, reason (D@X in loops; NaN = unreachable or absent).
+    """
+    x = float(cfg.x)
+    rows = []
+    for m in inp.meta.iter_rows(named=True):
+        dx = (inp.dx.filter((pl.col("model") == m["model"]) & (pl.col("x") == x)) if inp.dx is not None
+              else pl.DataFrame(schema={"rule": pl.String, "kind": pl.String, "d_at": pl.Float64}))
+
+        def best(kind: str, dx=dx):
+            d = dx.filter((pl.col("kind") == kind) & pl.col("d_at").is_not_nan() & pl.col("d_at").is_not_null())
+            if not d.height:
+                return None, math.nan
+            r = d.sort("d_at", "rule").row(0, named=True)
+            return r["rule"], float(r["d_at"])
+
+        _, fixed = best("fixed")
+        ph_rule, ph = best("posthoc")
+        _, native = best("native")
+        g_rule, g = best("gate")
+        o_depth = o_acc = math.nan
+        if inp.pareto is not None:
+            o = inp.pareto.filter((pl.col("model") == m["model"]) & (pl.col("kind") == "oracle"))
+            if o.height:
+                o_depth, o_acc = float(o["mean_depth"][0]), float(o["accuracy"][0])
+        verdict = reason = None
+        if inp.verdicts is not None and "model" in inp.verdicts.columns:
+            v = inp.verdicts.filter(pl.col("model") == m["model"])
+            if v.height:
+                verdict = v["verdict"][0]
+                reason = v["reason"][0] if "reason" in v.columns else None
+        rows.append({"model": m["model"], "task": m["task"], "regime": m["regime"], "regime_kind": m["regime_kind"],
+                     "full_depth_accuracy": _num(m["full_depth_accuracy"]), "dx_fixed": fixed,
+                     "best_posthoc_rule": ph_rule, "dx_best_posthoc": ph, "dx_native": native,
+                     "best_gate_rule": g_rule, "dx_best_gate": g, "oracle_depth": o_depth, "oracle_accuracy": o_acc,
+                     "verdict": verdict, "reason": reason})
+    return pl.DataFrame(rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
+                                      "regime_kind": pl.String, "full_depth_accuracy": pl.Float64,
+                                      "dx_fixed": pl.Float64, "best_posthoc_rule": pl.String,
+                                      "dx_best_posthoc": pl.Float64, "dx_native": pl.Float64,
+                                      "best_gate_rule": pl.String, "dx_best_gate": pl.Float64,
+                                      "oracle_depth": pl.Float64, "oracle_accuracy": pl.Float64,
+                                      "verdict": pl.String, "reason": pl.String})
+
+
+def latency_findings(lat: pl.DataFrame | None, lat_metrics: dict | None) -> list[str]:
+    """Sentences about real early exit, generated from latency.parquet (never hand-written numbers)."""
+    if lat is None or not lat.height:
+        return []
+    out = []
+    n, n_exact = lat.height, int(lat["exact"].sum())
+    if n_exact == n:
+        out.append(f"All {n} real early-exit runs (model × rule × batch size) reproduced the offline chosen point "
+                   "exactly: the same exit loop and the same correctness for every token, so their accuracy equals "
+                   "the offline evaluation's.")
+    else:
+        bad = lat.filter(~pl.col("exact"))
+        out.append(f"{n - n_exact} of {n} real runs differ from the offline chosen point "
+                   f"(at most {int(bad['exit_mismatches'].max())} exit depths and "
+                   f"{int(bad['correct_mismatches'].max())} predictions of {int(bad['n_tokens'].max())} tokens).")
+    for bs in sorted(lat["batch_size"].unique().to_list()):
+        d = lat.filter(pl.col("batch_size") == bs)
+        r, w = d["speedup_ratio"], d["ratio_to_work_ideal"]
+        n08 = int((r >= 0.8).sum())
+        out.append(f"Batch size {bs}{' (compacted)' if bs > 1 else ''}: realised / ideal speedup (ideal = T / mean "
+                   f"exit depth) is {r.min():.2f}–{r.max():.2f} (median {r.median():.2f}); {n08} of {d.height} runs "
+                   f"reach ≥ 0.8 × ideal. Against the exact-causal ideal (a position keeps looping while a later "
+                   f"scored position of its sequence is undecided) the median ratio is {w.median():.2f}.")
+    b = lat.sort("realised_speedup", descending=True).row(0, named=True)
+    out.append(f"Largest realised speedup: {b['realised_speedup']:.2f}× ({b['model']}, {b['rule']}, batch "
+               f"{b['batch_size']}; mean exit depth {b['mean_exit_depth']:.2f} of {b['n_loops']} loops, ideal "
+               f"{b['ideal_speedup']:.2f}×, exact-causal ideal {b['ideal_speedup_work']:.2f}×).")
+    skipped: dict[str, list[tuple[str, str]]] = {}
+    for model, m in ((lat_metrics or {}).get("models") or {}).items():
+        for rule, reason in (m.get("skipped") or {}).items():
+            if rule == "q_exit" and "no native halting gate" in reason:
+                continue  # expected: Q-exit exists only on natively gated models
+            skipped.setdefault(rule, []).append((model, reason))
+    for rule, items in skipped.items():
+        models = ", ".join(m for m, _ in items)
+        out.append(f"Rule {rule} was not run online on {len(items)} model(s) ({models}): {items[0][1]}.")
+    return out
+
+
+def latency_table(lat: pl.DataFrame, meta: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[str, str, str | None]]]:
+    """One row per model × rule with the batch sizes side by side (for the page)."""
+    sizes = sorted(lat["batch_size"].unique().to_list())
+    big = sizes[-1]
+    order = {m: i for i, m in enumerate(meta["model"].to_list())}
+    rows = []
+    for (model, rule), d in lat.group_by(["model", "rule"], maintain_order=True):
+        ref = d.filter(pl.col("batch_size") == big).row(0, named=True) if (d["batch_size"] == big).any() else d.row(0, named=True)
+        r = {"model": model, "rule": rule, "depth": ref["mean_exit_depth"], "ideal": ref["ideal_speedup"],
+             "ideal_work": ref["ideal_speedup_work"], "accuracy": ref["accuracy_real"], "exact": bool(d["exact"].all())}
+        for bs in sizes:
+            e = d.filter(pl.col("batch_size") == bs)
+            r[f"realised_{bs}"] = e["realised_speedup"][0] if e.height else None
+            r[f"ratio_{bs}"] = e["speedup_ratio"][0] if e.height else None
+        rows.append(r)
+    df = pl.DataFrame(rows).with_columns(_o=pl.col("model").replace_strict(order, default=len(order))).sort("_o", "rule").drop("_o")
+    cols = [("model", "model", None), ("rule", "rule", None), ("depth", f"mean exit depth (batch {big})", "2"),
+            ("ideal", "ideal T / depth", "x"), ("ideal_work", "exact-causal ideal", "x")]
+    for bs in sizes:
+        cols += [(f"realised_{bs}", f"realised, batch {bs}", "x"), (f"ratio_{bs}", f"realised / ideal, batch {bs}", "2")]
+    cols += [("accuracy", "accuracy real = offline (%)", "pct"), ("exact", "exact (all batches)", None)]
+    return df, cols
+
+
+def _inline(s: str) -> str:
+    s = html.escape(s, quote=False)
+    s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
+    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", s)
+
+
+def markdown_to_html(md: str, shift: int = 1) -> str:
+    """The Markdown subset diagnose's summary.md uses: headings, (nested) bullet lists, pipe tables,
+    paragraphs, inline code and bold. Headings are shifted down ``shift`` levels (page has its own h1)."""
+    out: list[str] = []
+    lines = md.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if not line.strip():
+            i += 1
+            continue
+        mh = re.match(r"^(#{1,6})\s+(.*)$", line)
+        if mh:
+            lvl = min(6, len(mh.group(1)) + shift)
+            out.append(f"<h{lvl}>{_inline(mh.group(2))}</h{lvl}>")
+            i += 1
+        elif line.lstrip().startswith("|"):
+            rows = []
+            while i < len(lines) and lines[i].lstrip().startswith("|"):
+                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
+                if not all(re.fullmatch(r":?-{2,}:?", c) for c in cells):
+                    rows.append(cells)
+                i += 1
+            if rows:
+                head = "".join(f"<th>{_inline(c)}</th>" for c in rows[0])
+                body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
+                out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        elif re.match(r"^\s*[-*]\s+", line):
+            html_list, depth = [], -1
+            while i < len(lines) and re.match(r"^\s*[-*]\s+", lines[i]):
+                ind = (len(lines[i]) - len(lines[i].lstrip())) // 2
+                text = re.sub(r"^\s*[-*]\s+", "", lines[i])
+                while depth < ind:
+                    html_list.append("<ul>")
+                    depth += 1
+                while depth > ind:
+                    html_list.append("</ul>")
+                    depth -= 1
+                html_list.append(f"<li>{_inline(text)}</li>")
+                i += 1
+            html_list += ["</ul>"] * (depth + 1)
+            out.append("".join(html_list))
+        else:
+            para = []
+            while (i < len(lines) and lines[i].strip() and not re.match(r"^(#{1,6})\s", lines[i])
+                   and not lines[i].lstrip().startswith("|") and not re.match(r"^\s*[-*]\s+", lines[i])):
+                para.append(lines[i].strip())
+                i += 1
+            out.append(f"<p>{_inline(' '.join(para))}</p>")
+    return "\n".join(out)
+
+
+def _table(df: pl.DataFrame, cols: Sequence[tuple[str, str, str | None]]) -> str:
+    """HTML table: cols = (column, header, format) with format ``"pct"``, ``"2"`` (decimals) or None."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in cols)
+    body = []
+    for r in df.iter_rows(named=True):
+        cells = []
+        for c, _, f in cols:
+            v = r.get(c)
+            if f == "pct":
+                txt = _fmt(100 * _num(v), 2) if v is not None else "—"
+            elif f and f.isdigit():
+                txt = _fmt(v, int(f))
+            elif f == "x":
+                txt = _fmt(v, 2, "×")
+            elif isinstance(v, bool):
+                txt = "yes" if v else "NO"
+            else:
+                txt = "—" if v is None else str(v)
+            cells.append(f"<td>{html.escape(txt)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1180px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}
+h1{border-bottom:2px solid #444;padding-bottom:.2em}h2{margin-top:2em;border-bottom:1px solid #bbb}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:.25em .6em;
+text-align:left}th{background:#f0f0f0}tr:nth-child(even) td{background:#fafafa}
+figure{margin:1.5em 0}figure img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#555}
+code{background:#f3f3f3;padding:0 .2em}.missing{color:#8a5a00}td:first-child{white-space:nowrap}
+"""
+
+_CAPTIONS = {
+    "accuracy_per_loop": "Test accuracy of the shared readout at every loop t, per task and depth-supervision regime "
+                         "(SPEC §5).",
+    "step_geometry": "Median step norm ‖Δ_t‖₂ (log scale) and consecutive-step cosine cos(Δ_t, Δ_{t−1}) per loop "
+                     "with interquartile bands ([TS], SPEC §2).",
+    "convergence": "Mean per-token convergence depth (SPEC §2) by difficulty and by token type; tokens that never "
+                   "converge count as T + 1 (censored, dotted line).",
+    "failure_classes": "Share of test tokens per failure class (SPEC §7) at every rule's chosen operating point.",
+    "cross_regime": "Offline gates fit on one model's frozen trajectories and applied to another's (SPEC §6).",
+    "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
+               "dashed line is 0.8 × ideal.",
+}
+
+
+def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: pl.DataFrame, out_dir: Path) -> str:
+    """The page: headline tables, findings (diagnose's summary.md + latency sentences) and every figure,
+    with image paths relative to ``out_dir``."""
+    x = f"{cfg.x:g}"
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(cfg.title)}</title>"
+             f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(cfg.title)}</h1>",
+             f"<p>{inp.meta.height} models; every number below is read from the pipeline's artifacts. D@{x} = the "
+             f"smallest mean exit depth (loops) whose test accuracy ≥ {x} % (— = unreachable or not run).</p>",
+             "<h2>Headline</h2>",
+             _table(head, [("model", "model", None), ("regime_kind", "regime", None),
+                           ("full_depth_accuracy", "full-depth accuracy (%)", "pct"),
+                           ("dx_fixed", f"D@{x} fixed", "2"), ("best_posthoc_rule", "best post-hoc rule", None),
+                           ("dx_best_posthoc", f"D@{x} best post-hoc", "2"), ("dx_native", f"D@{x} native gate", "2"),
+                           ("best_gate_rule", "best refit gate", None), ("dx_best_gate", f"D@{x} best gate", "2"),
+                           ("oracle_depth", "oracle depth", "2"), ("verdict", "verdict", None),
+                           ("reason", "reason", None)])]
+    if inp.latency is not None and inp.latency.height:
+        lt, lcols = latency_table(inp.latency, inp.meta)
+        parts += ["<h2>Real early exit</h2>",
+                  "<p>Wall time of real early exit (loops stop; finished sequences leave the batch) against full "
+                  "depth, at each rule's chosen point. Ideal = T / mean exit depth (SPEC §8); exact-causal ideal = "
+                  "the best any exit that reproduces the offline evaluation can do under causal attention "
+                  "(docs/latency.md).</p>", _table(lt, lcols)]
+    parts.append("<h2>Findings</h2>")
+    lf = latency_findings(inp.latency, inp.latency_metrics)
+    if lf:
+        parts.append("<h3>Latency</h3><ul>" + "".join(f"<li>{_inline(s)}</li>" for s in lf) + "</ul>")
+    if inp.summary:
+        parts.append(markdown_to_html(inp.summary, shift=2))
+    else:
+        parts.append("<p class='missing'>No diagnosis yet (artifacts/diagnose/summary.md): run the diagnose stage.</p>")
+    parts.append("<h2>Figures</h2>")
+    for name, path in figures.items():
+        rel = os.path.relpath(path, out_dir).replace(os.sep, "/")
+        cap = _CAPTIONS.get(name) or (f"Pareto fronts of task {name[len('pareto_'):]}: test accuracy vs mean exit depth "
+                                      "of every rule's own front; hollow circles are the chosen points; fixed depth "
+                                      "black squares, native gate red diamonds, refit gates dashed, oracle star.")
+        parts.append(f"<figure><img src='{html.escape(rel, quote=True)}' alt='{html.escape(name, quote=True)}'>"
+                     f"<figcaption>{html.escape(cap)}</figcaption></figure>")
+    if inp.missing:
+        parts.append("<h2>Not shown</h2><ul class='missing'>" + "".join(
+            f"<li><code>{html.escape(k)}</code>: {html.escape(v)}</li>" for k, v in sorted(inp.missing.items())) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
+
+
+def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: dict[str, Path]) -> dict:
+    """``metrics.json`` (``dvc metrics show``): the headline numbers per model and the latency summary."""
+    x = f"{cfg.x:g}"
+    models = {}
+    for r in head.iter_rows(named=True):
+        models[r["model"]] = {"full_depth_accuracy": r["full_depth_accuracy"], f"d{x}_fixed": r["dx_fixed"],
+                              f"d{x}_best_posthoc": r["dx_best_posthoc"], "best_posthoc_rule": r["best_posthoc_rule"],
+                              f"d{x}_native": r["dx_native"], f"d{x}_best_gate": r["dx_best_gate"],
+                              "oracle_depth": r["oracle_depth"], "verdict": r["verdict"]}
+    lat = {}
+    if inp.latency is not None and inp.latency.height:
+        for bs in sorted(inp.latency["batch_size"].unique().to_list()):
+            d = inp.latency.filter(pl.col("batch_size") == bs)
+            lat[f"bs{bs}"] = {"median_speedup_ratio": float(d["speedup_ratio"].median()),
+                              "max_realised_speedup": float(d["realised_speedup"].max()),
+                              "median_ratio_to_exact_causal_ideal": float(d["ratio_to_work_ideal"].median())}
+        lat["all_exact"] = bool(inp.latency["exact"].all())
+    return {"x": cfg.x, "models": models, "latency": lat, "n_figures": len(figures),
+            "missing_inputs": sorted(inp.missing)}
+
+
+def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, cfg: ReportConfig,
+                 meta: dict | None = None) -> dict:
+    """The ``report`` stage: read the artifacts, draw the figures, write index.html and metrics.json.
+
+    Everything is written into a temporary sibling directory that replaces ``out_dir`` at the end.
+
+    Args:
+        models: model names.
+        root: the artifacts root (``artifacts``).
+        out_dir: ``artifacts/report``.
+        cfg: the ``report`` section.
+        meta: extra metrics.json entries (versions, params).
+
+    Returns:
+        The metrics dict as written (NaN = unreachable/absent written as None).
+    """
+    from .readouts import _jsonable
+
+    out_dir = Path(out_dir)
+    inp = load_inputs(models, root, cfg)
+    head = headline(inp, cfg)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        figs = make_figures(inp, cfg, tmp / "figures")
+        (tmp / "index.html").write_text(render_html(inp, cfg, figs, head, tmp))
+        metrics = _jsonable({**report_metrics(head, inp, cfg, figs), **(meta or {})})  # NaN -> null
+        (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return metrics

@@ -1,0 +1,196 @@
+"""The report stage on tiny constructed outputs: figures exist, the page references only files that
+exist (relative, offline), and headline numbers equal hand-computed ones."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+
+from pipeline.latency import LATENCY_SCHEMA
+from pipeline.report import ReportConfig, build_report, latency_findings, markdown_to_html
+
+T = 4
+MODELS = {"ta-uniform": ("ta", "uniform", "uniform"), "ta-joint": ("ta", "joint", "joint"),
+          "tb-uniform": ("tb", "uniform", "uniform")}
+
+
+def _write(path: Path, df: pl.DataFrame) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    df.write_parquet(path)
+
+
+def _points(rule, kind, depths, accs):
+    n = len(depths)
+    return pl.DataFrame({"rule": [rule] * n, "kind": [kind] * n, "threshold": np.arange(n, dtype=float),
+                         "split": ["test"] * n, "mean_depth": depths, "accuracy": accs, "mean_loss": [0.1] * n,
+                         "on_model_front": [True] * n})
+
+
+def _model_outputs(root: Path, model: str, task: str, regime: str, kind: str, shift: float) -> None:
+    rd = root / "readouts" / model
+    acc = [0.6 + shift, 0.9, 0.97, 0.99]
+    rd.mkdir(parents=True)
+    (rd / "metrics.json").write_text(json.dumps({
+        "model": model, "task": task, "regime": regime, "regime_kind": kind, "n_loops": T,
+        "has_gate": kind == "joint", "full_depth_accuracy": {"val": 0.99, "test": acc[-1]},
+        "test_accuracy_per_loop": acc}))
+    parts = [_points("fixed", "fixed", [1.0, 2.0, 3.0, 4.0], acc),
+             _points("entropy", "posthoc", [1.2 + shift, 1.8, 2.4], [0.8, 0.96, 0.99]),
+             _points("top1", "posthoc", [1.1, 2.2 + shift], [0.7, 0.955]),
+             _points("oracle", "oracle", [1.05], [0.995])]
+    if kind == "joint":
+        parts.append(_points("q_exit", "native", [2.0, 3.5], [0.9, 0.96]))
+    pareto = pl.concat(parts)
+    _write(rd / "pareto.parquet", pareto)
+    dx = []
+    for rule in pareto["rule"].unique(maintain_order=True).to_list():
+        p = pareto.filter(pl.col("rule") == rule)
+        ok = p.filter(pl.col("accuracy") >= 0.95)
+        dx.append({"rule": rule, "kind": p["kind"][0], "x": 95.0,
+                   "d_at": float(ok["mean_depth"].min()) if ok.height else float("nan")})
+    _write(rd / "dx.parquet", pl.DataFrame(dx))
+    _write(rd / "chosen.parquet", pl.DataFrame({"rule": ["fixed", "entropy"], "kind": ["fixed", "posthoc"],
+                                                "threshold": [3.0, 1.0], "test_depth": [3.0, 1.8],
+                                                "test_accuracy": [0.97, 0.96]}))
+    gd = root / "geometry" / model
+    rows = []
+    for t in range(1, T + 1):
+        for metric, v in (("step_norm", 2.0 / t), ("step_cos", 0.1 * t if t > 1 else None), ("correct", acc[t - 1])):
+            rows.append({"split": "test", "loop": t, "group_by": "all", "group_value": "all", "metric": metric,
+                         "mean": v, "median": v, "q25": None if v is None else 0.9 * v,
+                         "q75": None if v is None else 1.1 * v, "count": 0 if v is None else 10})
+            for tt, name in enumerate(("keep", "change")):
+                rows.append({"split": "test", "loop": t, "group_by": "token_type", "group_value": name,
+                             "metric": metric, "mean": v, "median": v, "q25": v, "q75": v, "count": 5 + tt})
+    _write(gd / "loop_summary.parquet", pl.DataFrame(rows, infer_schema_length=None))
+    n = 12
+    _write(gd / "convergence.parquet", pl.DataFrame({
+        "split": ["test"] * n, "token": np.arange(n), "difficulty": np.arange(n) % 3 + 1,
+        "token_type": np.arange(n) % 2, "signal": ["kl_prev"] * n, "eps": [0.001] * n, "kind": ["first"] * n,
+        "depth": np.array([2, 3, 5] * 4), "censored": np.array([2, 3, 5] * 4) > T}))
+
+
+@pytest.fixture
+def artifacts(tmp_path) -> Path:
+    root = tmp_path / "artifacts"
+    for i, (model, (task, regime, kind)) in enumerate(MODELS.items()):
+        _model_outputs(root, model, task, regime, kind, shift=0.1 * i)
+    fails = []
+    for model in MODELS:
+        for rule in ("fixed", "entropy"):
+            fails.append({"model": model, "source": "readouts", "rule": rule, "group": "all", "difficulty": None,
+                          "n_tokens": 100, "frac_correct": 0.9, "frac_trajectory": 0.05, "frac_readout_early": 0.03,
+                          "frac_readout_overthinking": 0.02})
+    _write(root / "diagnose" / "failure_classes.parquet", pl.DataFrame(fails))
+    _write(root / "diagnose" / "verdicts.parquet", pl.DataFrame({
+        "model": list(MODELS), "verdict": ["readout-limited", "trajectory-limited", "readout-limited"],
+        "reason": ["below_ceiling", "no_early_exit", "below_ceiling"]}))
+    (root / "diagnose" / "summary.md").write_text(
+        "# Diagnosis: trajectory or readout?\n\n## Verdicts\n\n| model | verdict |\n|---|---|\n"
+        "| ta-uniform | readout-limited |\n\n- claim (a) **holds**\n  - nested `detail`\n\nA paragraph.\n")
+    _write(root / "gates" / "cross_regime.parquet", pl.DataFrame({
+        "fit_model": ["ta-uniform", "ta-uniform", "ta-joint", "ta-joint"],
+        "eval_model": ["ta-uniform", "ta-joint", "ta-uniform", "ta-joint"], "x": [95.0] * 4,
+        "d_at": [1.5, None, 2.0, 3.0]}))
+    lat = []
+    for model in ("ta-uniform", "ta-joint"):
+        for bs, real in ((1, 1.2), (256, 1.8)):
+            lat.append({**{k: None for k in LATENCY_SCHEMA}, "model": model, "rule": "entropy", "kind": "posthoc",
+                        "source": "readouts", "batch_size": bs, "n_loops": T, "n_tokens": 48, "mean_exit_depth": 2.0,
+                        "realised_speedup": real, "ideal_speedup": 2.0, "speedup_ratio": real / 2.0,
+                        "ideal_speedup_work": 1.9, "ratio_to_work_ideal": real / 1.9, "accuracy_real": 0.96,
+                        "accuracy_offline": 0.96, "exact": True, "exit_mismatches": 0, "correct_mismatches": 0})
+    _write(root / "latency" / "latency.parquet", pl.DataFrame(lat, schema=LATENCY_SCHEMA))
+    (root / "latency" / "metrics.json").write_text(json.dumps({"models": {
+        "ta-uniform": {"skipped": {"q_exit": "model has no native halting gate", "gate": "no fitted gate"}}}}))
+    return root
+
+
+def _img_srcs(page: str) -> list[str]:
+    return re.findall(r"<img src='([^']+)'", page)
+
+
+def test_report_end_to_end(artifacts, tmp_path):
+    out = tmp_path / "report"
+    metrics = build_report(list(MODELS), artifacts, out, ReportConfig(dpi=60))
+    page = (out / "index.html").read_text()
+    srcs = _img_srcs(page)
+    want = {"accuracy_per_loop", "step_geometry", "convergence", "pareto_ta", "pareto_tb", "failure_classes",
+            "cross_regime", "latency"}
+    assert {Path(s).stem for s in srcs} == want
+    for s in srcs:  # relative, inside the report, existing PNGs
+        assert not s.startswith(("/", "http", "file:")) and (out / s).is_file()
+        assert (out / s).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "<script" not in page and "http://" not in page and "https://" not in page
+    assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(f"{w}.png" for w in want)
+    # Headline numbers, hand-derived from the constructed dx tables (D@95 = min depth with accuracy ≥ 0.95).
+    m = metrics["models"]
+    assert m["ta-uniform"]["d95_fixed"] == 3.0  # fixed reaches 0.97 at depth 3
+    assert m["ta-uniform"]["d95_best_posthoc"] == pytest.approx(1.8)  # entropy 1.8 < top1 2.2
+    assert m["ta-uniform"]["best_posthoc_rule"] == "entropy"
+    assert m["tb-uniform"]["best_posthoc_rule"] == "entropy" and m["tb-uniform"]["d95_best_posthoc"] == 1.8
+    assert m["ta-joint"]["d95_native"] == 3.5 and m["ta-uniform"]["d95_native"] is None
+    assert m["ta-joint"]["d95_best_posthoc"] == pytest.approx(1.8)  # top1 2.3 vs entropy 1.8
+    assert m["ta-uniform"]["oracle_depth"] == 1.05 and m["ta-joint"]["verdict"] == "trajectory-limited"
+    assert metrics["latency"]["bs256"]["median_speedup_ratio"] == pytest.approx(0.9)
+    assert metrics["latency"]["all_exact"] is True
+    assert metrics["missing_inputs"] == sorted(f"gates/{k}" for k in MODELS)
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["models"]["ta-uniform"]["d95_fixed"] == 3.0
+    # Findings: diagnose's sentences are on the page, rendered from Markdown.
+    assert "<td>readout-limited</td>" in page and "<strong>holds</strong>" in page
+
+
+def test_report_partial_inputs_and_missing_readouts(artifacts, tmp_path):
+    import shutil
+
+    for d in ("diagnose", "latency", "gates"):
+        shutil.rmtree(artifacts / d)
+    out = tmp_path / "report"
+    metrics = build_report(["ta-uniform"], artifacts, out, ReportConfig(dpi=60))
+    page = (out / "index.html").read_text()
+    assert {Path(s).stem for s in _img_srcs(page)} == {"accuracy_per_loop", "step_geometry", "convergence",
+                                                       "pareto_ta"}
+    assert all((out / s).is_file() for s in _img_srcs(page))
+    assert "run the diagnose stage" in page and "latency/latency.parquet" in page
+    assert metrics["latency"] == {}
+    with pytest.raises(FileNotFoundError, match="run the readouts stage for nope"):
+        build_report(["nope"], artifacts, tmp_path / "r2", ReportConfig())
+    assert not (tmp_path / "r2").exists()  # nothing half-written
+
+
+def test_latency_findings_numbers():
+    rows = [{"model": "m", "rule": r, "batch_size": 1, "n_loops": 6, "mean_exit_depth": d, "realised_speedup": rs,
+             "ideal_speedup": 6 / d, "speedup_ratio": rs * d / 6, "ideal_speedup_work": 2.0,
+             "ratio_to_work_ideal": rs / 2.0, "exact": True, "exit_mismatches": 0, "correct_mismatches": 0,
+             "n_tokens": 10} for r, d, rs in (("a", 2.0, 2.7), ("b", 3.0, 1.0), ("c", 1.5, 2.0))]
+    s = latency_findings(pl.DataFrame(rows), None)
+    # ratios: 0.9, 0.5, 0.5 -> min 0.50, max 0.90, median 0.50; one run ≥ 0.8
+    assert "is 0.50–0.90 (median 0.50); 1 of 3 runs reach ≥ 0.8 × ideal" in s[1]
+    assert "Largest realised speedup: 2.70× (m, a, batch 1" in s[2]
+
+
+def test_markdown_subset():
+    h = markdown_to_html("# T\n\n| a | b |\n|---|---|\n| 1 | <x> |\n\n- one\n  - two\n- three\n\ntext `c`\nmore")
+    assert h.splitlines() == [
+        "<h2>T</h2>",
+        "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>&lt;x&gt;</td></tr></tbody></table>",
+        "<ul><li>one</li><ul><li>two</li></ul><li>three</li></ul>",
+        "<p>text <code>c</code> more</p>"]
+
+
+def test_report_stage_cli(artifacts, tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    params = tmp_path / "params.yaml"
+    params.write_text("report:\n  dpi: 60\n  bogus: 1\n")
+    res = CliRunner().invoke(app, ["report", "--params", str(params), "--models", "ta-uniform",
+                                   "--root", str(artifacts), "--out", str(tmp_path / "r")])
+    assert res.exit_code == 2 and "unknown key 'bogus' in params section 'report'" in res.output
