@@ -15,6 +15,7 @@ Reported: wall(dump) / wall(bare), wall(dump) / wall(naive), bytes on disk of th
 the naive ``.npy`` files. Targets: ≤ 1.15, ≤ 0.7, ≤ 0.5. Exit status 1 when a target is missed.
 
     python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 2]
+                              [--hf]   # also the HF-adapter section: benchmarks/dump_hf.py
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=4096, help="dump.chunk_tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="interleaved repetitions (best one counts)")
+    ap.add_argument("--hf", action="store_true", help="also run benchmarks/dump_hf.py (a wide tiny HF Dory "
+                    "through pipeline.adapters.hf vs the model's own forward) with its defaults")
     args = ap.parse_args()
 
     from pipeline.dump import DumpConfig, dump_split
@@ -130,6 +133,12 @@ def main() -> int:
         hit = v <= TARGETS[k]
         ok &= hit
         print(f"{k:11s} {v:6.3f}  (target <= {TARGETS[k]}) {'ok' if hit else 'MISSED'}")
+    if args.hf:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from dump_hf import run as run_hf
+
+        print("\n-- HF adapter (benchmarks/dump_hf.py) --")
+        ok &= run_hf(["--threads", str(args.threads), "--reps", str(args.reps)]) == 0
     return 0 if ok else 1
 
 
