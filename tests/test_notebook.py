@@ -1,0 +1,75 @@
+"""notebooks/explore.ipynb executes (nbclient, the venv's kernel) on a tiny pipeline's outputs, and its
+user-written exit rule gives the depth/accuracy an explicit per-token loop gives."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_artifacts(tmp_path_factory) -> Path:
+    """dump (val, test) -> geometry -> readouts for one random-init model on running sum mod 5."""
+    from pipeline.dump import DumpConfig, dump_model
+    from pipeline.geometry import GeometryConfig, geometry_model
+    from pipeline.interface import LoopedTransformerAdapter
+    from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig
+    from pipeline.readouts import ReadoutsConfig, readouts_model
+    from pipeline.tasks import make_task
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("nb") / "artifacts"
+    task = make_task("rs", {"kind": "running_sum", "length": 6, "modulus": 5})
+    torch.manual_seed(0)
+    model = LoopedTransformer(ModelConfig(vocab_size=5, block_size=6, d_model=16, n_head=2,
+                                          groups=(GroupConfig(1, 4),))).eval()
+    adapter = LoopedTransformerAdapter(model, "rs-tiny", extra={"task": {"name": "rs", **task.spec()}})
+    stores = dump_model(adapter, task, {"val": 43, "test": 44}, root / "dump" / "rs-tiny",
+                        DumpConfig(sequences={"val": 20, "test": 20}, batch_size=10, chunk_tokens=64), progress=False)
+    geometry_model(stores, GeometryConfig(splits=("val", "test"), training_dynamics=False,
+                                          eps={"kl_prev": (1e-3,)}), root / "geometry" / "rs-tiny", progress=False)
+    readouts_model(root / "geometry" / "rs-tiny", ReadoutsConfig(rules=("fixed", "top1", "oracle")),
+                   root / "readouts" / "rs-tiny", progress=False)
+    return root
+
+
+def test_notebook_executes_and_user_rule_is_right(tiny_artifacts, monkeypatch):
+    import nbclient
+    import nbformat
+
+    from pipeline.store import open_store
+
+    for k, v in {"LOOPTRACE_ARTIFACTS": str(tiny_artifacts), "LOOPTRACE_MODEL": "rs-tiny",
+                 "LOOPTRACE_SPLIT": "test", "LOOPTRACE_TOKEN": "7"}.items():
+        monkeypatch.setenv(k, v)  # inherited by the kernel process
+    nb = nbformat.read(REPO / "notebooks" / "explore.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    texts = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+             if o.output_type == "stream" and o.get("name") == "stdout"]
+    result = json.loads(next(line for t in texts for line in t.splitlines() if line.startswith('{"rule": "my_rule"')))
+    assert sum(1 for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})) == 2
+
+    # Independent check: the threshold is one of the 51 val percentiles of max_prob, and at it the rule
+    # "max_prob ≥ γ and argmax_t = argmax_{t−1}" exits where an explicit per-token loop says.
+    val, test = (open_store(tiny_artifacts / "dump" / "rs-tiny" / f"{s}.zarr") for s in ("val", "test"))
+    grid = np.percentile(val.read("max_prob").astype(np.float64).ravel(), np.linspace(0.5, 99.5, 51))
+    g = result["chosen_threshold"]
+    assert np.isclose(grid, g, rtol=0, atol=1e-12).any()
+    mp, am, y = test.read("max_prob").astype(np.float64), test.read("argmax"), test.read("target")
+    T = test.n_loops
+    depths, correct = [], []
+    for i in range(test.n_tokens):
+        d = next((t + 1 for t in range(1, T) if mp[i, t] >= g and am[i, t] == am[i, t - 1]), T)
+        depths.append(d)
+        correct.append(am[i, d - 1] == y[i])
+    assert result["n_test_tokens"] == test.n_tokens == 120
+    assert result["test_depth"] == pytest.approx(np.mean(depths), abs=1e-12)
+    assert result["test_accuracy"] == pytest.approx(np.mean(correct), abs=1e-12)
+    assert result["full_depth_accuracy"] == pytest.approx(np.mean(am[:, -1] == y), abs=1e-12)
