@@ -459,35 +459,48 @@ def fig_cross_regime(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Pat
         return None
     r, c, v = cols
     d = inp.cross_regime
-    if "x" in d.columns and v == "d_at":
+    if "mode" in d.columns:  # transfer = the fitted gate applied as is; refit rows repeat the eval model's own gate
+        d = d.filter(pl.col("mode") == "transfer")
+    if "x" in d.columns and v == "d_at" and (d["x"] == float(cfg.x)).any():
         d = d.filter(pl.col("x") == float(cfg.x))
-    if "labels" in d.columns and d["labels"].n_unique() > 1:  # one matrix per label scheme
-        schemes = sorted(d["labels"].unique().to_list())
-    else:
-        schemes = [None]
+    keys = [k for k in ("task", "rule") if k in d.columns] or [k for k in ("labels",) if k in d.columns]
+    facets = d.select(keys).unique(maintain_order=True).sort(keys).rows() if keys else [()]
+    if not d.height or not facets:
+        return None
     plt = _plt()
-    fig, axes = plt.subplots(1, len(schemes), figsize=(5.6 * len(schemes), 5.0), squeeze=False, layout="constrained")
-    for ax, s in zip(axes[0], schemes, strict=True):
-        ds = d if s is None else d.filter(pl.col("labels") == s)
+    ncol = min(3, len(facets))
+    nrow = math.ceil(len(facets) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(5.4 * ncol, 4.6 * nrow), squeeze=False, layout="constrained")
+    depth_like = v in ("d_at", "d95", "d_at_95", "test_depth", "mean_depth")
+    unit = f"D@{cfg.x:g} (loops)" if depth_like else v.replace("_", " ")
+    for k, facet in enumerate(facets):
+        ax = axes[k // ncol, k % ncol]
+        ds = d
+        for key, val in zip(keys, facet, strict=True):
+            ds = ds.filter(pl.col(key) == val)
         ds = ds.group_by(r, c).agg(pl.col(v).mean())
         rows, colsv = sorted(ds[r].unique().to_list()), sorted(ds[c].unique().to_list())
         mat = np.full((len(rows), len(colsv)), np.nan)
         for a, b, val in ds.iter_rows():
             mat[rows.index(a), colsv.index(b)] = np.nan if val is None else val
-        im = ax.imshow(mat, cmap="viridis_r" if v in ("d_at", "d95", "d_at_95", "test_depth", "mean_depth") else "viridis",
-                       aspect="auto")
+        im = ax.imshow(mat, cmap="viridis_r" if depth_like else "viridis", aspect="auto")
+        finite = mat[np.isfinite(mat)]
+        mid = float(finite.mean()) if finite.size else 0.0
         for i in range(len(rows)):
             for j in range(len(colsv)):
-                txt = "n/a" if not np.isfinite(mat[i, j]) else f"{mat[i, j]:.2f}"
-                ax.text(j, i, txt, ha="center", va="center", fontsize=8,
-                        color="w" if np.isfinite(mat[i, j]) and mat[i, j] > np.nanmean(mat) else "k")
-        ax.set_xticks(np.arange(len(colsv)), colsv, rotation=30, ha="right", fontsize=8)
+                ok = np.isfinite(mat[i, j])
+                ax.text(j, i, f"{mat[i, j]:.2f}" if ok else "n/a", ha="center", va="center", fontsize=9,
+                        color=("w" if (mat[i, j] > mid) == depth_like else "k") if ok else "k")
+        ax.set_xticks(np.arange(len(colsv)), colsv, rotation=25, ha="right", fontsize=8)
         ax.set_yticks(np.arange(len(rows)), rows, fontsize=8)
-        ax.set(xlabel=f"applied to ({c})", ylabel=f"gate fit on ({r})", title=f"labels: {s}" if s else "")
+        ax.set(xlabel="applied to (eval model)", ylabel="gate fit on (fit model)",
+               title=" · ".join(str(x) for x in facet))
         ax.grid(False)
-        unit = f"D@{cfg.x:g} (loops)" if v.startswith("d") else v.replace("_", " ")
-        fig.colorbar(im, ax=ax, label=unit)
-    fig.suptitle("Cross-regime offline gates (n/a = target accuracy unreachable)")
+        fig.colorbar(im, ax=ax, label=unit, shrink=0.85)
+    for k in range(len(facets), nrow * ncol):
+        axes[k // ncol, k % ncol].set_visible(False)
+    fig.suptitle("Cross-regime transfer of offline gates\n(fit on one model's frozen trajectories, applied to "
+                 "another's; n/a = unreachable)", fontsize=10)
     return _save(fig, out / "cross_regime.png", dpi)
 
 

@@ -93,10 +93,11 @@ def artifacts(tmp_path) -> Path:
     (root / "diagnose" / "summary.md").write_text(
         "# Diagnosis: trajectory or readout?\n\n## Verdicts\n\n| model | verdict |\n|---|---|\n"
         "| ta-uniform | readout-limited |\n\n- claim (a) **holds**\n  - nested `detail`\n\nA paragraph.\n")
-    _write(root / "gates" / "cross_regime.parquet", pl.DataFrame({
-        "fit_model": ["ta-uniform", "ta-uniform", "ta-joint", "ta-joint"],
-        "eval_model": ["ta-uniform", "ta-joint", "ta-uniform", "ta-joint"], "x": [95.0] * 4,
-        "d_at": [1.5, None, 2.0, 3.0]}))
+    pairs = [("ta-uniform", "ta-uniform"), ("ta-uniform", "ta-joint"), ("ta-joint", "ta-uniform"), ("ta-joint", "ta-joint")]
+    _write(root / "gates" / "cross_regime.parquet", pl.DataFrame({  # gates' schema (subset)
+        "task": ["ta"] * 8, "fit_model": [a for a, _ in pairs] * 2, "eval_model": [b for _, b in pairs] * 2,
+        "rule": ["gate:logreg-oracle"] * 8, "mode": ["transfer"] * 4 + ["refit"] * 4, "x": [95.0] * 8,
+        "d_at": [1.5, None, 2.0, 3.0, 1.5, 3.0, 1.5, 3.0]}))
     lat = []
     for model in ("ta-uniform", "ta-joint"):
         for bs, real in ((1, 1.2), (256, 1.8)):
