@@ -13,7 +13,7 @@ import typer
 
 # Stage names, in pipeline order; each is dvc.yaml stage, stages/<name>.py, params section and
 # artifacts/<name>/.
-STAGES = ["train", "dump", "geometry", "readouts", "diagnose", "latency", "report"]
+STAGES = ["train", "dump", "geometry", "readouts", "gates", "diagnose", "latency", "report"]
 
 app = typer.Typer(name="looptrace", help=__doc__.splitlines()[0], no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
