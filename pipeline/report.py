@@ -419,18 +419,23 @@ def fig_failures(inp: Inputs, out: Path, dpi: int) -> Path | None:
         ax = axes[k // ncol, k % ncol]
         d = f.filter(pl.col("model") == model).sort("source", "rule", descending=True)
         labels = d["rule"].to_list()
+        # Errors only (the correct share is 100 − the bar): near-perfect models stay readable.
         left = np.zeros(d.height)
-        for cls, colour in FAILURE_CLASSES:
+        for cls, colour in FAILURE_CLASSES[1:]:
             v = 100 * d[f"frac_{cls}"].to_numpy()
             ax.barh(np.arange(d.height), v, left=left, color=colour, label=cls.replace("_", " "))
             left += v
+        top = max(float(left.max()), 0.1)
+        for y, tot in enumerate(left):
+            ax.text(tot + 0.01 * top, y, f"{tot:.2f}" if top < 5 else f"{tot:.1f}", va="center", fontsize=7)
         ax.set_yticks(np.arange(d.height), labels, fontsize=8)
-        ax.set(title=model, xlabel="share of test tokens (%)", xlim=(0, 100))
+        ax.set(title=model, xlabel="wrong test tokens (% of all)", xlim=(0, top * 1.18))
     for k in range(len(models), nrow * ncol):
         axes[k // ncol, k % ncol].set_visible(False)
     h, lab = axes[0, 0].get_legend_handles_labels()
     fig.legend(h, lab, loc="outside lower center", ncol=4, frameon=False)
-    fig.suptitle("Failure classes at each rule's chosen operating point")
+    fig.suptitle("Failure classes (SPEC §7) at each rule's chosen operating point: share of test tokens the "
+                 "rule gets wrong, by cause")
     return _save(fig, out / "failure_classes.png", dpi)
 
 
@@ -797,7 +802,9 @@ _CAPTIONS = {
                      "with interquartile bands ([TS], SPEC §2).",
     "convergence": "Mean per-token convergence depth (SPEC §2) by difficulty and by token type; tokens that never "
                    "converge count as T + 1 (censored, dotted line).",
-    "failure_classes": "Share of test tokens per failure class (SPEC §7) at every rule's chosen operating point.",
+    "failure_classes": "Wrong test tokens per failure class (SPEC §7) at every rule's chosen operating point "
+                       "(number = total error %; the rest is correct): trajectory = no loop is right, readout early = "
+                       "exited before the first right loop, overthinking = exited after a right loop at a wrong one.",
     "cross_regime": "Offline gates fit on one model's frozen trajectories and applied to another's (SPEC §6).",
     "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
                "dashed line is 0.8 × ideal.",
