@@ -171,10 +171,12 @@ def _tiny_pipeline(tmp_path):
                                           groups=(GroupConfig(1, 4),))).eval()
     name = "rs-joint"
     ckpt = tmp_path / "train" / name / "model.pt"
-    save_checkpoint(ckpt, model, name=name, task={"name": "rs", **task.spec()}, data_seeds={"test": 44})
+    save_checkpoint(ckpt, model, name=name, task={"name": "rs", **task.spec()},
+                    data_seeds={"fit": 42, "val": 43, "test": 44})
     adapter = LoopedTransformerAdapter.from_checkpoint(ckpt)
-    stores = dump_model(adapter, task, {"test": 44}, tmp_path / "dump" / name,
-                        DumpConfig(sequences={"test": 10}, batch_size=4, chunk_tokens=32), progress=False)
+    stores = dump_model(adapter, task, {"fit": 42, "val": 43, "test": 44}, tmp_path / "dump" / name,
+                        DumpConfig(sequences={"fit": 16, "val": 10, "test": 10}, batch_size=4, chunk_tokens=32),
+                        progress=False)
     st = stores["test"]
     # Offline evaluation at hand-picked thresholds, straight from the store's signals.
     correct = st.read("argmax") == st.read("target")[:, None]
@@ -193,11 +195,11 @@ def _tiny_pipeline(tmp_path):
     rdir.mkdir(parents=True)
     pl.DataFrame(rows).write_parquet(rdir / "chosen.parquet")
     pl.concat(ex).write_parquet(rdir / "chosen_exits.parquet")
-    return name, rows
+    return name, rows, stores
 
 
 def test_stage_matches_offline_evaluation(tmp_path):
-    name, rows = _tiny_pipeline(tmp_path)
+    name, rows, _ = _tiny_pipeline(tmp_path)
     cfg = LatencyConfig(rules=("top1", "q_exit", "gate"), batch_sizes=(1, 4), bs1_sequences=10, warmup=0, repeats=1)
     roots = [tmp_path / d for d in ("train", "dump", "readouts", "gates")]
     df, metrics = latency_models([name], *roots, cfg, progress=False)
@@ -216,7 +218,7 @@ def test_stage_matches_offline_evaluation(tmp_path):
 
 
 def test_stage_refuses_mismatching_offline_exits(tmp_path):
-    name, _ = _tiny_pipeline(tmp_path)
+    name, _, _ = _tiny_pipeline(tmp_path)
     p = tmp_path / "readouts" / name / "chosen_exits.parquet"
     ex = pl.read_parquet(p)
     ex = ex.with_columns(exit_depth=pl.when((pl.col("rule") == "top1") & (pl.col("token") == 3))
@@ -239,3 +241,23 @@ def test_stage_cli_one_line_error(tmp_path):
     res = CliRunner().invoke(app, ["latency", "--models", "nope", "--train-root", str(tmp_path)])
     assert res.exit_code == 2
     assert "model.pt' not found" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_refit_gate_runs_online_exactly(tmp_path):
+    """The gates stage's fitted gate (pickled, loaded through pipeline.gates.load_online_gate) runs in
+    the engine and reproduces the gates stage's offline chosen exits token by token."""
+    from pipeline.gates import GatesConfig, gates_stage
+
+    name, _, stores = _tiny_pipeline(tmp_path)
+    gcfg = GatesConfig(gates=("logreg-consistent",), pca_components=4, stats=("entropy", "kl_prev", "accel"),
+                       cross_gates=(), max_fit_tokens=None)
+    gates_stage({name: stores}, gcfg, tmp_path / "gates", progress=False)
+    roots = [tmp_path / d for d in ("train", "dump", "readouts", "gates")]
+    cfg = LatencyConfig(rules=("gate",), batch_sizes=(1, 3), bs1_sequences=10, warmup=0, repeats=1)
+    df, metrics = latency_models([name], *roots, cfg, progress=False)
+    assert df["rule"].to_list() == ["gate:logreg-consistent"] * 2 and df["source"].to_list() == ["gates"] * 2
+    assert df["exact"].all() and "gate" not in metrics["models"][name].get("skipped", {})
+    assert 1.0 < df["mean_exit_depth"][0] < 4.0  # the gate really decides (not all at 1 or at T)
+    ex = pl.read_parquet(tmp_path / "gates" / name / "chosen_exits.parquet")
+    assert df["mean_exit_depth"][1] == pytest.approx(float(ex["exit_depth"].mean()), abs=1e-12)
+    assert df["accuracy_real"][1] == pytest.approx(float(ex["correct"].mean()), abs=1e-12)
