@@ -561,6 +561,11 @@ class FeaturePipeline:
 
         loops = np.arange(h.shape[1]) if loops is None else np.asarray(loops)
         C = self._continuous(h, stats, loops, fit=True)
+        k0 = self.pca_components or self.d_model
+        for j, name in enumerate(self.stats):
+            if not np.isfinite(C[:, k0 + j]).any():
+                raise ValueError(f"gates.stats: '{name}' has no finite value on the fit rows (loops "
+                                 f"{int(loops.min()) + 1}..{int(loops.max()) + 1}; it is undefined there); drop it")
         # StandardScaler ignores NaN when fitting (undefined t = 1 statistics) and keeps them on transform.
         self.scaler = StandardScaler().fit(C)
         return self
