@@ -280,7 +280,8 @@ def fig_step_geometry(inp: Inputs, out: Path, dpi: int) -> Path | None:
         return None
     plt = _plt()
     tasks = _tasks(inp.meta)
-    metrics = (("step_norm", "step norm ‖Δ_t‖₂ (state units)"), ("step_cos", "step cosine cos(Δ_t, Δ_{t−1})"))
+    metrics = (("step_norm", r"step norm $\|\Delta_t\|_2$ (state units)"),
+               ("step_cos", r"step cosine $\cos(\Delta_t, \Delta_{t-1})$"))
     fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.8), squeeze=False, layout="constrained")
     for j, task in enumerate(tasks):
         for r, (metric, label) in enumerate(metrics):
@@ -514,7 +515,6 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
     if inp.latency is None or not inp.latency.height:
         return None
     plt = _plt()
-    import matplotlib
 
     lat = inp.latency
     sizes = sorted(lat["batch_size"].unique().to_list())
@@ -536,7 +536,7 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
             for r in d.iter_rows(named=True):
                 ci = rules.index(r["rule"])
                 mi = models.index(r["model"]) % len(markers)
-                ax.scatter(r[col], r["realised_speedup"], color=matplotlib.colormaps["tab10"](ci % 10),
+                ax.scatter(r[col], r["realised_speedup"], color=_rule_colour(ci),
                            marker=markers[mi], s=42, edgecolors="k", linewidths=0.4, zorder=3)
             ax.set(title=f"batch size {bs}" + (" (compacted)" if bs > 1 else ""), xlabel=xlabel,
                    ylabel="realised speedup:\nwall time full / early exit (×)", xlim=(0.9, hi), ylim=(0, hi))
@@ -545,12 +545,21 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
     from matplotlib.lines import Line2D
 
     for ci, rule in enumerate(rules):
-        handles[f"rule: {rule}"] = Line2D([], [], color=matplotlib.colormaps["tab10"](ci % 10), marker="o", ls="none")
+        handles[f"rule: {rule}"] = Line2D([], [], color=_rule_colour(ci), marker="o", ls="none")
     for mi, model in enumerate(models):
         handles[f"model: {model}"] = Line2D([], [], color="grey", marker=markers[mi % len(markers)], ls="none")
     fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8, frameon=False)
     fig.suptitle("Real early exit: realised speedup vs the token-level ideal (top) and the exact-causal ideal (bottom)")
     return _save(fig, out / "latency.png", dpi)
+
+
+def _rule_colour(i: int):
+    """Distinct colours for rules, without greys (grey marks the model legend)."""
+    import matplotlib
+
+    cols = [matplotlib.colormaps["tab10"](k) for k in range(10) if k != 7]
+    cols += [matplotlib.colormaps["Dark2"](k) for k in range(8) if k != 7]
+    return cols[i % len(cols)]
 
 
 def _slug(s: str) -> str:
