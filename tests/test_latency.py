@@ -212,6 +212,8 @@ def test_stage_matches_offline_evaluation(tmp_path):
         assert r["speedup_ratio"] == pytest.approx(r["realised_speedup"] / r["ideal_speedup"])
         assert r["n_tokens"] == 80 and r["exit_mismatches"] == 0
     assert metrics["all_exact"] and "gate" in metrics["models"][name]["skipped"]
+    fastest = df.filter(pl.col("batch_size") == 4).sort("realised_speedup", descending=True)["rule"][0]
+    assert metrics["models"][name]["fastest_bs4"]["rule"] == fastest and metrics["models"][name]["exact_bs1"]
     write_latency(tmp_path / "latency", df, metrics)
     assert pl.read_parquet(tmp_path / "latency" / "latency.parquet").shape == df.shape
     assert json.loads((tmp_path / "latency" / "metrics.json").read_text())["all_exact"] is True
