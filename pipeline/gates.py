@@ -233,8 +233,8 @@ class GatesConfig:
     logreg_max_iter: int = 500
     mlp_hidden: tuple[int, ...] = (32,)
     mlp_alpha: float = 1e-4
-    mlp_lr: float = 1e-3
-    mlp_batch_size: int = 256
+    mlp_lr: float = 2e-3
+    mlp_batch_size: int = 512
     mlp_max_iter: int = 20
     ponder: PonderConfig = field(default_factory=PonderConfig)
     n_quantiles: int = 51
