@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+
+from .artifacts import atomic_dir, jsonable
 
 # Comparisons of k/N fractions against x/100: a tiny tolerance so that e.g. 57/100 ≥ 0.57 holds.
 _EPS = 1e-12
@@ -383,41 +382,16 @@ def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics:
         metrics: JSON-able dict (NaN written as null).
         extra_text: file name -> text written beside them (``summary.md``).
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         for name, df in frames.items():
             df.write_parquet(tmp / f"{name}.parquet")
         for name, text in (extra_text or {}).items():
             (tmp / name).write_text(text)
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2, allow_nan=True) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
-def _jsonable(obj):
-    """numpy scalars/arrays → Python; NaN → None (JSON has no NaN, DVC metrics must parse)."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
+# Kept under its old name: gates, latency and report import it from here.
+_jsonable = jsonable
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,57 @@
+"""Atomic artifact writing shared by every stage.
+
+A stage writes its whole output directory into a temporary sibling and swaps it in at the end, so
+an interrupted or failed run never leaves a mix of old and new files that a later stage (or DVC)
+could take for valid output. ``jsonable`` makes ``metrics.json`` parse for ``dvc metrics show``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path | str) -> Iterator[Path]:
+    """Yield a temporary directory that replaces ``out_dir`` when the block exits cleanly.
+
+    On any exception the temporary directory is removed and ``out_dir`` is left as it was.
+    """
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def jsonable(obj):
+    """numpy scalars/arrays → Python; NaN/inf → None (JSON has no NaN; DVC metrics must parse)."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
