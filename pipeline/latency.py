@@ -858,7 +858,7 @@ def latency_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
         ratios[f"bs{bs}"] = {"median_speedup_ratio": float(sub["speedup_ratio"].median()),
                              "min_speedup_ratio": float(sub["speedup_ratio"].min()),
                              "max_speedup_ratio": float(sub["speedup_ratio"].max()),
-                             "runs_at_least_0.8": int((sub["speedup_ratio"] >= 0.8).sum()),
+                             "runs_ratio_ge_0p8": int((sub["speedup_ratio"] >= 0.8).sum()),
                              "median_ratio_to_work_ideal": float(sub["ratio_to_work_ideal"].median())}
     return {"all_exact": bool(df["exact"].all()) if df.height else True, "n_runs": df.height, "summary": ratios,
             "models": models}
