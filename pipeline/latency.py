@@ -39,10 +39,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -866,22 +863,9 @@ def latency_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
 
 def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``latency.parquet`` and ``metrics.json`` atomically (temp dir + os.replace)."""
-    from .readouts import _jsonable
+    from .artifacts import atomic_dir
+    from .artifacts import jsonable as _jsonable
 
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         df.write_parquet(tmp / "latency.parquet")
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

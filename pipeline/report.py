@@ -25,8 +25,6 @@ import json
 import math
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -903,27 +901,15 @@ def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, c
     Returns:
         The metrics dict as written (NaN = unreachable/absent written as None).
     """
-    from .readouts import _jsonable
+    from .artifacts import atomic_dir
+    from .artifacts import jsonable as _jsonable
 
     out_dir = Path(out_dir)
     inp = load_inputs(models, root, cfg)
     head = headline(inp, cfg)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         figs = make_figures(inp, cfg, tmp / "figures")
         (tmp / "index.html").write_text(render_html(inp, cfg, figs, head, tmp))
         metrics = _jsonable({**report_metrics(head, inp, cfg, figs), **(meta or {})})  # NaN -> null
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return metrics
