@@ -61,10 +61,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pickle
-import shutil
-import tempfile
 import time
 import warnings
 import zlib
@@ -76,6 +73,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from .artifacts import atomic_dir, jsonable
 from .config import ConfigError, to_dict
 from .readouts import (
     RuleResult,
@@ -989,18 +987,6 @@ def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], val: SplitTarg
             "best_gate": {"x": x0, "rule": best[1], "d_at": best[0]}, "rules": rules}
 
 
-def _swap_dir(tmp: Path, out: Path) -> None:
-    """Replace directory ``out`` by ``tmp`` (old contents removed only after the new one is in place)."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 def gates_stage(stores: dict[str, dict[str, Any]], cfg: GatesConfig, out_root: Path | str, base_seed: int = 0,
                 meta: dict[str, dict] | None = None, tasks: dict[str, str | None] | None = None,
                 progress: bool = True, threads: int | None = None) -> dict:
@@ -1049,9 +1035,7 @@ def _gates_stage(stores, cfg, out_root, base_seed, meta, tasks, progress) -> dic
         if missing:
             raise ValueError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
     fitted = {m: fit_model_gates(sp["fit"], cfg, specs, base_seed, m, progress) for m, sp in stores.items()}
-    out_root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_root.name}.", suffix=".tmp", dir=out_root.parent))
-    try:
+    with atomic_dir(out_root) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes 0700; the artifacts are meant to be readable
         cross_rows, skipped, summary = [], [], {}
         for b, sp in stores.items():
@@ -1100,13 +1084,7 @@ def _gates_stage(stores, cfg, out_root, base_seed, meta, tasks, progress) -> dic
         stage = {"models": list(stores), "gates": [s.name for s in specs], "cross_gates": cross,
                  "seed": base_seed, "params": to_dict(cfg), "best_gate": summary, "cross_skipped": skipped,
                  "seconds": time.perf_counter() - t_start}
-        from .readouts import _jsonable
-
-        (tmp / "metrics.json").write_text(json.dumps(_jsonable(stage), indent=2) + "\n")
-        _swap_dir(tmp, out_root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        (tmp / "metrics.json").write_text(json.dumps(jsonable(stage), indent=2) + "\n")
     return stage
 
 

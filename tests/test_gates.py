@@ -346,6 +346,23 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
     assert not list(tmp_path.glob(".gates*"))
 
 
+def test_failed_run_leaves_previous_outputs(tmp_path, monkeypatch):
+    stores = {"m": make_stores(tmp_path / "dump", "m", n=(80, 40, 40))}
+    cfg = small_cfg(gates=("logreg-consistent",), cross_gates=())
+    out = tmp_path / "gates"
+    G.gates_stage(stores, cfg, out, progress=False)
+    before = {p.name: p.read_bytes() for p in (out / "m").iterdir()}
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(G, "result_frames", boom)
+    with pytest.raises(RuntimeError, match="disk full"):
+        G.gates_stage(stores, cfg, out, progress=False)
+    assert {p.name: p.read_bytes() for p in (out / "m").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump", "gates"]  # no temporary directory left
+
+
 def test_online_gate_matches_store_features(tmp_path):
     """Features recomputed live from a real model's states and readouts give exactly the P(stop) of
     the store path (rounded states, step_metrics, LoopStats formulas)."""
