@@ -20,6 +20,8 @@ fingerprint (params, checkpoint hash, model config, data, versions) is deleted a
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import hashlib
 import json
@@ -38,7 +40,7 @@ from tqdm.auto import tqdm
 from .adapters.hf import AdapterConfig
 from .config import BaseConfig, ConfigError, to_dict
 from .interface import LoopedModelAdapter
-from .precision import encode_states, resolve_state_dtype
+from .precision import encode_states_counted, resolve_state_dtype
 from .stats import LoopStats
 from .store import (
     DIMS,
@@ -110,6 +112,10 @@ class DumpConfig:
             raise ConfigError(f"dump.clevel must be in 0..9, got {self.clevel}")
 
 
+#: Key of the per-row NaN/Inf count of the stored states that travels with a chunk's rows to the writer
+#: (counted while casting, so the writer never scans the states again); not a store array.
+NONFINITE = "_nonfinite"
+
 # Parameters that change how fast, not what, is written: left out of the resume fingerprint.
 _NOT_FINGERPRINTED = ("writer_queue", "sequences")
 
@@ -129,6 +135,40 @@ def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, 
                        "checkpoint_hash": info.checkpoint_hash, "data": _data_hash(data),
                        "attrs": attrs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+#: glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_ALLOCATOR_TUNED = False
+
+
+def reuse_freed_memory(mmap_threshold: int = 256 << 20) -> bool:
+    """Let glibc keep large freed buffers for reuse instead of unmapping them (once per process).
+
+    Why: a dump allocates and frees the same tens-of-MB buffers every batch and chunk (float32 states, their
+    float16 cast, compressed chunks, the checksum codec's copy). glibc serves blocks above its mmap threshold
+    (dynamic, at most 32 MiB) with a fresh mmap each time, so every page faults in again. Measured on the
+    benchmark's 16k-token d_model-512 dump: 116k minor faults and 0.9 s of system time, 6k and 0.5 s with
+    this (8 % less CPU per chunk write). Freed memory stays in the process (up to ``mmap_threshold`` per
+    block, the heap trimmed only beyond twice that), which suits a process that dumps batch after batch.
+
+    Args:
+        mmap_threshold: allocations below this many bytes come from the heap.
+
+    Returns:
+        Whether the setting was applied (False off glibc, e.g. macOS, where it is not needed).
+    """
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * int(mmap_threshold)))
+    _ALLOCATOR_TUNED = ok
+    return ok
 
 
 def _say(msg: str) -> None:
@@ -152,7 +192,9 @@ class _BackgroundWriter:
                 return
             if self.error is None:
                 try:
-                    self.writer.write_chunk(*item)
+                    chunk, data = item
+                    counts = data.pop(NONFINITE)
+                    self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                     self.error = exc
 
@@ -209,18 +251,23 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     ids = torch.from_numpy(np.ascontiguousarray(data.tokens[rows], dtype=np.int64)).to(dev)
     m = torch.from_numpy(mask[rows]).to(dev)
     st = adapter.states(ids)
-    # cast before selecting (half the bytes to gather); all scored: a reshape instead of a gather
+    # all scored: a reshape instead of a gather
     if bool(m.all()):
         sel = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - [B, S, ...] -> [B*S, ...] row-major
     else:
         sel = lambda x: x[m]  # noqa: E731
     mnp = mask[rows]
     where = f"dump of '{info.name}', sequences {rows.start}..{rows.stop - 1}"
-    # range-checked cast to the stored representation (float16 overflow is an error; bfloat16 as bits)
-    enc = {name: encode_states(x, hidden_dtype, f"{where}: '{name}'")
-           for name, x in (("hidden", st.hidden), ("hidden_init", st.hidden_init))}
-    out: dict[str, np.ndarray] = {name: (a.reshape(-1, *a.shape[2:]) if mnp.all() else a[mnp])
-                                  for name, a in enc.items()}  # hidden [n, T, D], hidden_init [n, D]
+    # range-checked cast to the stored representation before selecting (half the bytes to gather; float16
+    # overflow is an error, bfloat16 is kept as bits), with each row's NaN/Inf count for the chunk marker
+    out: dict[str, np.ndarray] = {}
+    nonfinite = np.zeros(int(mnp.sum()), dtype=np.int64)
+    for name, x in (("hidden", st.hidden), ("hidden_init", st.hidden_init)):
+        enc, bad = encode_states_counted(x.reshape(-1, *x.shape[2:]), hidden_dtype, f"{where}: '{name}'")
+        out[name] = enc if mnp.all() else enc[mnp.reshape(-1)]  # hidden [n, T, D], hidden_init [n, D]
+        if bad is not None:
+            nonfinite += bad if mnp.all() else bad[mnp.reshape(-1)]
+    out[NONFINITE] = nonfinite
     if info.has_gate:
         if st.gate_logits is None:
             raise ValueError(f"adapter '{info.name}' declares a gate but returned no gate logits")
@@ -316,6 +363,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             and records ``nan_count``), or the target path is not a store.
     """
     info = adapter.info
+    reuse_freed_memory()
     if data.tokens.ndim != 2 or data.targets.shape != data.tokens.shape:
         raise ValueError(f"data: tokens and targets must both be [batch, seq]; got {data.tokens.shape} and "
                          f"{data.targets.shape}")
@@ -451,4 +499,4 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     return stores
 
 
-__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split"]
+__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "reuse_freed_memory"]

@@ -102,13 +102,46 @@ def encode_states(x: Any, dtype: str, what: str) -> np.ndarray:
             return _f32_to_bf16_bits(x)
         with np.errstate(over="ignore", invalid="ignore"):
             return x.astype(dtype, copy=False)
+    return encode_states_counted(x, dtype, what)[0]
+
+
+def encode_states_counted(x: Any, dtype: str, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`encode_states` of a torch tensor, plus the non-finite count of each row.
+
+    The common case costs the cast and one reduction over its result: a finite ``torch.aminmax`` of the
+    stored values proves there is nothing to count and nothing to refuse (a finite value beyond float16's
+    range becomes inf in the cast), so the per-element checks (largest finite magnitude of the input,
+    finiteness mask, count per row) only run for a batch that holds a NaN/Inf after the cast.
+
+    Args:
+        x: [row, ...] states (torch tensor, any float dtype; numpy goes through :func:`encode_states`).
+        dtype: ``float16`` | ``bfloat16`` | ``float32``.
+        what: names the array in an error message.
+
+    Returns:
+        (stored array [row, ...], [row] int64 non-finite count per row, or None when there is none).
+    """
+    if isinstance(x, np.ndarray):
+        enc = encode_states(x, dtype, what)
+        bad = count_nonfinite_rows(enc, dtype)
+        return enc, (bad if bad.any() else None)
+    if dtype not in STATE_DTYPES:
+        raise PrecisionError(f"{what}: unknown state dtype {dtype!r} (one of {', '.join(STATE_DTYPES)})")
     import torch
 
     t = x.detach()
-    check_fits(t, dtype, what)
+    target = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+    e = t.to(target)
+    counts = None
+    if e.numel():
+        lo, hi = (float(v) for v in torch.aminmax(e))
+        if not (np.isfinite(lo) and np.isfinite(hi)):
+            # rare path: a NaN/Inf after the cast, from the model or from overflow (refused for float16)
+            check_fits(t, dtype, what)
+            counts = (~torch.isfinite(e)).reshape(e.shape[0], -1).sum(-1).cpu().numpy().astype(np.int64)
     if dtype == "bfloat16":
-        return t.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
-    return t.to(torch.float16 if dtype == "float16" else torch.float32).cpu().numpy()
+        return e.contiguous().view(torch.int16).cpu().numpy().view(np.uint16), counts
+    return e.cpu().numpy(), counts
 
 
 def decode_states(a: np.ndarray, dtype: str | None) -> np.ndarray:
@@ -120,11 +153,17 @@ def decode_states(a: np.ndarray, dtype: str | None) -> np.ndarray:
 
 def count_nonfinite(stored: np.ndarray, dtype: str) -> int:
     """Number of NaN/Inf values in a stored state array."""
+    return int(count_nonfinite_rows(stored, dtype).sum()) if stored.size else 0
+
+
+def count_nonfinite_rows(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """[row] int64: NaN/Inf values in each row (first axis) of a stored state array."""
     if dtype == "bfloat16":
-        # exponent all ones ⇔ inf or NaN
-        return int(np.count_nonzero((stored & np.uint16(0x7F80)) == np.uint16(0x7F80)))
-    return int(stored.size - np.count_nonzero(np.isfinite(stored)))
+        bad = (stored & np.uint16(0x7F80)) == np.uint16(0x7F80)  # exponent all ones ⇔ inf or NaN
+    else:
+        bad = ~np.isfinite(stored)
+    return bad.reshape(len(stored), -1).sum(-1, dtype=np.int64)
 
 
 __all__ = ["FLOAT16_MAX", "STATE_DTYPES", "PrecisionError", "check_fits", "count_nonfinite", "decode_states",
-           "encode_states", "resolve_state_dtype"]
+           "count_nonfinite_rows", "encode_states", "encode_states_counted", "resolve_state_dtype"]

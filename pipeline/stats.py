@@ -31,9 +31,14 @@ from .store import STAT_NAMES
 __all__ = ["STAT_NAMES", "LoopStats", "kl_div", "logit_stats"]
 
 
-def kl_div(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) per row, in nats: [..., vocab] log-probabilities -> [...] float32, clamped at 0."""
-    p = logp.exp()
+def kl_div(logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(p ‖ q) per row, in nats: [..., vocab] log-probabilities -> [...] float32, clamped at 0.
+
+    Args:
+        logp, logq: [..., vocab] log-probabilities.
+        p: ``logp.exp()`` when the caller has it already (same values, one pass fewer).
+    """
+    p = logp.exp() if p is None else p
     terms = torch.where(p > 0, p * (logp - logq), torch.zeros((), dtype=logp.dtype, device=logp.device))
     return terms.sum(-1).clamp_min(0.0)
 
@@ -54,6 +59,7 @@ class LoopStats:
     def __init__(self, final_logits: torch.Tensor, target: torch.Tensor):
         z = final_logits.float()
         self._final_logp = torch.log_softmax(z, dim=-1)
+        self._final_p = self._final_logp.exp()
         self._target = target.to(device=z.device, dtype=torch.int64).reshape(-1, 1)
         vocab = z.shape[-1]
         if self._target.numel() and (int(self._target.min()) < 0 or int(self._target.max()) >= vocab):
@@ -61,6 +67,7 @@ class LoopStats:
                              f"{int(self._target.max())}")
         self._prev_z: torch.Tensor | None = None
         self._prev_logp: torch.Tensor | None = None
+        self._prev_p: torch.Tensor | None = None
 
     def update(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """Statistics of the next loop t (1, 2, ... in order).
@@ -75,26 +82,29 @@ class LoopStats:
         logp = torch.log_softmax(z, dim=-1)
         p = logp.exp()
         zero = torch.zeros((), dtype=torch.float32, device=z.device)
+        # one max pass gives the top logit, argmax (first index on ties, as torch.argmax) and, through
+        # log_softmax's monotonicity, max_prob = exp(logp[argmax]); the runner-up is the max with the top
+        # masked — the same values as topk(2), without its cost
+        z_top, top = z.max(dim=-1)  # [token], [token]
         out: dict[str, torch.Tensor] = {
             "entropy": -torch.where(p > 0, p * logp, zero).sum(-1),
-            "max_prob": logp.max(dim=-1).values.exp(),
+            "max_prob": logp.gather(-1, top[:, None]).squeeze(-1).exp(),
             "target_logprob": logp.gather(-1, self._target).squeeze(-1),
-            "argmax": z.argmax(dim=-1).to(torch.int32),
-            "kl_final": kl_div(self._final_logp, logp),
+            "argmax": top.to(torch.int32),
+            "kl_final": kl_div(self._final_logp, logp, self._final_p),
         }
         if z.shape[-1] >= 2:
-            top2 = z.topk(2, dim=-1).values
-            out["margin"] = top2[:, 0] - top2[:, 1]
+            out["margin"] = z_top - z.scatter(-1, top[:, None], float("-inf")).max(dim=-1).values
         else:  # a single class has no runner-up
             out["margin"] = torch.full(z.shape[:1], float("nan"), device=z.device)
         if self._prev_logp is None:
             nan = torch.full(z.shape[:1], float("nan"), dtype=torch.float32, device=z.device)
             out.update(kl_prev=nan, kl_prev_rev=nan.clone(), logit_change=nan.clone())
         else:
-            out["kl_prev"] = kl_div(logp, self._prev_logp)
-            out["kl_prev_rev"] = kl_div(self._prev_logp, logp)
+            out["kl_prev"] = kl_div(logp, self._prev_logp, p)
+            out["kl_prev_rev"] = kl_div(self._prev_logp, logp, self._prev_p)
             out["logit_change"] = torch.linalg.vector_norm(z - self._prev_z, dim=-1)
-        self._prev_z, self._prev_logp = z, logp
+        self._prev_z, self._prev_logp, self._prev_p = z, logp, p
         return {k: out[k] for k in STAT_NAMES}
 
 

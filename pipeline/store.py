@@ -31,6 +31,7 @@ Reader API (other stages use only this)::
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import shutil
@@ -44,6 +45,7 @@ import numpy as np
 import polars as pl
 import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.core.sync import sync
 
 from .precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 
@@ -131,11 +133,17 @@ def _jsonable(x: Any) -> Any:
     return str(x)  # paths, dtypes, devices...: recorded by name rather than failing the JSON encoding
 
 
+#: Blosc block size: blocks of 4 MiB (instead of Blosc's automatic ~256 KiB at level 1) give zstd more
+#: context and fewer block headers. Measured on random-init d_model 512 states, one 4096-token chunk per
+#: write: store / float32 .npy 0.493 → 0.469, and 289 → 186 ms of CPU per chunk (the smaller blocks cost more).
+BLOSC_BLOCKSIZE = 1 << 22
+
+
 def _codecs(clevel: int) -> list:
-    # zstd at a low level with bit shuffle: measured on random-init d_model 512 states, float16 hidden
-    # compresses to 0.88 (byte shuffle 0.93) and float32 logits to 0.84 (0.91) at ~100 MB/s on one core;
-    # ints and stats far more. crc32c last, so the checksum covers the bytes actually stored (SPEC §1).
-    return [BloscCodec(cname="zstd", clevel=clevel, shuffle="bitshuffle"), Crc32cCodec()]
+    # zstd at a low level with bit shuffle: float16 states compress to ~0.85 and float32 logits to ~0.82
+    # (byte shuffle ~0.93 / 0.91; lz4 ~0.91 / 0.86, 30 % less CPU but the store misses half the float32
+    # bytes); ints and stats far more. crc32c last, so the checksum covers the bytes actually stored (SPEC §1).
+    return [BloscCodec(cname="zstd", clevel=clevel, shuffle="bitshuffle", blocksize=BLOSC_BLOCKSIZE), Crc32cCodec()]
 
 
 def _is_checksum_error(exc: BaseException) -> bool:
@@ -498,20 +506,26 @@ class StoreWriter:
         start = chunk * self.chunk_tokens
         return slice(start, min(start + self.chunk_tokens, self.n_tokens))
 
-    def write_chunk(self, chunk: int, data: Mapping[str, np.ndarray]) -> int:
+    def write_chunk(self, chunk: int, data: Mapping[str, np.ndarray], nonfinite: int | None = None) -> int:
         """Write all token-axis arrays of one whole chunk, then its completion marker.
+
+        The arrays are written concurrently (one zarr call; the compressor runs on zarr's thread pool) and
+        the marker only after all of them, so a marker always means "every array of this chunk is on disk".
 
         Args:
             chunk: chunk index.
             data: name -> rows of that chunk (exactly ``chunk_rows(chunk)`` rows); every token-axis array of
                 the store must be present. States are cast to the stored dtype here.
+            nonfinite: NaN/Inf count of the chunk's stored ``hidden``/``hidden_init`` when the caller
+                counted it already (the dump counts while casting); None = count here.
 
         Returns:
             Number of non-finite values in the stored ``hidden``/``hidden_init`` rows.
         """
         rows = self.chunk_rows(chunk)
         n = rows.stop - rows.start
-        nonfinite = 0
+        counted = 0
+        writes: list[tuple[zarr.Array, np.ndarray]] = []
         for name, arr in self._arrays.items():
             if name == _MARKER or DIMS.get(name, ("",))[0] != "token":
                 continue
@@ -529,11 +543,17 @@ class StoreWriter:
             if x.shape != (n, *arr.shape[1:]):
                 raise StoreError(f"store {self.label}: chunk {chunk} of '{name}' has shape {x.shape}, "
                                  f"expected {(n, *arr.shape[1:])}")
-            if name in HIDDEN_NAMES:
-                nonfinite += count_nonfinite(x, self.state_dtypes.get(name, str(arr.dtype)))
-            arr[rows] = x
-        self._arrays[_MARKER][chunk] = nonfinite
-        return nonfinite
+            if name in HIDDEN_NAMES and nonfinite is None:
+                counted += count_nonfinite(x, self.state_dtypes.get(name, str(arr.dtype)))
+            writes.append((arr, x))
+
+        async def write_all() -> None:
+            await asyncio.gather(*(arr.async_array.setitem(rows, x) for arr, x in writes))
+
+        sync(write_all())
+        total = counted if nonfinite is None else int(nonfinite)
+        self._arrays[_MARKER][chunk] = total
+        return total
 
     def read(self, name: str) -> np.ndarray:
         """Read back a whole array already written (for :meth:`rewrite` hooks run before :meth:`finish`)."""

@@ -105,11 +105,11 @@ def test_resume_after_crash_and_start_over_on_new_params(tmp_path, monkeypatch, 
     real = StoreWriter.write_chunk
     calls = {"n": 0}
 
-    def flaky(self, chunk, arrays):
+    def flaky(self, chunk, arrays, **kw):
         calls["n"] += 1
         if calls["n"] == 5:
             raise _Crash("disk full")
-        return real(self, chunk, arrays)
+        return real(self, chunk, arrays, **kw)
 
     monkeypatch.setattr(StoreWriter, "write_chunk", flaky)
     with pytest.raises(_Crash):
@@ -125,7 +125,7 @@ def test_resume_after_crash_and_start_over_on_new_params(tmp_path, monkeypatch, 
     assert "resuming (11 of" in capsys.readouterr().err
     _same_stores(st, ref)
     # already complete, same fingerprint: nothing is recomputed
-    monkeypatch.setattr(StoreWriter, "write_chunk", lambda *a: (_ for _ in ()).throw(AssertionError("rewrote")))
+    monkeypatch.setattr(StoreWriter, "write_chunk", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("rewrote")))
     _same_stores(dump_split(adapter, data, path, cfg), ref)
     monkeypatch.setattr(StoreWriter, "write_chunk", real)
     # complete but damaged since (a chunk deleted): dumped again, not trusted
@@ -174,9 +174,9 @@ _CHILD = textwrap.dedent("""
     from pipeline.store import StoreWriter
     from tests.dump_helpers import model_and_data, KILL_CFG
     real = StoreWriter.write_chunk
-    def slow(self, c, a):  # widen every chunk write so the kill lands anywhere, mid-chunk included
+    def slow(self, c, a, **kw):  # widen every chunk write so the kill lands anywhere, mid-chunk included
         time.sleep(0.01)
-        out = real(self, c, a)
+        out = real(self, c, a, **kw)
         time.sleep(0.02)
         return out
     StoreWriter.write_chunk = slow
