@@ -176,16 +176,27 @@ def _say(msg: str) -> None:
 
 
 class _BackgroundWriter:
-    """One thread that writes whole chunks from a bounded queue (one writer: chunks never overlap)."""
+    """One thread that writes whole chunks from a bounded queue (one writer: chunks never overlap).
 
-    def __init__(self, writer: StoreWriter, maxsize: int):
-        self.writer = writer
+    Args:
+        open_writer: returns the store's writer; called first, in the thread, so that creating a new store
+            (a metadata file per array) overlaps the first forward pass instead of preceding it.
+        maxsize: chunks that may wait in the queue.
+    """
+
+    def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int):
+        self.open_writer = open_writer
+        self.writer: StoreWriter | None = None
         self.q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="looptrace-dump-writer", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        try:
+            self.writer = self.open_writer()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            self.error = exc
         while True:
             item = self.q.get()
             if item is None:
@@ -208,11 +219,14 @@ class _BackgroundWriter:
             except queue.Full:
                 continue
 
-    def close(self) -> None:
+    def close(self) -> StoreWriter:
+        """Wait until every queued chunk is written; returns the writer (re-raises the thread's error)."""
         self.q.put(None)
         self.thread.join()
         if self.error is not None:
             raise self.error
+        assert self.writer is not None
+        return self.writer
 
 
 def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tuple[dict[str, ArraySpec], int | None]:
@@ -307,27 +321,32 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
 
 
 class _ChunkAssembler:
-    """Cuts the stream of batch rows into whole chunks and hands each not-yet-done chunk to ``sink``."""
+    """Cuts the stream of batch rows into whole chunks and hands each not-yet-done chunk to ``sink``.
 
-    def __init__(self, writer: StoreWriter, done: np.ndarray, start_token: int, sink):
-        self.writer, self.done, self.sink = writer, done, sink
+    Args:
+        n_tokens: rows of the store; ``chunk_tokens``: rows per chunk (the last chunk may be shorter).
+        done: [chunk] bool, chunks already written (skipped).
+        start_token: the row the first batch added starts at.
+        sink: ``sink(chunk, name -> rows)`` for every whole chunk not yet done.
+    """
+
+    def __init__(self, n_tokens: int, chunk_tokens: int, done: np.ndarray, start_token: int, sink):
+        self.n_tokens, self.chunk_tokens, self.done, self.sink = n_tokens, chunk_tokens, done, sink
         self.pos = start_token
-        self.buf: dict[str, np.ndarray] | None = None
         self.parts: list[dict[str, np.ndarray]] = []
-        self.have = 0
 
     def add(self, rows: dict[str, np.ndarray]) -> None:
         n = len(rows["target"])
         off = 0
         while off < n:
-            c = self.pos // self.writer.chunk_tokens
-            sl = self.writer.chunk_rows(c)
-            take = min(n - off, sl.stop - self.pos)
+            c = self.pos // self.chunk_tokens
+            stop = min((c + 1) * self.chunk_tokens, self.n_tokens)
+            take = min(n - off, stop - self.pos)
             if not self.done[c]:
                 self.parts.append({k: v[off:off + take] for k, v in rows.items()})
             self.pos += take
             off += take
-            if self.pos == sl.stop:
+            if self.pos == stop:
                 if not self.done[c]:
                     parts, self.parts = self.parts, []
                     chunk = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts])
@@ -398,9 +417,14 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             invalid = str(exc)
         else:
             return _finished(path, label, cfg)
+    n_chunks = -(-n_tokens // cfg.chunk_tokens)
     if invalid is None and writer is not None and writer.attrs.get("fingerprint") == fp:
         done = writer.done_chunks()
         _say(f"{label}: resuming ({int(done.sum())} of {writer.n_chunks} chunks already written)")
+        resumed = writer
+
+        def open_writer() -> StoreWriter:
+            return resumed
     else:
         if invalid is not None:
             _say(f"{label}: existing store is invalid ({invalid}); starting over")
@@ -408,19 +432,24 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             _say(f"{label}: existing store was dumped with different parameters, checkpoint or data; starting over")
         elif Path(path).exists() if isinstance(path, str | Path) else _memory_keys(path):
             _say(f"{label}: existing store is unreadable or from another schema; starting over")
-        writer = StoreWriter.create(path, specs, base_attrs, cfg.chunk_tokens, cfg.clevel)
-        writer.write_small("loop_group", np.asarray(info.loop_group))
-        done = np.zeros(writer.n_chunks, dtype=bool)
+        done = np.zeros(n_chunks, dtype=bool)
 
-    if not done.all():
+        def open_writer() -> StoreWriter:
+            new = StoreWriter.create(path, specs, base_attrs, cfg.chunk_tokens, cfg.clevel)
+            new.write_small("loop_group", np.asarray(info.loop_group))
+            return new
+
+    if done.all():
+        writer = open_writer()
+    else:
         first = int(np.flatnonzero(~done)[0])
         start_token = first * cfg.chunk_tokens
         # the sequence holding the chunk's first token, then the batch holding that sequence: batches keep
         # the boundaries of an uninterrupted run, so the numbers are bit-identical
         s0 = int(np.searchsorted(cum, start_token, side="right") - 1)
         b0 = s0 // cfg.batch_size
-        bg = _BackgroundWriter(writer, cfg.writer_queue)
-        asm = _ChunkAssembler(writer, done, int(cum[b0 * cfg.batch_size]), bg.put)
+        bg = _BackgroundWriter(open_writer, cfg.writer_queue)
+        asm = _ChunkAssembler(n_tokens, cfg.chunk_tokens, done, int(cum[b0 * cfg.batch_size]), bg.put)
         bar = tqdm(total=n_tokens, initial=int(cum[b0 * cfg.batch_size]), unit="tok", desc=f"dump {label}",
                    disable=None if progress else True, leave=False)
         try:
@@ -442,7 +471,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             raise
         finally:
             bar.close()
-        bg.close()
+        writer = bg.close()
     # columns known only once every chunk is written (a text dump's loss-bin difficulty), before `complete`
     writer.finish(finalize(writer) if finalize is not None else None)
     return _finished(path, label, cfg)
