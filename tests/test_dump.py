@@ -163,6 +163,18 @@ def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
     assert open_store(tmp_path / "b.zarr").n_tokens == st.n_tokens  # the dump's allow_nan is recorded
 
 
+def test_never_overwrites_a_directory_that_is_not_a_store(tmp_path):
+    # the store is created on the writer thread: its refusal must still reach the caller, and the
+    # user's files must be untouched
+    adapter, data = model_and_data()
+    path = tmp_path / "val.zarr"
+    path.mkdir()
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="exists and is not a trajectory store"):
+        dump_split(adapter, data, path, DumpConfig(batch_size=5, chunk_tokens=16))
+    assert [f.name for f in path.iterdir()] == ["notes.txt"] and (path / "notes.txt").read_text() == "mine"
+
+
 # ----------------------------------------------------------------------------- SIGKILL and resume
 
 _CHILD = textwrap.dedent("""

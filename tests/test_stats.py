@@ -116,3 +116,48 @@ def test_streaming_equals_batch_and_bad_target():
         np.testing.assert_array_equal(torch.stack([r[k] for r in rows], 1).numpy(), full[k])
     with pytest.raises(ValueError, match="target ids"):
         LoopStats(z[:, -1], torch.full((8,), 5))
+
+
+def _direct_torch_stats(z: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The SPEC §3 formulas written out directly in float32 torch, loop by loop (topk for the runner-up,
+    argmax, max of log p, every p·x sum masked where p = 0). The online rules of ``pipeline.latency`` and
+    ``pipeline.gates`` compute them this way, so the stored statistics must equal these bit for bit."""
+    N, T, V = z.shape
+    logp = torch.log_softmax(z, dim=-1)
+    p = logp.exp()
+
+    def masked(pp, x):
+        return torch.where(pp > 0, pp * x, torch.zeros(())).sum(-1)
+
+    top2 = z.topk(2, dim=-1).values
+    out = {"entropy": -masked(p, logp), "max_prob": logp.max(-1).values.exp(),
+           "margin": top2[..., 0] - top2[..., 1],
+           "target_logprob": logp.gather(-1, y.view(N, 1, 1).expand(N, T, 1)).squeeze(-1),
+           "argmax": z.argmax(-1).to(torch.int32),
+           "kl_final": torch.stack([masked(p[:, -1], logp[:, -1] - logp[:, t]).clamp_min(0) for t in range(T)], 1)}
+    nan = torch.full((N, 1), float("nan"))
+    out["kl_prev"] = torch.cat([nan] + [masked(p[:, t], logp[:, t] - logp[:, t - 1]).clamp_min(0)[:, None]
+                                        for t in range(1, T)], 1)
+    out["kl_prev_rev"] = torch.cat([nan] + [masked(p[:, t - 1], logp[:, t - 1] - logp[:, t]).clamp_min(0)[:, None]
+                                            for t in range(1, T)], 1)
+    out["logit_change"] = torch.cat([nan] + [torch.linalg.vector_norm(z[:, t] - z[:, t - 1], dim=-1)[:, None]
+                                             for t in range(1, T)], 1)
+    return out
+
+
+def test_bit_identical_to_the_direct_formulas():
+    # ties, probabilities that underflow to 0 with finite log p, a dominant logit, a masked (-inf) entry
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(64, 5, 33, generator=g) * 3
+    z[:6] = torch.round(z[:6])
+    z[6:12, :, :4] = -200.0
+    z[12:14, 2, 1] = 150.0
+    z[14, 3, 4] = float("-inf")
+    y = torch.randint(0, 33, (64,), generator=g)
+    got, ref = logit_stats(z, y), _direct_torch_stats(z, y)
+    for k in STAT_NAMES:
+        g_, r_ = got[k], ref[k].numpy()
+        assert g_.dtype == r_.dtype, k
+        np.testing.assert_array_equal(g_.view(np.uint32) if g_.dtype == np.float32 else g_,
+                                      r_.view(np.uint32) if r_.dtype == np.float32 else r_, err_msg=k)
+    assert np.isinf(got["kl_prev_rev"][14, 3])  # the masked entry took the masked path
