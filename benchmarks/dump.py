@@ -22,6 +22,7 @@ the naive run's own cost over the bare forward (its synchronous writes), which b
 by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is out of reach for any capture.
 
     python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 3]
+                              [--device cuda]
                               [--hf]   # also the HF-adapter section: benchmarks/dump_hf.py
 """
 
@@ -54,6 +55,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32, help="sequences per forward pass")
     ap.add_argument("--chunk", type=int, default=4096, help="dump.chunk_tokens")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="torch device of the model (cuda: the forward on the GPU, "
+                    "capture and writing on the host — the regime where I/O, not compute, dominates the naive run)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions (order rotating); ratios are medians of "
                     "within-repetition ratios")
     ap.add_argument("--hf", action="store_true", help="also run benchmarks/dump_hf.py (a wide tiny HF Dory "
@@ -71,7 +74,8 @@ def main() -> int:
     cfg = ModelConfig(vocab_size=args.vocab, block_size=args.seq_len, d_model=args.d_model, n_head=8,
                       groups=(GroupConfig(1, args.loops),))
     model = LoopedTransformer(cfg).eval()
-    adapter = LoopedTransformerAdapter(model, "bench")
+    adapter = LoopedTransformerAdapter(model, "bench", device=args.device)
+    sync = torch.cuda.synchronize if adapter.device.type == "cuda" else (lambda: None)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, args.vocab, (args.sequences, args.seq_len))
     zeros = np.zeros_like(tokens)
@@ -79,7 +83,7 @@ def main() -> int:
     batches = [torch.from_numpy(tokens[i:i + args.batch]) for i in range(0, args.sequences, args.batch)]
     n_tokens, T = tokens.size, args.loops
     print(f"config: d_model {args.d_model}, T {T}, vocab {args.vocab}, {n_tokens} tokens, "
-          f"batch {args.batch} sequences, {args.threads} threads, chunk {args.chunk} tokens, "
+          f"batch {args.batch} sequences, {args.threads} threads, device {args.device}, chunk {args.chunk} tokens, "
           f"allocator reuse {'on' if allocator else 'unavailable'}")
 
     with torch.inference_mode():
@@ -91,6 +95,7 @@ def main() -> int:
                 st = adapter.states(ids)
                 for t in range(T):
                     adapter.readout(st.hidden[:, :, t], t)
+            sync()
 
     tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-dump-"))
     dcfg = DumpConfig(batch_size=args.batch, chunk_tokens=args.chunk)
@@ -108,10 +113,10 @@ def main() -> int:
         d.mkdir()
         with torch.inference_mode():
             for b, ids in enumerate(batches):
-                out = model(ids)  # per-loop readouts stacked: logits [B, S, T, V]
-                np.save(d / f"hidden_{b:04d}.npy", out.hidden.float().numpy())
-                np.save(d / f"hidden_init_{b:04d}.npy", out.hidden_init.float().numpy())
-                np.save(d / f"logits_{b:04d}.npy", out.logits.float().numpy())
+                out = model(ids.to(adapter.device))  # per-loop readouts stacked: logits [B, S, T, V]
+                np.save(d / f"hidden_{b:04d}.npy", out.hidden.float().cpu().numpy())
+                np.save(d / f"hidden_init_{b:04d}.npy", out.hidden_init.float().cpu().numpy())
+                np.save(d / f"logits_{b:04d}.npy", out.logits.float().cpu().numpy())
         sizes["naive"] = _dir_bytes(d)
 
     # warm-up of the dump path (first-call imports, zarr's event loop and thread pool) on two sequences
