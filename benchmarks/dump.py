@@ -2,9 +2,12 @@
 
 The three runs below use the same random-init LoopedTransformer and the same batches (medium config:
 d_model 512, T = 8 loops of one layer, vocab 64 so full logits are stored, 256 sequences × 64 positions =
-16,384 scored tokens). They are repeated ``--reps`` times, the order rotating each repetition, and every
-ratio is the median over repetitions of the ratio *within* a repetition: this machine is a shared VM whose
-speed drifts by ±15 % over minutes, and a ratio of runs seconds apart cancels most of that drift.
+16,384 scored tokens). They are repeated ``--reps`` times as bare, dump, bare, naive, bare, dump, ...: each
+dump and naive run is divided by the mean of the bare runs just before and after it, and every ratio is the
+median over repetitions. This machine is a shared VM whose speed drifts by ±15 % over tens of seconds (the
+same bare run takes 8.4–10.4 s), and a ratio to neighbours seconds away cancels most of that drift. Before
+each run (untimed) the previous run's files are deleted and ``os.sync()`` flushes every dirty page, so no
+run pays for another's deletion or for the kernel writing another's data back to disk.
 
 1. bare forward: ``adapter.states`` plus the per-loop readout of every loop (what the dump computes
    anyway), nothing kept, nothing stored;
@@ -21,7 +24,7 @@ naive ``.npy`` files. Targets: ≤ 1.15, ≤ 0.7, ≤ 0.5. Exit status 1 when a 
 the naive run's own cost over the bare forward (its synchronous writes), which bounds dump/naive from below
 by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is out of reach for any capture.
 
-    python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 3]
+    python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 5]
                               [--device cuda]
                               [--hf]   # also the HF-adapter section: benchmarks/dump_hf.py
 """
@@ -29,6 +32,8 @@ by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is o
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -57,8 +62,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="torch device of the model (cuda: the forward on the GPU, "
                     "capture and writing on the host — the regime where I/O, not compute, dominates the naive run)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions (order rotating); ratios are medians of "
-                    "within-repetition ratios")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of (dump, naive), each between two bare "
+                    "runs; ratios are medians over repetitions")
     ap.add_argument("--hf", action="store_true", help="also run benchmarks/dump_hf.py (a wide tiny HF Dory "
                     "through pipeline.adapters.hf vs the model's own forward) with its defaults")
     args = ap.parse_args()
@@ -102,14 +107,12 @@ def main() -> int:
     sizes: dict[str, int] = {}
 
     def dump() -> None:
-        shutil.rmtree(tmp / "val.zarr", ignore_errors=True)
         st = dump_split(adapter, data, tmp / "val.zarr", dcfg, progress=False)
         assert st.n_tokens == n_tokens
         sizes["store"] = _dir_bytes(tmp / "val.zarr")
 
     def naive() -> None:
         d = tmp / "naive"
-        shutil.rmtree(d, ignore_errors=True)
         d.mkdir()
         with torch.inference_mode():
             for b, ids in enumerate(batches):
@@ -122,36 +125,62 @@ def main() -> int:
     # warm-up of the dump path (first-call imports, zarr's event loop and thread pool) on two sequences
     dump_split(adapter, TaskBatch(*(a[:2] for a in (data.tokens, data.targets, zeros, zeros))), tmp / "warm.zarr",
                dcfg, progress=False)
-    # The machine is shared and drifts: each repetition runs all three back to back (order rotating, so
-    # none always runs first), and each ratio is the median of the within-repetition ratios.
+    # The machine is shared and its speed drifts: every dump and naive run sits between two bare runs
+    # (bare, dump, bare, naive, bare, dump, ...) and is divided by their mean, which cancels a linear drift.
     names = ("bare", "dump", "naive")
     fns = {"bare": bare, "dump": dump, "naive": naive}
     wall: dict[str, list[float]] = {k: [] for k in names}
     cpu: dict[str, list[float]] = {k: [] for k in names}
+    sys_cpu: dict[str, list[float]] = {k: [] for k in names}
+    order = ["bare"] + [n for _ in range(args.reps) for n in ("dump", "bare", "naive", "bare")]
+    seq: list[tuple[str, float, float]] = []  # (name, wall, cpu) in run order
     try:
-        for rep in range(args.reps):
-            for name in names[rep % 3:] + names[:rep % 3]:
-                w0, c0 = time.perf_counter(), time.process_time()
-                fns[name]()
-                wall[name].append(time.perf_counter() - w0)
-                cpu[name].append(time.process_time() - c0)
+        for name in order:
+            # untimed: delete the previous run's files and flush every dirty page, so that no run pays
+            # for another's deletion or for the kernel writing another's data back to disk
+            for old in ("val.zarr", "naive"):
+                shutil.rmtree(tmp / old, ignore_errors=True)
+            os.sync()
+            r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            fns[name]()
+            r1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            wall[name].append(w1 - w0)
+            sys_cpu[name].append(r1.ru_stime - r0.ru_stime)
+            cpu[name].append(r1.ru_utime - r0.ru_utime + sys_cpu[name][-1])
+            seq.append((name, wall[name][-1], cpu[name][-1]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     store_bytes, naive_bytes = sizes["store"], sizes["naive"]
     hidden_f32 = n_tokens * T * args.d_model * 4
 
+    def over_bare(name: str, col: int) -> list[float]:
+        """Each run of ``name`` over the mean of the bare runs just before and after it."""
+        return [seq[i][col] / ((seq[i - 1][col] + seq[i + 1][col]) / 2)
+                for i in range(1, len(seq) - 1) if seq[i][0] == name]
+
+    rel = {n: over_bare(n, 1) for n in ("dump", "naive")}
+    rel_cpu = {n: over_bare(n, 2) for n in ("dump", "naive")}
+
     def paired(a: str, b: str, times: dict[str, list[float]]) -> float:
-        return float(np.median([x / y for x, y in zip(times[a], times[b], strict=True)]))
+        """Median ratio of a/b, each over its own bare neighbours (b = bare: a's ratio itself)."""
+        r = rel if times is wall else rel_cpu
+        if b == "bare":
+            return float(np.median(r[a]))
+        if a == "bare":
+            return float(np.median([1 / x for x in r[b]]))
+        return float(np.median([x / y for x, y in zip(r[a], r[b], strict=True)]))
 
     ratios = {"dump/bare": paired("dump", "bare", wall), "dump/naive": paired("dump", "naive", wall),
               "bytes": store_bytes / naive_bytes}
     med = {k: float(np.median(v)) for k, v in wall.items()}
-    print(f"wall (median of {args.reps}): bare forward {med['bare']:.2f} s, dump {med['dump']:.2f} s, "
-          f"naive np.save {med['naive']:.2f} s; per repetition: "
-          + "; ".join(f"{k} " + " ".join(f"{x:.2f}" for x in wall[k]) for k in names))
+    print(f"wall (median): bare forward {med['bare']:.2f} s, dump {med['dump']:.2f} s, naive np.save "
+          f"{med['naive']:.2f} s; in run order: " + " ".join(f"{n[0]}{w:.2f}" for n, w, _ in seq))
+    print("dump / its bare neighbours, each repetition: " + " ".join(f"{x:.3f}" for x in rel["dump"]))
     print(f"cpu  (all threads, median): bare forward {np.median(cpu['bare']):.2f} s, dump {np.median(cpu['dump']):.2f} s, "
-          f"naive np.save {np.median(cpu['naive']):.2f} s  (cpu dump/bare {paired('dump', 'bare', cpu):.3f})")
-    print(f"best-of-{args.reps} wall ratios: dump/bare {min(wall['dump']) / min(wall['bare']):.3f}, "
+          f"naive np.save {np.median(cpu['naive']):.2f} s  (cpu dump/bare {paired('dump', 'bare', cpu):.3f}); of it "
+          f"system (kernel: page faults, file writes): "
+          + ", ".join(f"{k} {np.median(v):.2f} s" for k, v in sys_cpu.items()))
+    print(f"best-run wall ratios: dump/bare {min(wall['dump']) / min(wall['bare']):.3f}, "
           f"dump/naive {min(wall['dump']) / min(wall['naive']):.3f}")
     print(f"naive/bare {paired('naive', 'bare', wall):.3f}: the naive run's synchronous float32 writes cost "
           f"{med['naive'] - med['bare']:.2f} s, so even a free capture gives dump/naive >= bare/naive = "
