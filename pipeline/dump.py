@@ -15,7 +15,8 @@ is killed at any point and run again with the same inputs finds the first unmark
 sequence holding its first token (cumulative scored-token counts) and restarts the forward pass at the
 batch that contains that sequence — batches keep the same boundaries as an uninterrupted run, so the
 arrays end up bit-identical. ``complete`` is set only after everything is written. A store with a different
-fingerprint (params, checkpoint hash, model config, data, versions) is deleted and dumped again.
+fingerprint (params, checkpoint hash, model config, data, versions, source of the value-producing modules) is
+deleted and dumped again.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import hashlib
+import importlib
 import json
 import queue
 import sys
@@ -128,11 +130,29 @@ def _data_hash(data: TaskBatch) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, attrs: Mapping) -> str:
+#: Modules whose code decides the stored values. Their source is part of the fingerprint: DVC re-runs the stage
+#: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
+#: resume likewise never mixes chunks written by two versions of the code.
+VALUE_MODULES = ("pipeline.dump", "pipeline.stats", "pipeline.precision", "pipeline.store", "pipeline.interface",
+                 "pipeline.model")
+
+
+def _code_hash(*extra_modules: str) -> str:
+    """sha256 of the source of :data:`VALUE_MODULES` and ``extra_modules`` (the adapter's, a finalizer's)."""
+    h = hashlib.sha256()
+    for name in sorted({*VALUE_MODULES, *extra_modules}):
+        module = sys.modules.get(name) or importlib.import_module(name)
+        source = getattr(module, "__file__", None)
+        h.update(name.encode() + b"\0" + (Path(source).read_bytes() if source else b""))
+    return h.hexdigest()
+
+
+def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, attrs: Mapping,
+                 code: str) -> str:
     info = adapter.info
     params = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_FINGERPRINTED}
     blob = json.dumps({"schema": SCHEMA_VERSION, "params": params, "name": info.name, "config": info.config,
-                       "checkpoint_hash": info.checkpoint_hash, "data": _data_hash(data),
+                       "checkpoint_hash": info.checkpoint_hash, "data": _data_hash(data), "code": code,
                        "attrs": attrs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -403,7 +423,9 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         "versions": _versions(),
     }
     base_attrs.update(user)
-    fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]})
+    code = _code_hash(type(adapter).__module__, *([finalize.__module__] if finalize is not None else []))
+    base_attrs["code_hash"] = code
+    fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]}, code)
     base_attrs["fingerprint"] = fp
     label = "<memory>" if not isinstance(path, str | Path) else str(path)
 
@@ -428,7 +450,8 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         if invalid is not None:
             _say(f"{label}: existing store is invalid ({invalid}); starting over")
         elif writer is not None:
-            _say(f"{label}: existing store was dumped with different parameters, checkpoint or data; starting over")
+            _say(f"{label}: existing store was dumped with different parameters, checkpoint, data or code; "
+                 "starting over")
         elif Path(path).exists() if isinstance(path, str | Path) else _memory_keys(path):
             _say(f"{label}: existing store is unreadable or from another schema; starting over")
         done = np.zeros(n_chunks, dtype=bool)

@@ -163,6 +163,30 @@ def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
     assert open_store(tmp_path / "b.zarr").n_tokens == st.n_tokens  # the dump's allow_nan is recorded
 
 
+def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
+    # DVC re-runs the stage when pipeline/dump.py & co change, but keeps the old store (persist): it must be
+    # dumped again, not returned as complete
+    import pipeline.dump as dump_mod
+
+    adapter, data = model_and_data()
+    cfg = DumpConfig(batch_size=5, chunk_tokens=16)
+    ref = dump_split(adapter, data, memory_store(), cfg)
+    path = tmp_path / "val.zarr"
+    code = dump_split(adapter, data, path, cfg).attrs["code_hash"]
+    assert code == ref.attrs["code_hash"] and len(code) == 64
+    real = StoreWriter.write_chunk
+    monkeypatch.setattr(StoreWriter, "write_chunk", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("rewrote")))
+    dump_split(adapter, data, path, cfg)  # same code: returned as is
+    monkeypatch.setattr(StoreWriter, "write_chunk", real)
+    # one more module's source in the hash stands for a changed source
+    monkeypatch.setattr(dump_mod, "VALUE_MODULES", (*dump_mod.VALUE_MODULES, "pipeline.tasks"))
+    capsys.readouterr()
+    st = dump_split(adapter, data, path, cfg)
+    assert "data or code; starting over" in capsys.readouterr().err
+    assert st.attrs["code_hash"] != code
+    _same_stores(st, ref)
+
+
 def test_never_overwrites_a_directory_that_is_not_a_store(tmp_path):
     # the store is created on the writer thread: its refusal must still reach the caller, and the
     # user's files must be untouched
