@@ -162,30 +162,29 @@ def main() -> int:
     rel = {n: over_bare(n, 1) for n in ("dump", "naive")}
     rel_cpu = {n: over_bare(n, 2) for n in ("dump", "naive")}
 
-    def paired(a: str, b: str, times: dict[str, list[float]]) -> float:
-        """Median ratio of a/b, each over its own bare neighbours (b = bare: a's ratio itself)."""
-        r = rel if times is wall else rel_cpu
+    def paired(a: str, b: str, r: dict[str, list[float]]) -> float:
+        """Median ratio of a/b, each over its own bare neighbours in ``r`` (b = bare: a's ratio itself)."""
         if b == "bare":
             return float(np.median(r[a]))
         if a == "bare":
             return float(np.median([1 / x for x in r[b]]))
         return float(np.median([x / y for x, y in zip(r[a], r[b], strict=True)]))
 
-    ratios = {"dump/bare": paired("dump", "bare", wall), "dump/naive": paired("dump", "naive", wall),
+    ratios = {"dump/bare": paired("dump", "bare", rel), "dump/naive": paired("dump", "naive", rel),
               "bytes": store_bytes / naive_bytes}
     med = {k: float(np.median(v)) for k, v in wall.items()}
     print(f"wall (median): bare forward {med['bare']:.2f} s, dump {med['dump']:.2f} s, naive np.save "
           f"{med['naive']:.2f} s; in run order: " + " ".join(f"{n[0]}{w:.2f}" for n, w, _ in seq))
     print("dump / its bare neighbours, each repetition: " + " ".join(f"{x:.3f}" for x in rel["dump"]))
     print(f"cpu  (all threads, median): bare forward {np.median(cpu['bare']):.2f} s, dump {np.median(cpu['dump']):.2f} s, "
-          f"naive np.save {np.median(cpu['naive']):.2f} s  (cpu dump/bare {paired('dump', 'bare', cpu):.3f}); of it "
+          f"naive np.save {np.median(cpu['naive']):.2f} s  (cpu dump/bare {paired('dump', 'bare', rel_cpu):.3f}); of it "
           f"system (kernel: page faults, file writes): "
           + ", ".join(f"{k} {np.median(v):.2f} s" for k, v in sys_cpu.items()))
     print(f"best-run wall ratios: dump/bare {min(wall['dump']) / min(wall['bare']):.3f}, "
           f"dump/naive {min(wall['dump']) / min(wall['naive']):.3f}")
-    print(f"naive/bare {paired('naive', 'bare', wall):.3f}: the naive run's synchronous float32 writes cost "
+    print(f"naive/bare {paired('naive', 'bare', rel):.3f}: the naive run's synchronous float32 writes cost "
           f"{med['naive'] - med['bare']:.2f} s, so even a free capture gives dump/naive >= bare/naive = "
-          f"{paired('bare', 'naive', wall):.3f}")
+          f"{paired('bare', 'naive', rel):.3f}")
     print(f"bytes: store {store_bytes / 2**20:.1f} MiB, naive float32 .npy {naive_bytes / 2**20:.1f} MiB "
           f"(hidden alone in float32: {hidden_f32 / 2**20:.1f} MiB; store / that = {store_bytes / hidden_f32:.3f})")
     ok = True
