@@ -69,10 +69,10 @@ def main() -> int:
                     "through pipeline.adapters.hf vs the model's own forward) with its defaults")
     args = ap.parse_args()
 
-    from pipeline.dump import DumpConfig, dump_split, reuse_freed_memory
-    from pipeline.interface import LoopedTransformerAdapter
-    from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig
-    from pipeline.tasks import TaskBatch
+    from looptrace.capture.dump import DumpConfig, dump_split, reuse_freed_memory
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+    from looptrace.tasks import TaskBatch
 
     torch.set_num_threads(args.threads)
     allocator = reuse_freed_memory()

@@ -45,11 +45,10 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args(argv)
 
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from looptrace.tasks import TaskBatch
     from transformers import DoryConfig, DoryForCausalLM
-
-    from pipeline.adapters.hf import AdapterConfig, load_adapter
-    from pipeline.dump import DumpConfig, dump_split
-    from pipeline.tasks import TaskBatch
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -83,7 +82,7 @@ def run(argv: list[str] | None = None) -> int:
                         adapter.readout(st.hidden[:, :, t], t)
 
         def stats() -> None:
-            from pipeline.stats import LoopStats
+            from looptrace.signals.logits import LoopStats
 
             with torch.inference_mode():
                 for ids in batches:

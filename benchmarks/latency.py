@@ -31,16 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from pipeline.latency import (
-    OnlineRule,
-    full_work,
-    load_test_data,
-    minimal_work,
-    readout_rule_specs,
-    run_split,
-)
-from pipeline.model import load_checkpoint
+from looptrace.models.looped import load_checkpoint
+from looptrace.online.engine import OnlineRule, full_work, minimal_work
+from looptrace.online.latency import load_test_data, readout_rule_specs, run_split
 
 ROOT = Path("artifacts")
 

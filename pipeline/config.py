@@ -33,12 +33,17 @@ class BaseConfig:
 
     Attributes:
         seed: master seed; every RNG in every stage is derived from it.
-        threads: torch intra-op threads (``torch.set_num_threads``).
+        threads: torch intra-op threads of model work (train, dump, dynamics).
+        analysis_threads: BLAS and torch threads of gate fitting and of latency timing. One by default:
+            the gates' matrices are small (a multi-threaded OpenBLAS SVD of a 10k × 64 matrix was measured
+            25× slower than one thread on a shared machine), and a multi-threaded op waits for its slowest
+            thread, which makes the small per-loop kernels that latency times slow and erratic.
         device: torch device string for model work (``cpu``, ``cuda``).
     """
 
     seed: int = 0
     threads: int = 2
+    analysis_threads: int = 1
     device: str = "cpu"
 
 

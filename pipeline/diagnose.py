@@ -39,8 +39,9 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-
-from .readouts import CONFIDENCE_RULES, SplitFrame, load_token_loop, write_outputs
+from looptrace.io.artifacts import write_outputs
+from looptrace.io.tables import SplitFrame, load_token_loop
+from looptrace.rules.builtin import CONFIDENCE_RULES
 
 #: Failure classes in output order (SPEC §7); codes are their indices.
 CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
@@ -75,7 +76,7 @@ class DiagnoseConfig:
     spearman_aggregation: str = "difficulty_mean"
 
     def __post_init__(self) -> None:
-        from .config import ConfigError
+        from looptrace.config import ConfigError
 
         if not 0.0 < self.x <= 100.0:
             raise ConfigError(f"diagnose.x is an accuracy percentage in (0, 100], got {self.x}")

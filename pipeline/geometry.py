@@ -38,14 +38,12 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
+from looptrace.config import ConfigError, to_dict
+from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
 from tqdm.auto import tqdm
-
-from .config import ConfigError, to_dict
 
 SPLITS = ("fit", "val", "test")
 
-#: Geometry metrics of :func:`step_metrics`, in ``token_loop.parquet`` column order.
-GEOMETRY_METRICS = ("step_norm", "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2")
 #: Logit statistics copied from the store (SPEC §3), in column order.
 STORE_STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final",
                "logit_change")
@@ -58,8 +56,6 @@ TOKEN_LOOP_COLUMNS = ("split", "token", "sequence", "position", "loop", "loop_gr
                       *STORE_STATS, "gate_logit")
 #: Per-loop quantities summarised in ``loop_summary.parquet`` (``correct`` as accuracy).
 SUMMARY_METRICS = (*GEOMETRY_METRICS, *STORE_STATS, "correct")
-#: Quantities of ``training_dynamics.parquet`` (mean and median per checkpoint × loop).
-DYNAMICS_METRICS = ("step_norm", "rel_step", "step_cos", "accel")
 
 _INT_COLUMNS = ("token", "sequence", "position", "loop", "loop_group", "difficulty", "token_type", "target",
                 "argmax")
@@ -78,10 +74,6 @@ DLR_SCHEMA = {"split": pl.String, "group": pl.Int64, "next_group": pl.Int64, "la
               "first_loop_next": pl.Int64, "n_tokens": pl.Int64, "drift_mean": pl.Float64,
               "loop_step_mean": pl.Float64, "dlr_mean": pl.Float64, "dlr_median": pl.Float64,
               "dlr_of_means": pl.Float64}
-#: ``training_dynamics.parquet``: one row per checkpoint × loop.
-DYNAMICS_SCHEMA = {"checkpoint": pl.String, "step": pl.Int64, "fraction": pl.Float64, "loop": pl.Int64,
-                   **{f"{m}_{s}": pl.Float64 for m in DYNAMICS_METRICS for s in ("mean", "median")},
-                   "accuracy": pl.Float64, "n_tokens": pl.Int64}
 _CONVERGENCE_SCHEMA = pa.schema([
     ("split", pa.string()), ("token", pa.int64()), ("difficulty", pa.int64()), ("token_type", pa.int64()),
     ("signal", pa.string()), ("eps", pa.float64()), ("kind", pa.string()), ("depth", pa.int64()),
@@ -99,18 +91,12 @@ class GeometryConfig:
         block_tokens: tokens per block read from the store; ``None`` = the store's chunk size
             (chunk-aligned reads, the memory bound of the stage).
         splits: splits of the model's dump to analyse.
-        training_dynamics: also capture the probe set at every training checkpoint ([TS]).
-        probe_split: split the probe sequences are drawn from.
-        probe_sequences: number of probe sequences (drawn with the checkpoint's data seed).
     """
 
     eps: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
         "kl_prev": (1e-3, 5e-4), "rel_step": (0.3, 0.1, 0.03), "argmax": (0.5,)})
     block_tokens: int | None = None
     splits: tuple[str, ...] = SPLITS
-    training_dynamics: bool = True
-    probe_split: str = "val"
-    probe_sequences: int = 256
 
     def __post_init__(self) -> None:
         for sig, values in self.eps.items():
@@ -123,10 +109,6 @@ class GeometryConfig:
         bad = [s for s in self.splits if s not in SPLITS]
         if bad or not self.splits:
             raise ConfigError(f"geometry.splits: each must be one of {', '.join(SPLITS)}, got {list(self.splits)}")
-        if self.probe_split not in SPLITS:
-            raise ConfigError(f"geometry.probe_split must be one of {', '.join(SPLITS)}, got {self.probe_split!r}")
-        if self.probe_sequences < 1:
-            raise ConfigError(f"geometry.probe_sequences must be >= 1, got {self.probe_sequences}")
 
     def convergence_keys(self) -> list[tuple[str, float]]:
         """(signal, ε) pairs in a fixed order (config order of signals, then of thresholds)."""
@@ -136,63 +118,6 @@ class GeometryConfig:
 # ---------------------------------------------------------------------------------------------
 # Block functions (numpy; one row per token, independent of the block size)
 # ---------------------------------------------------------------------------------------------
-
-def _norm(x: np.ndarray) -> np.ndarray:
-    """Euclidean norm over the last axis: [token, d_model] float64 -> [token]."""
-    return np.sqrt(np.einsum("nd,nd->n", x, x))
-
-
-def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """num / den with NaN (not inf, not 0) where the denominator is 0: undefined stays undefined."""
-    out = np.full(num.shape, np.nan)
-    np.divide(num, den, out=out, where=den > 0)
-    return out
-
-
-def step_metrics(hidden: np.ndarray, hidden_init: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-(token, loop) step geometry of a block of trajectories (SPEC §2, [TS], Huginn).
-
-    With Δ_t = h_t − h_{t−1} (Δ_1 = h_1 − h_0) and s_t = ‖Δ_t‖₂:
-
-    - ``step_norm`` s_t; ``rel_step`` s_t / ‖h_t‖ (Huginn ``latent-diff``)
-    - ``step_cos`` cos(Δ_t, Δ_{t−1}), t ≥ 2 ([TS] step orthogonality)
-    - ``state_cos_dist`` 1 − cos(h_t, h_{t−1}) (Huginn ``cosine``)
-    - ``accel`` ‖Δ_t − Δ_{t−1}‖₂, t ≥ 2, and ``accel_norm`` = accel / ‖h_t‖ ([TS])
-    - ``step_d2`` s_t − 2 s_{t−1} + s_{t−2}, t ≥ 3
-
-    Args:
-        hidden: [token, loop, d_model] h_1..h_T (any float dtype; float16 from the store is fine).
-        hidden_init: [token, d_model] h_0.
-
-    Returns:
-        Metric name -> [token, loop] float32 (loop axis 0-based: column t − 1 is loop t). Undefined
-        entries (t too small, zero denominators) are NaN.
-    """
-    if hidden.ndim != 3 or hidden_init.shape != (hidden.shape[0], hidden.shape[2]):
-        raise ValueError(f"step_metrics: hidden must be [token, loop, d_model] and hidden_init [token, d_model], "
-                         f"got {hidden.shape} and {hidden_init.shape}")
-    n, n_loops, _ = hidden.shape
-    out = {k: np.full((n, n_loops), np.nan, dtype=np.float64) for k in GEOMETRY_METRICS}
-    h_prev = np.asarray(hidden_init, dtype=np.float64)
-    nh_prev = _norm(h_prev)
-    d_prev = s_prev = s_prev2 = None
-    for t in range(n_loops):
-        h = np.asarray(hidden[:, t], dtype=np.float64)  # [token, d_model]
-        d = h - h_prev
-        s, nh = _norm(d), _norm(h)
-        out["step_norm"][:, t] = s
-        out["rel_step"][:, t] = _ratio(s, nh)
-        out["state_cos_dist"][:, t] = 1.0 - _ratio(np.einsum("nd,nd->n", h, h_prev), nh * nh_prev)
-        if d_prev is not None:
-            out["step_cos"][:, t] = _ratio(np.einsum("nd,nd->n", d, d_prev), s * s_prev)
-            a = _norm(d - d_prev)
-            out["accel"][:, t] = a
-            out["accel_norm"][:, t] = _ratio(a, nh)
-        if s_prev2 is not None:
-            out["step_d2"][:, t] = s - 2.0 * s_prev + s_prev2
-        h_prev, nh_prev, d_prev, s_prev2, s_prev = h, nh, d, s_prev, s
-    return {k: v.astype(np.float32) for k, v in out.items()}
-
 
 def argmax_differs(argmax: np.ndarray) -> np.ndarray:
     """The convergence signal of the readout: 1 where argmax_t ≠ argmax_T, else 0.
@@ -573,8 +498,6 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
     try:
         extra_tables = extra_tables or {}
         meta = dict(meta or {})
-        if extra_tables.get("training_dynamics.parquet") is not None and len(extra_tables["training_dynamics.parquet"]):
-            meta["training_dynamics"] = dynamics_metrics(extra_tables["training_dynamics.parquet"])
         metrics = _geometry_into(stores, cfg, tmp, meta, progress)
         for name, df in extra_tables.items():
             df.write_parquet(tmp / name)
@@ -707,123 +630,3 @@ def _metrics(summary: pl.DataFrame, conv: dict, dlr_rows: list, stores: dict, cf
                     if r["split"] == split],
         }
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Training dynamics ([TS]): the probe set through every kept checkpoint, via the same store code
-# ---------------------------------------------------------------------------------------------
-
-def checkpoint_paths(train_dir: Path | str) -> list[Path]:
-    """Intermediate checkpoints (``checkpoints/step_*.pt``, by step) followed by ``model.pt``.
-
-    Raises:
-        FileNotFoundError: when ``model.pt`` is missing (names the path and the fix).
-    """
-    train_dir = Path(train_dir)
-    final = train_dir / "model.pt"
-    if not final.is_file():
-        raise FileNotFoundError(f"checkpoint '{final}' not found; run `dvc repro train` first")
-    return sorted((train_dir / "checkpoints").glob("step_*.pt")) + [final]
-
-
-def probe_summary(store, block_tokens: int | None = None) -> dict[str, np.ndarray]:
-    """Per-loop mean and median of the :data:`DYNAMICS_METRICS` and accuracy of a (small) store.
-
-    Args:
-        store: an open trajectory store (the probe capture of one checkpoint).
-        block_tokens: tokens per block.
-
-    Returns:
-        ``<metric>_mean`` / ``<metric>_median`` [loop] (finite values only; NaN when none) and
-        ``accuracy`` [loop].
-    """
-    cols: dict[str, list] = {m: [] for m in (*DYNAMICS_METRICS, "correct")}
-    for block in iter_blocks(store, block_tokens):
-        for m in cols:
-            cols[m].append(block.per_loop[m])
-    out = {}
-    for m in DYNAMICS_METRICS:
-        x = np.concatenate(cols[m]).astype(np.float64)  # [token, loop]; the probe set is small
-        finite = np.isfinite(x)
-        cnt = finite.sum(axis=0)
-        with np.errstate(invalid="ignore"):
-            out[f"{m}_mean"] = np.where(cnt > 0, np.where(finite, x, 0).sum(axis=0) / np.maximum(cnt, 1), np.nan)
-        out[f"{m}_median"] = np.array([np.median(x[finite[:, t], t]) if cnt[t] else np.nan
-                                       for t in range(x.shape[1])])
-    out["accuracy"] = np.concatenate(cols["correct"]).mean(axis=0)
-    return out
-
-
-def training_dynamics(train_dir: Path | str, cfg: GeometryConfig, dump_cfg, device: str = "cpu",
-                      progress: bool = True) -> pl.DataFrame:
-    """Loop geometry across training ([TS]: steps shrink and become less collinear as training proceeds).
-
-    Every intermediate checkpoint and ``model.pt`` (fraction 1.0) runs the same fixed probe set —
-    ``cfg.probe_sequences`` sequences of ``cfg.probe_split`` drawn with the checkpoint's recorded data
-    seed — through ``pipeline.dump.dump_split`` into a temporary store, which is then read back with the
-    same block code as the main stage.
-
-    Args:
-        train_dir: ``artifacts/train/<model>``.
-        cfg: the ``geometry`` section.
-        dump_cfg: a :class:`pipeline.dump.DumpConfig` (the ``dump`` section: dtype, chunking...).
-        device: torch device of the captures.
-        progress: show a progress bar.
-
-    Returns:
-        One row per (checkpoint, loop): ``checkpoint``, ``step``, ``fraction``, ``loop`` (1-based),
-        ``<metric>_mean``, ``<metric>_median`` for step_norm, rel_step, step_cos, accel, ``accuracy``,
-        ``n_tokens``.
-    """
-    from .dump import dump_split
-    from .interface import LoopedTransformerAdapter
-    from .store import open_store
-    from .tasks import make_task
-
-    rows = []
-    paths = checkpoint_paths(train_dir)
-    with tempfile.TemporaryDirectory(prefix="looptrace-probe-") as tmpdir:
-        for path in tqdm(paths, desc="training dynamics", disable=None if progress else True, leave=False):
-            adapter = LoopedTransformerAdapter.from_checkpoint(path, device=device)
-            extra = adapter.info.extra
-            spec = dict(extra["task"])
-            task = make_task(spec.pop("name"), spec)
-            seeds = extra.get("data_seeds") or {}
-            if cfg.probe_split not in seeds:
-                raise ValueError(f"checkpoint '{path}' records no data seed for split '{cfg.probe_split}'; "
-                                 "retrain with the current train stage")
-            data = task.dataset(cfg.probe_split, cfg.probe_sequences, int(seeds[cfg.probe_split]))
-            store_path = Path(tmpdir) / f"{path.stem}.zarr"
-            attrs = {"split": cfg.probe_split, "difficulty_name": task.difficulty_name,
-                     "difficulty_levels": list(task.difficulty_levels), "token_types": list(task.token_types),
-                     "data_seed": int(seeds[cfg.probe_split])}
-            dump_split(adapter, data, store_path, dump_cfg, attrs, progress=False)
-            summ = probe_summary(open_store(store_path), cfg.block_tokens)
-            n_tokens = int((data.targets != -100).sum())
-            for t in range(adapter.info.n_loops):
-                row = {"checkpoint": path.name, "step": int(extra.get("step", 0)),
-                       "fraction": float(extra.get("fraction", 1.0)), "loop": t + 1}
-                row.update({k: float(v[t]) for k, v in summ.items()})
-                row["n_tokens"] = n_tokens
-                rows.append(row)
-            shutil.rmtree(store_path, ignore_errors=True)
-    return pl.DataFrame(rows, schema=DYNAMICS_SCHEMA).sort(["step", "loop"])
-
-
-def dynamics_metrics(df: pl.DataFrame) -> dict:
-    """Headline of ``training_dynamics.parquet`` for metrics.json: per checkpoint (by step), the
-    last loop's mean step norm, median relative step, mean step cosine and accuracy."""
-    last = df.filter(pl.col("loop") == pl.col("loop").max().over("step")).sort("step")
-    return {"step": last["step"].to_list(), "fraction": last["fraction"].to_list(),
-            "step_norm_mean_last_loop": last["step_norm_mean"].to_list(),
-            "rel_step_median_last_loop": last["rel_step_median"].to_list(),
-            "step_cos_mean_last_loop": last["step_cos_mean"].to_list(),
-            "accuracy_last_loop": last["accuracy"].to_list()}
-
-
-def write_parquet_atomic(df: pl.DataFrame, path: Path | str) -> None:
-    """Write a polars frame to ``path`` via a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    df.write_parquet(tmp)
-    os.replace(tmp, path)

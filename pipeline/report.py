@@ -62,7 +62,7 @@ class ReportConfig:
     title: str = "looptrace report"
 
     def __post_init__(self) -> None:
-        from .config import ConfigError
+        from looptrace.config import ConfigError
 
         if not 0.0 < self.x <= 100.0:
             raise ConfigError(f"report.x is an accuracy percentage in (0, 100], got {self.x}")
@@ -901,8 +901,8 @@ def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, c
     Returns:
         The metrics dict as written (NaN = unreachable/absent written as None).
     """
-    from .artifacts import atomic_dir
-    from .artifacts import jsonable as _jsonable
+    from looptrace.io.artifacts import atomic_dir
+    from looptrace.io.artifacts import jsonable as _jsonable
 
     out_dir = Path(out_dir)
     inp = load_inputs(models, root, cfg)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-from stages._common import run, user_errors
+from looptrace.config import load_base, load_section, to_dict
+from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
+from looptrace.errors import run, user_errors
+from looptrace.project import model_names, versions
 
 
 def main(
@@ -18,21 +20,11 @@ def main(
     out: Path = typer.Option(Path("artifacts/diagnose"), help="output directory"),
 ) -> None:
     """Trajectory vs readout failures per model × rule, and whether [AD]'s findings hold."""
-    from pipeline.config import ConfigError, load_base, load_section, read_params, to_dict
-    from pipeline.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
-    from pipeline.readouts import light_versions
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(DiagnoseConfig, "diagnose", params)
-        if models:
-            names = [m.strip() for m in models.split(",") if m.strip()]
-        else:  # the default matrix, <task>-<regime> (pipeline.train.model_name; read raw: no torch import)
-            train = read_params(params).get("train") or {}
-            names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
-            if not names:
-                raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
-        meta = {"seed": base.seed, "params": to_dict(cfg), "versions": light_versions(), "models_list": names}
+        names = model_names(params, models)
+        meta = {"seed": base.seed, "params": to_dict(cfg), "versions": versions(), "models_list": names}
         frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta)
         write_diagnosis(out, frames, summary, metrics)
     for name, status in metrics["claims"].items():

@@ -1,16 +1,23 @@
 """DVC stage ``dump``: capture one model's trajectories -> artifacts/dump/<model>/{fit,val,test}.zarr.
 
 The model is a trained looptrace checkpoint (``--model <task>-<regime>``) or, when ``dump.adapter`` is set
-(e.g. ``params-lm.yaml``), a real checkpoint directory run on the corpus ``dump.text`` (``pipeline.text``).
+(e.g. ``params-lm.yaml``), a real checkpoint directory run on the corpus ``dump.text``
+(:mod:`looptrace.tasks.text`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import typer
-
-from stages._common import UserError, run, user_errors
+from looptrace.capture.dump import DumpConfig, dump_model
+from looptrace.config import load_base, load_section
+from looptrace.errors import UserError, run, user_errors
+from looptrace.models.adapters.hf import load_adapter
+from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.tasks import make_task
+from looptrace.tasks.text import dump_text_model
 
 
 def main(
@@ -21,19 +28,11 @@ def main(
     out: Path = typer.Option(Path("artifacts/dump"), help="output root"),
 ) -> None:
     """Run a looped model once and store every scored token's states, readouts and logit stats per loop."""
-    import torch
-
-    from pipeline.config import load_base, load_section
-    from pipeline.dump import DumpConfig
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(DumpConfig, "dump", params)
         torch.set_num_threads(base.threads)
         if cfg.adapter is not None:
-            from pipeline.adapters.hf import load_adapter
-            from pipeline.text import dump_text_model
-
             name = cfg.adapter.run_name
             if model and model != name:
                 raise UserError(f"--model {model} differs from dump.adapter.name {name}; drop --model or fix one")
@@ -50,15 +49,11 @@ def main(
 
 def _dump_trained(model: str, cfg, base, train_root: Path, out: Path):
     """A trained looptrace checkpoint on its own task's data sets (seeds recorded in the checkpoint)."""
-    from pipeline.dump import dump_model
-    from pipeline.interface import LoopedTransformerAdapter
-    from pipeline.tasks import make_task
-
     ckpt = train_root / model / "model.pt"
     adapter = LoopedTransformerAdapter.from_checkpoint(ckpt, device=base.device)
     extra = adapter.info.extra
     if "task" not in extra or "data_seeds" not in extra:
-        raise ValueError(f"checkpoint '{ckpt}' records no task or data_seeds; retrain with `looptrace train`")
+        raise UserError(f"checkpoint '{ckpt}' records no task or data_seeds; retrain with `looptrace train`")
     spec = dict(extra["task"])
     task = make_task(spec.pop("name"), spec)
     return adapter, dump_model(adapter, task, extra["data_seeds"], out / model, cfg, base)

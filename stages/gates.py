@@ -5,8 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-from stages._common import UserError, run, user_errors
+from looptrace.config import load_base, load_section, to_dict
+from looptrace.errors import run, user_errors
+from looptrace.gates.config import SPLITS, GatesConfig
+from looptrace.gates.stage import gates_stage
+from looptrace.io.store import open_store
+from looptrace.project import model_meta, model_names, versions
+from looptrace.rules.scoring import CalibrationConfig
 
 
 def main(
@@ -16,43 +21,22 @@ def main(
     out: Path = typer.Option(Path("artifacts/gates"), help="output directory"),
 ) -> None:
     """Offline halting gates: fit on fit, calibrate on val, report on test; cross-regime transfer."""
-    from pipeline.config import ConfigError, load_base, load_section, read_params, to_dict
-    from pipeline.gates import SPLITS, GatesConfig, gates_stage
-    from pipeline.readouts import light_versions, resolve_model
-    from pipeline.store import StoreError, open_store
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(GatesConfig, "gates", params)
-        raw = read_params(params)
-        train = raw.get("train") or {}
-        if models:
-            names = [m.strip() for m in models.split(",") if m.strip()]
-        else:  # the default matrix, <task>-<regime> (read raw: no torch import just for the names)
-            names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
-            if not names:
-                raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
-        readouts = raw.get("readouts") or {}
-        for key in ("n_quantiles", "delta", "dx"):  # same protocol as readouts, or the frontiers are not comparable
-            ours = [float(v) for v in (cfg.dx if key == "dx" else [getattr(cfg, key)])]
-            theirs = readouts.get(key)
-            if theirs is not None and [float(v) for v in (theirs if key == "dx" else [theirs])] != ours:
-                typer.echo(f"warning: gates.{key} = {getattr(cfg, key)} differs from readouts.{key} = "
-                           f"{readouts[key]}; gate and readout frontiers are then not comparable", err=True)
+        cal = load_section(CalibrationConfig, "calibration", params)
+        names = model_names(params, models)
         stores, meta, tasks = {}, {}, {}
-        versions = light_versions()
+        vers = versions()
         for m in names:
-            try:
-                stores[m] = {s: open_store(dump_root / m / f"{s}.zarr") for s in SPLITS}
-            except StoreError as exc:
-                raise UserError(str(exc)) from None
-            info = resolve_model(m, train.get("task_defs") or {}, train.get("regime_defs") or {})
+            stores[m] = {s: open_store(dump_root / m / f"{s}.zarr") for s in SPLITS}
+            info = model_meta(m, params)
             task_attr = stores[m]["fit"].attrs.get("task")
             tasks[m] = info["task"] or (task_attr.get("name") if isinstance(task_attr, dict) else None)
-            meta[m] = {**info, "seed": base.seed, "params": to_dict(cfg), "versions": versions,
-                       "store_seeds": {s: st.attrs.get("seeds") for s, st in stores[m].items()}}
-        metrics = gates_stage(stores, cfg, out, base_seed=base.seed, meta=meta, tasks=tasks,
-                              threads=cfg.threads or base.threads)
+            meta[m] = {**info, "seed": base.seed, "params": {"gates": to_dict(cfg), "calibration": to_dict(cal)},
+                       "versions": vers, "store_seeds": {s: st.attrs.get("seeds") for s, st in stores[m].items()}}
+        metrics = gates_stage(stores, cfg, cal, out, base_seed=base.seed, meta=meta, tasks=tasks,
+                              threads=base.analysis_threads)
     for m, best in metrics["best_gate"].items():
         typer.echo(f"{m}: best gate D@{best['x']:g} = {best['d_at']} ({best['rule']})")
     typer.echo(f"gates: {len(names)} models × {len(metrics['gates'])} gates in {metrics['seconds']:.1f} s")

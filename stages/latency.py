@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import typer
-
-from stages._common import run, user_errors
+from looptrace.config import load_base, load_section, to_dict
+from looptrace.errors import run, user_errors
+from looptrace.online.latency import LatencyConfig, latency_models, write_latency
+from looptrace.project import model_meta, model_names, versions
 
 
 def main(
@@ -19,35 +22,16 @@ def main(
     out: Path = typer.Option(Path("artifacts/latency"), help="output directory"),
 ) -> None:
     """Wall time of real early exit (loops stop, exited sequences leave the batch) vs full depth."""
-    import torch
-
-    from pipeline.config import ConfigError, load_base, load_section, read_params
-    from pipeline.latency import LatencyConfig, latency_models, write_latency
-    from pipeline.readouts import resolve_model
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(LatencyConfig, "latency", params)
-        torch.set_num_threads(cfg.threads or base.threads)
+        torch.set_num_threads(base.analysis_threads)
         torch.manual_seed(base.seed)
-        train = read_params(params).get("train") or {}
-        if models:
-            names = [m.strip() for m in models.split(",") if m.strip()]
-        else:
-            names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
-            if not names:
-                raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
-
-        def meta(name: str) -> dict:
-            return resolve_model(name, train.get("task_defs") or {}, train.get("regime_defs") or {})
-
+        names = model_names(params, models)
         df, metrics = latency_models(names, train_root, dump_root, readouts_root, gates_root, cfg,
-                                     device=base.device, regime_meta=meta)
-        metrics.update(seed=base.seed, threads=cfg.threads or base.threads, device=base.device,
-                       params={k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()})
-        from pipeline.train import versions
-
-        metrics["versions"] = versions()
+                                     device=base.device, regime_meta=lambda name: model_meta(name, params))
+        metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
+                       versions=versions())
         write_latency(out, df, metrics)
     for r in df.iter_rows(named=True):
         typer.echo(f"{r['model']} {r['rule']} batch {r['batch_size']}: depth {r['mean_exit_depth']:.2f}/{r['n_loops']}, "

@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-from stages._common import run, user_errors
+from looptrace.config import load_base, load_section, to_dict
+from looptrace.errors import run, user_errors
+from looptrace.project import model_meta, versions
+from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.scoring import CalibrationConfig
 
 
 def main(
@@ -16,18 +19,13 @@ def main(
     out: Path = typer.Option(Path("artifacts/readouts"), help="output root"),
 ) -> None:
     """Calibrated exit rules: operating points, Pareto fronts, D@X and chosen points of one model."""
-    from pipeline.config import load_base, load_section, read_params, to_dict
-    from pipeline.readouts import ReadoutsConfig, light_versions, readouts_model, resolve_model
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(ReadoutsConfig, "readouts", params)
-        # train's task/regime definitions name the model's regime; read raw so that this offline stage
-        # does not import torch (pipeline.train) just for them.
-        train = read_params(params).get("train") or {}
-        meta = {**resolve_model(model, train.get("task_defs") or {}, train.get("regime_defs") or {}),
-                "seed": base.seed, "params": to_dict(cfg), "versions": light_versions()}
-        metrics = readouts_model(geometry_root / model, cfg, out / model, meta=meta)
+        cal = load_section(CalibrationConfig, "calibration", params)
+        meta = {**model_meta(model, params), "seed": base.seed,
+                "params": {"readouts": to_dict(cfg), "calibration": to_dict(cal)}, "versions": versions()}
+        metrics = readouts_model(geometry_root / model, cfg, cal, out / model, meta=meta)
     best = metrics["best_posthoc"]
     fixed = metrics["rules"]["fixed"]["d_at"] if "fixed" in metrics["rules"] else {}
     x = str(int(best["x"]) if float(best["x"]).is_integer() else best["x"])

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-from stages._common import run, user_errors
+from looptrace.config import load_base, load_section, to_dict
+from looptrace.errors import run, user_errors
+from looptrace.project import model_names, versions
+from looptrace.report import ReportConfig, build_report
 
 
 def main(
@@ -16,22 +18,12 @@ def main(
     out: Path = typer.Option(Path("artifacts/report"), help="output directory"),
 ) -> None:
     """Render the run's figures and an offline HTML report with headline numbers and findings."""
-    from pipeline.config import ConfigError, load_base, load_section, read_params, to_dict
-    from pipeline.readouts import light_versions
-    from pipeline.report import ReportConfig, build_report
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(ReportConfig, "report", params)
-        if models:
-            names = [m.strip() for m in models.split(",") if m.strip()]
-        else:
-            train = read_params(params).get("train") or {}
-            names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
-            if not names:
-                raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
+        names = model_names(params, models)
         metrics = build_report(names, root, out, cfg,
-                               meta={"seed": base.seed, "params": to_dict(cfg), "versions": light_versions()})
+                               meta={"seed": base.seed, "params": to_dict(cfg), "versions": versions()})
     typer.echo(f"report: {metrics['n_figures']} figures -> {out / 'index.html'}")
     for k in metrics["missing_inputs"]:
         typer.echo(f"report: not shown: {k}")

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-
-from stages._common import run, user_errors
+from looptrace.config import load_base, load_section
+from looptrace.errors import run, user_errors
+from looptrace.models.train import TrainConfig, model_name, train_model
 
 
 def main(
@@ -16,9 +17,6 @@ def main(
     out: Path = typer.Option(Path("artifacts/train"), help="output root"),
 ) -> None:
     """Train one looped model under a depth-supervision regime."""
-    from pipeline.config import load_base, load_section
-    from pipeline.train import TrainConfig, model_name, train_model
-
     with user_errors():
         base = load_base(params)
         cfg = load_section(TrainConfig, "train", params)

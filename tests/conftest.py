@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from pipeline.config import BaseConfig
-from pipeline.model import GroupConfig
-from pipeline.regimes import RegimeConfig
-from pipeline.tasks import TaskConfig
-from pipeline.train import ModelParams, TrainConfig
+from looptrace.config import BaseConfig
+from looptrace.models.looped import GroupConfig
+from looptrace.models.regimes import RegimeConfig
+from looptrace.models.train import ModelParams, TrainConfig
+from looptrace.tasks import TaskConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from pipeline.dump import DumpConfig
-from pipeline.interface import LoopedTransformerAdapter
-from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig
-from pipeline.tasks import IGNORE, TaskBatch, make_task
+from looptrace.capture.dump import DumpConfig
+from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+from looptrace.tasks import IGNORE, TaskBatch, make_task
 
 KILL_CFG = DumpConfig(batch_size=7, chunk_tokens=16, writer_queue=2)
 

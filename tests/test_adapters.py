@@ -14,10 +14,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+from looptrace.config import ConfigError
+from looptrace.models.adapters.hf import AdapterConfig, load_adapter
 from torch import nn
 
-from pipeline.adapters.hf import AdapterConfig, load_adapter
-from pipeline.config import ConfigError
 from tests import hf_helpers as H
 
 torch.set_num_threads(1)
@@ -182,8 +182,8 @@ def test_exit_path_check_and_config_errors(ckpts, tmp_path):
 
 
 def test_checkpoint_hash_follows_the_weights(ckpts, tmp_path):
-    from pipeline.adapters.hf import checkpoint_hash
-    from pipeline.interface import file_sha256
+    from looptrace.models.adapters.hf import checkpoint_hash
+    from looptrace.models.interface import file_sha256
 
     d = ckpts["llama"]
     files = sorted(p for p in d.iterdir() if p.suffix == ".safetensors")
@@ -201,7 +201,7 @@ def test_checkpoint_hash_follows_the_weights(ckpts, tmp_path):
 
 
 def _text_batch(path, n=4, seq_len=10):
-    from pipeline.tasks import TaskBatch
+    from looptrace.tasks import TaskBatch
 
     ids = _ids(b=n, s=seq_len + 1, seed=3).numpy()
     tokens, targets = ids[:, :-1], ids[:, 1:]
@@ -209,8 +209,8 @@ def _text_batch(path, n=4, seq_len=10):
 
 
 def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
-    from pipeline.dump import DumpConfig, dump_split
-    from pipeline.store import memory_store
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store import memory_store
 
     a = load_adapter(AdapterConfig(kind="inkling2loop", path=str(ckpts["inkling"])))
     assert a.info.vocab_size == 296 > DumpConfig().full_logits_max_vocab
@@ -219,7 +219,7 @@ def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
     full = dump_split(a, data, memory_store(), DumpConfig(batch_size=3, chunk_tokens=16, hidden_dtype="float32",
                                                            full_logits_max_vocab=1000))
     assert "topk_ids" in topk and "logits" not in topk and "logits" in full
-    from pipeline.store import STAT_NAMES
+    from looptrace.io.store import STAT_NAMES
 
     for s in STAT_NAMES:  # exact either way: both computed from the full logits at dump time
         np.testing.assert_array_equal(topk.read(s), full.read(s))
@@ -234,8 +234,8 @@ def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
 
 
 def test_bf16_model_states_stored_exactly_as_bfloat16_bits(tmp_path):
-    from pipeline.dump import DumpConfig, dump_split
-    from pipeline.store import memory_store
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store import memory_store
 
     path = H.build_dory(tmp_path / "dory-bf16", dtype=torch.bfloat16)
     a = load_adapter(AdapterConfig(kind="dory", path=str(path), dtype="auto"))
@@ -249,8 +249,8 @@ def test_bf16_model_states_stored_exactly_as_bfloat16_bits(tmp_path):
 
 
 def test_float16_overflow_is_refused_not_stored_as_inf(ckpts):
-    from pipeline.dump import DumpConfig, dump_split
-    from pipeline.store import StoreError, memory_store
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store import StoreError, memory_store
 
     a = load_adapter(AdapterConfig(kind="retrofit", path=str(ckpts["llama"]), block=(1, 3), n_loops=2))
     with torch.no_grad():
@@ -265,10 +265,9 @@ def test_float16_overflow_is_refused_not_stored_as_inf(ckpts):
 
 def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path):
     import polars as pl
+    from looptrace.cli import app
+    from looptrace.io.store import open_store
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
-    from pipeline.store import open_store
 
     text = H.corpus(tmp_path / "corpus.jsonl")
     run = CliRunner().invoke
@@ -288,7 +287,7 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path):
     assert st.has_gate
     a = load_adapter(AdapterConfig(kind="ouro", path=str(ckpts["ouro"]), trust_remote_code=True))
     seq = st.read("sequence")
-    from pipeline.text import TextConfig, text_splits
+    from looptrace.tasks.text import TextConfig, text_splits
 
     b = text_splits(TextConfig(path=str(text), seq_len=16), {"val": 4}, ckpts["ouro"], H.VOCAB)["val"]
     g = a.states(torch.from_numpy(b.tokens)).gate_logits.reshape(-1, 4).numpy()

@@ -1,9 +1,8 @@
 """Config loading: unknown keys are rejected with a one-line error naming key and section."""
 
 import pytest
-
-from pipeline.config import BaseConfig, ConfigError, from_dict, load_section
-from pipeline.train import TrainConfig
+from looptrace.config import BaseConfig, ConfigError, from_dict, load_section
+from looptrace.models.train import TrainConfig
 
 
 def test_unknown_key_names_key_and_section():

@@ -8,11 +8,15 @@ import math
 import numpy as np
 import polars as pl
 import pytest
+from looptrace import diagnose as D
+from looptrace.config import ConfigError, from_dict
+from looptrace.io.artifacts import write_outputs
+from looptrace.io.tables import SplitData
+from looptrace.project import resolve_model
+from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
 from scipy.stats import rankdata
 
-from pipeline import diagnose as D
-from pipeline import readouts as R
-from pipeline.config import ConfigError, from_dict
 from tests.test_readouts import synthetic_splits, write_token_loop
 
 F, T_ = False, True
@@ -209,17 +213,16 @@ def _gate_outputs(root, model, splits, seed):
         order = np.argsort(cols["token"][:, 0])
         return {k: np.asarray(v)[order] for k, v in cols.items() if v is not None}
     val, test = frame("val"), frame("test")
-    vd = R.SplitData(val["correct"], -val["target_logprob"], val["token"][:, 0])
-    td = R.SplitData(test["correct"], -test["target_logprob"], test["token"][:, 0])
-    r = R.evaluate_rule(f"gate:{model}-ponder", -val["entropy"], -test["entropy"], vd, td, "ge", kind="gate")
-    frames = R.result_frames([r])
-    R.write_outputs(root / model, frames, {"model": model})
+    vd = SplitData(val["correct"], -val["target_logprob"], val["token"][:, 0])
+    td = SplitData(test["correct"], -test["target_logprob"], test["token"][:, 0])
+    r = evaluate_rule(f"gate:{model}-ponder", -val["entropy"], -test["entropy"], vd, td, "ge", kind="gate")
+    frames = result_frames([r])
+    write_outputs(root / model, frames, {"model": model})
 
 
 def test_diagnose_end_to_end(tmp_path, repo_root):
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     models = ["running_parity-uniform", "running_parity-geometric", "running_parity-joint"]
     train_meta = {"running_parity": None}
@@ -227,8 +230,8 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     for i, m in enumerate(models):
         splits = synthetic_splits(n=240, T=6, seed=i, gate=m.endswith("joint"))
         write_token_loop(tmp_path / "geometry" / m / "token_loop.parquet", splits)
-        R.readouts_model(tmp_path / "geometry" / m, R.ReadoutsConfig(n_quantiles=21), tmp_path / "readouts" / m,
-                         meta=R.resolve_model(m, train_meta, regimes), progress=False)
+        readouts_model(tmp_path / "geometry" / m, ReadoutsConfig(), CalibrationConfig(n_quantiles=21), tmp_path / "readouts" / m,
+                         meta=resolve_model(m, train_meta, regimes), progress=False)
         if i < 2:  # gates for two models only: the third has none
             _gate_outputs(tmp_path / "gates", m, splits, i)
     cfg = D.DiagnoseConfig()

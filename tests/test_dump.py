@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
+from looptrace.capture.dump import DumpConfig, dump_split
+from looptrace.config import ConfigError, from_dict, load_section
+from looptrace.io.store import STAT_NAMES, StoreError, StoreWriter, memory_store, open_store
+from looptrace.models.interface import LoopedTransformerAdapter, States
+from looptrace.tasks import IGNORE, make_task
 
-from pipeline.config import ConfigError, from_dict, load_section
-from pipeline.dump import DumpConfig, dump_split
-from pipeline.interface import LoopedTransformerAdapter, States
-from pipeline.store import STAT_NAMES, StoreError, StoreWriter, memory_store, open_store
-from pipeline.tasks import IGNORE, make_task
 from tests.dump_helpers import KILL_CFG, model_and_data
 from tests.test_stats import _np_reference
 
@@ -166,7 +166,7 @@ def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
 def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
     # DVC re-runs the stage when pipeline/dump.py & co change, but keeps the old store (persist): it must be
     # dumped again, not returned as complete
-    import pipeline.dump as dump_mod
+    import looptrace.capture.dump as dump_mod
 
     adapter, data = model_and_data()
     cfg = DumpConfig(batch_size=5, chunk_tokens=16)
@@ -206,8 +206,8 @@ _CHILD = textwrap.dedent("""
     sys.path.insert(0, {repo!r})
     import torch
     torch.set_num_threads(1)
-    from pipeline.dump import DumpConfig, dump_split
-    from pipeline.store import StoreWriter
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store import StoreWriter
     from tests.dump_helpers import model_and_data, KILL_CFG
     real = StoreWriter.write_chunk
     def slow(self, c, a, **kw):  # widen every chunk write so the kill lands anywhere, mid-chunk included
@@ -272,10 +272,10 @@ def test_config_defaults_match_params_yaml_and_reject_bad_values():
 
 
 def test_stage_dumps_every_split_with_checkpoint_seeds(tmp_path, tiny_base):
+    import looptrace.stages.dump as stage
+    from looptrace.models.train import train_model
     from typer.testing import CliRunner
 
-    import stages.dump as stage
-    from pipeline.train import train_model
     from tests.conftest import tiny_train_config
 
     train_model(tiny_base, tiny_train_config(steps=2), "rp", "uniform", tmp_path / "train" / "rp-uniform",

@@ -36,7 +36,7 @@ TINY = {
               "steps": 8, "steps_by_task": {}, "batch_size": 16, "warmup": 2, "val_sequences": 16,
               "checkpoint_fractions": [0.5]},
     "dump": {"sequences": {"fit": 24, "val": 16, "test": 16}, "batch_size": 16, "chunk_tokens": 64},
-    "geometry": {"training_dynamics": False},
+    "dynamics": {"enabled": False},
     "gates": {"gates": ["logreg-oracle", "ponder-linear"], "cross_gates": ["logreg-oracle"],
               "pca_components": 4, "mlp_max_iter": 5, "ponder": {"epochs": 3}},
     "latency": {"batch_sizes": [8], "bs1_sequences": 2, "repeats": 1, "require_exact": False},
@@ -151,9 +151,8 @@ def run_in_process(cmd: str, cwd: Path) -> None:
     """``python stages/<name>.py args`` through the looptrace CLI in this process (same code path)."""
     import shlex
 
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     argv = shlex.split(cmd)
     assert argv[0] == "python" and argv[1].startswith("stages/"), f"unexpected stage command {cmd!r}"

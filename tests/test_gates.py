@@ -7,16 +7,23 @@ from __future__ import annotations
 import json
 import math
 
+import looptrace.gates.stage as gates_stage_module
 import numpy as np
 import polars as pl
 import pytest
 import torch
-
-from pipeline import gates as G
-from pipeline.config import ConfigError, from_dict
-from pipeline.regimes import halting_distribution
-from pipeline.stats import logit_stats
-from pipeline.store import write_store
+from looptrace.config import ConfigError, from_dict
+from looptrace.gates.config import SPLITS, GatesConfig, GateSpec, PonderConfig
+from looptrace.gates.features import FeaturePipeline, block_stats, transform_stats
+from looptrace.gates.fit import ModelGates, fit_model_gates, fit_sklearn_gate, predict_split
+from looptrace.gates.labels import consistent_stop, oracle_continue, stop_targets, utility_continue
+from looptrace.gates.online import load_fitted, load_online_gate
+from looptrace.gates.ponder import _ponder_module, fit_ponder, ponder_loss, ponder_prior
+from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
+from looptrace.io.store import write_store
+from looptrace.models.regimes import halting_distribution
+from looptrace.rules.scoring import CalibrationConfig
+from looptrace.signals.logits import logit_stats
 
 torch.set_num_threads(1)
 
@@ -66,7 +73,7 @@ def two_group_arrays(n: int, T: int = 4, D: int = 8, seed: int = 0, shift: float
 
 def make_stores(root, name="rp-uniform", n=(240, 160, 160), T=4, D=8, seed=0, shift=(0.0, 0.0, 0.0)):
     out = {}
-    for i, split in enumerate(G.SPLITS):
+    for i, split in enumerate(SPLITS):
         out[split] = write_store(root / name / f"{split}.zarr",
                                  two_group_arrays(n[i], T, D, seed=seed * 10 + i, shift=shift[i]),
                                  {"split": split, "vocab_size": 2}, chunk_tokens=64, hidden_dtype="float32")
@@ -77,9 +84,9 @@ SMALL = dict(pca_components=4, stats=("entropy", "kl_prev", "rel_step"), max_fit
              ponder={"epochs": 60, "batch_tokens": 256})
 
 
-def small_cfg(**over) -> G.GatesConfig:
+def small_cfg(**over) -> GatesConfig:
     kw = {**SMALL, **over}
-    return from_dict(G.GatesConfig, kw, "gates")
+    return from_dict(GatesConfig, kw, "gates")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,30 +98,30 @@ def test_oracle_labels_hand():
     loss = np.array([[1.0, 0.5, 0.6, 0.4],
                      [0.2, 0.2, 0.2, 0.2]])
     # row 0, δ = 0.05: future minima 0.4, 0.4, 0.4, none -> 0.4 < 0.95, 0.4 < 0.45, 0.4 < 0.55, False
-    assert G.oracle_continue(loss, 0.05).tolist() == [[True, True, True, False], [False] * 4]
+    assert oracle_continue(loss, 0.05).tolist() == [[True, True, True, False], [False] * 4]
     # δ = 0.15: 0.4 < 0.85 yes; 0.4 < 0.35 no; 0.4 < 0.45 yes
-    assert G.oracle_continue(loss, 0.15).tolist() == [[True, False, True, False], [False] * 4]
+    assert oracle_continue(loss, 0.15).tolist() == [[True, False, True, False], [False] * 4]
     # δ = 0: any strict later improvement
-    assert G.oracle_continue(np.array([[0.3, 0.3, 0.2]]), 0.0).tolist() == [[True, True, False]]
+    assert oracle_continue(np.array([[0.3, 0.3, 0.2]]), 0.0).tolist() == [[True, True, False]]
 
 
 def test_consistent_labels_hand():
     am = np.array([[1, 0, 1, 1], [0, 0, 1, 0], [2, 2, 2, 2]])
-    assert G.consistent_stop(am).tolist() == [[True, False, True, True], [True, True, False, True], [True] * 4]
+    assert consistent_stop(am).tolist() == [[True, False, True, True], [True, True, False, True], [True] * 4]
 
 
 def test_utility_labels_hand():
     loss = np.array([[1.0, 0.9, 0.9, 0.95]])  # I_2 = 0.1, I_3 = 0, I_4 = max(0, -0.05) = 0
     c_big, c_zero = sig(50 * (0.1 - 0.005)), sig(50 * (0 - 0.005))
-    ouro = G.utility_continue(loss, 50, 0.005, "ouro")[0]
+    ouro = utility_continue(loss, 50, 0.005, "ouro")[0]
     assert math.isnan(ouro[0]) and ouro[1:] == pytest.approx([c_big, c_zero, c_zero], abs=1e-15)
-    nxt = G.utility_continue(loss, 50, 0.005, "next")[0]
+    nxt = utility_continue(loss, 50, 0.005, "next")[0]
     assert math.isnan(nxt[-1]) and nxt[:-1] == pytest.approx([c_big, c_zero, c_zero], abs=1e-15)
-    cfg = G.GatesConfig(utility_align="next")
-    stop = G.stop_targets(G.GateSpec("logreg", "utility"), loss, np.zeros((1, 4), int), cfg)[0]
+    cfg = GatesConfig(utility_align="next")
+    stop = stop_targets(GateSpec("logreg", "utility"), loss, np.zeros((1, 4), int), cfg)[0]
     assert stop[:-1] == pytest.approx([1 - c_big, 1 - c_zero, 1 - c_zero], abs=1e-15)
-    st_or = G.stop_targets(G.GateSpec("logreg", "oracle"), np.array([[1.0, 0.5, 0.6, 0.4]]), None,
-                           G.GatesConfig(oracle_delta=0.15))
+    st_or = stop_targets(GateSpec("logreg", "oracle"), np.array([[1.0, 0.5, 0.6, 0.4]]), None,
+                           GatesConfig(oracle_delta=0.15))
     assert st_or.tolist() == [[0.0, 1.0, 0.0, 1.0]]
 
 
@@ -126,11 +133,11 @@ def test_utility_labels_hand():
 def test_ponder_loss_closed_form_T2():
     loss = torch.tensor([[1.0, 3.0], [0.5, 0.5]], dtype=torch.float64)
     g = torch.zeros(2, 2, dtype=torch.float64)  # λ_1 = 1/2 -> q = (1/2, 1/2)
-    uni = G.ponder_prior(2, "uniform").double()
-    assert float(G.ponder_loss(g, loss, 0.7, uni)) == pytest.approx((2.0 + 0.5) / 2, abs=1e-12)  # KL = 0
-    geo = G.ponder_prior(2, "geometric", 0.3).double()  # π = (0.3, 0.7)
+    uni = ponder_prior(2, "uniform").double()
+    assert float(ponder_loss(g, loss, 0.7, uni)) == pytest.approx((2.0 + 0.5) / 2, abs=1e-12)  # KL = 0
+    geo = ponder_prior(2, "geometric", 0.3).double()  # π = (0.3, 0.7)
     kl = 0.5 * math.log(0.5 / 0.3) + 0.5 * math.log(0.5 / 0.7)
-    assert float(G.ponder_loss(g, loss, 0.7, geo)) == pytest.approx(1.25 + 0.7 * kl, abs=1e-7)
+    assert float(ponder_loss(g, loss, 0.7, geo)) == pytest.approx(1.25 + 0.7 * kl, abs=1e-7)
 
 
 def test_ponder_module_loss_matches_hand_computation():
@@ -138,15 +145,15 @@ def test_ponder_module_loss_matches_hand_computation():
     n, T, F = 7, 5, 3
     X = rng.normal(size=(n, T, F))
     loss = rng.uniform(0, 2, size=(n, T))
-    module = G._ponder_module(F, "linear", 4).double()
+    module = _ponder_module(F, "linear", 4).double()
     w, b = np.array([0.5, -1.0, 2.0]), -0.3
     with torch.no_grad():
         module.net.weight.copy_(torch.tensor(w)[None])
         module.net.bias.fill_(b)
     beta = 0.2
-    prior = G.ponder_prior(T, "geometric", 0.3).double()
+    prior = ponder_prior(T, "geometric", 0.3).double()
     with torch.no_grad():
-        got = float(G.ponder_loss(module(torch.tensor(X)), torch.tensor(loss), beta, prior))
+        got = float(ponder_loss(module(torch.tensor(X)), torch.tensor(loss), beta, prior))
     # by hand: g = X·w + b; q from the regimes module; Σ q ℓ + β Σ q log(q / π), averaged over tokens
     q = halting_distribution(torch.tensor(X @ w + b)).numpy()
     pi = 0.3 * 0.7 ** np.arange(T)
@@ -164,8 +171,8 @@ def test_fit_ponder_reaches_the_closed_form_optimum():
     eye = np.broadcast_to(np.eye(T)[None], (n, T, T))
     X = np.concatenate([eye * grp[:, None, None], eye * ~grp[:, None, None]], axis=2)  # [n, T, 2T]
     loss = np.where(grp[:, None], 0.01, np.where(np.arange(T)[None] == T - 1, 0.01, 2.0))
-    cfg = G.PonderConfig(beta=beta, epochs=100, batch_tokens=64, lr=0.05)
-    model, info = G.fit_ponder(X, loss, "linear", cfg, seed=0)
+    cfg = PonderConfig(beta=beta, epochs=100, batch_tokens=64, lr=0.05)
+    model, info = fit_ponder(X, loss, "linear", cfg, seed=0)
     with torch.no_grad():
         lam = torch.sigmoid(model(torch.tensor(X, dtype=torch.float32))).numpy()
     for sel in (grp, ~grp):
@@ -173,8 +180,8 @@ def test_fit_ponder_reaches_the_closed_form_optimum():
         q /= q.sum()
         lam_star = q / np.cumsum(q[::-1])[::-1]  # 1/4, 1/3, 1/2 for the constant-loss group
         assert np.allclose(lam[sel, :T - 1], lam_star[:T - 1], atol=0.01)
-    init = float(G.ponder_loss(torch.zeros(n, T), torch.tensor(loss, dtype=torch.float32), beta,
-                               G.ponder_prior(T)))
+    init = float(ponder_loss(torch.zeros(n, T), torch.tensor(loss, dtype=torch.float32), beta,
+                               ponder_prior(T)))
     assert info["objective"] < init
 
 
@@ -192,8 +199,8 @@ def test_soft_targets_equal_direct_soft_cross_entropy_minimum():
     X = rng.normal(size=(n, T, F))
     y = 1 / (1 + np.exp(-(X @ np.array([1.5, -0.5]) + 0.2 * rng.normal(size=(n, T)))))  # soft stop targets
     y[:, -1] = np.nan
-    cfg = G.GatesConfig(logreg_c=0.5, logreg_max_iter=2000)
-    gate = G.fit_sklearn_gate(G.GateSpec("logreg", "utility"), X, y, cfg, seed=0)
+    cfg = GatesConfig(logreg_c=0.5, logreg_max_iter=2000)
+    gate = fit_sklearn_gate(GateSpec("logreg", "utility"), X, y, cfg, seed=0)
     Xr, yr = X[:, :-1].reshape(-1, F), y[:, :-1].reshape(-1)
 
     def obj(p):  # sklearn's objective: C Σ soft-BCE + ½‖w‖² (intercept not penalised), and its gradient
@@ -207,13 +214,13 @@ def test_soft_targets_equal_direct_soft_cross_entropy_minimum():
     sign = 1.0 if est.classes_[1] == 1 else -1.0
     assert np.allclose(sign * est.coef_[0], ref[:F], atol=1e-4) and sign * est.intercept_[0] == pytest.approx(ref[F], abs=1e-4)
     # and with no information in the features, P(stop) is the mean soft target
-    g0 = G.fit_sklearn_gate(G.GateSpec("logreg", "utility"), np.zeros((n, T, F)), y, cfg, seed=0)
+    g0 = fit_sklearn_gate(GateSpec("logreg", "utility"), np.zeros((n, T, F)), y, cfg, seed=0)
     assert g0.stop_prob(np.zeros((1, 1, F)))[0, 0] == pytest.approx(np.nanmean(y[:, :-1]), abs=1e-6)
 
 
 def test_single_class_labels_give_a_constant_gate():
     X = np.random.default_rng(0).normal(size=(10, 3, 2))
-    g = G.fit_sklearn_gate(G.GateSpec("mlp", "consistent"), X, np.ones((10, 3)), G.GatesConfig(), seed=0)
+    g = fit_sklearn_gate(GateSpec("mlp", "consistent"), X, np.ones((10, 3)), GatesConfig(), seed=0)
     assert g.info["degenerate"] and np.all(g.stop_prob(X) == 1.0)
 
 
@@ -222,14 +229,14 @@ def test_fits_reproducible_with_fixed_seed(tmp_path, name):
     stores = make_stores(tmp_path, n=(120, 40, 40))
     cfg = small_cfg(gates=(name,), cross_gates=(), mlp_max_iter=10, ponder={"epochs": 5, "batch_tokens": 64})
     spec = cfg.specs[0]
-    a = G.fit_model_gates(stores["fit"], cfg, [spec], 7, "m", progress=False)
-    b = G.fit_model_gates(stores["fit"], cfg, [spec], 7, "m", progress=False)
-    pa = G.predict_split(stores["val"], [(a, [spec.name])], cfg)[("m", spec.name)]
-    pb = G.predict_split(stores["val"], [(b, [spec.name])], cfg)[("m", spec.name)]
+    a = fit_model_gates(stores["fit"], cfg, [spec], 7, "m", progress=False)
+    b = fit_model_gates(stores["fit"], cfg, [spec], 7, "m", progress=False)
+    pa = predict_split(stores["val"], [(a, [spec.name])], cfg)[("m", spec.name)]
+    pb = predict_split(stores["val"], [(b, [spec.name])], cfg)[("m", spec.name)]
     assert np.array_equal(pa, pb)
     if spec.gate == "mlp" or spec.labels == "ponder":  # a stochastic fit: another seed gives another gate
-        c = G.fit_model_gates(stores["fit"], cfg, [spec], 8, "m", progress=False)
-        pc = G.predict_split(stores["val"], [(c, [spec.name])], cfg)[("m", spec.name)]
+        c = fit_model_gates(stores["fit"], cfg, [spec], 8, "m", progress=False)
+        pc = predict_split(stores["val"], [(c, [spec.name])], cfg)[("m", spec.name)]
         assert not np.array_equal(pa, pc)
 
 
@@ -244,7 +251,7 @@ def test_pca_and_scaler_fit_on_fit_split_only(tmp_path):
     stores = make_stores(tmp_path, n=(200, 80, 80), shift=(0.0, 3.0, -3.0))
     cfg = small_cfg(gates=("logreg-consistent",), cross_gates=(), max_fit_tokens=150,
                     stats=("entropy", "rel_step", "accel"))
-    mg = G.fit_model_gates(stores["fit"], cfg, cfg.specs, 0, "m", progress=False)
+    mg = fit_model_gates(stores["fit"], cfg, cfg.specs, 0, "m", progress=False)
     tok = mg.fit_tokens
     assert tok.size == 150 and np.all(np.diff(tok) > 0) and tok.max() < 200
     h = stores["fit"].read("hidden")[tok][:, :-1].reshape(-1, 8).astype(np.float64)  # loops 1..T-1
@@ -255,24 +262,24 @@ def test_pca_and_scaler_fit_on_fit_split_only(tmp_path):
     hv = stores["val"].read("hidden")[:, :-1].reshape(-1, 8)
     assert not np.allclose(pca.mean_, hv.mean(0), atol=0.5)  # the shifted val states were not seen
     # scaler: mean/scale of [PCA(h), log stats] over the same fit rows (NaN ignored)
-    st = G.block_stats(stores["fit"], slice(0, 200), cfg.stats)[tok][:, :-1].reshape(-1, 3)
+    st = block_stats(stores["fit"], slice(0, 200), cfg.stats)[tok][:, :-1].reshape(-1, 3)
     C = np.concatenate([ref.transform(h) * np.sign(ref.components_[:, 0] * pca.components_[:, 0]),
-                        G.transform_stats(st, cfg.stats, True)], axis=1)
+                        transform_stats(st, cfg.stats, True)], axis=1)
     assert np.allclose(np.abs(mg.features.scaler.mean_[:4]), np.abs(np.nanmean(C[:, :4], 0)), atol=1e-8)
     assert np.allclose(mg.features.scaler.mean_[4:], np.nanmean(C[:, 4:], 0), atol=1e-8)
     assert np.allclose(mg.features.scaler.scale_[4:], np.nanstd(C[:, 4:], 0), atol=1e-8)
 
 
 def test_feature_columns_stats_and_loop_encoding(tmp_path):
-    from pipeline.geometry import step_metrics
+    from looptrace.signals.steps import step_metrics
 
     stores = make_stores(tmp_path, n=(64, 40, 40))
     st = stores["val"]
-    s = G.block_stats(st, slice(0, 40), ("rel_step", "kl_prev", "hidden_change"))
+    s = block_stats(st, slice(0, 40), ("rel_step", "kl_prev", "hidden_change"))
     geo = step_metrics(st.read("hidden"), st.read("hidden_init"))
     assert np.array_equal(s[..., 0], geo["rel_step"]) and np.array_equal(s[..., 2], geo["step_norm"])
     assert np.array_equal(s[..., 1], st.read("kl_prev"), equal_nan=True) and np.isnan(s[:, 0, 1]).all()
-    fp = G.FeaturePipeline(4, 8, 0, ("rel_step", "kl_prev"), True, "onehot")
+    fp = FeaturePipeline(4, 8, 0, ("rel_step", "kl_prev"), True, "onehot")
     h = st.read("hidden")
     fp.fit(h, s[..., :2])
     X = fp.transform(h, s[..., :2])
@@ -281,7 +288,7 @@ def test_feature_columns_stats_and_loop_encoding(tmp_path):
     assert np.array_equal(X[:, :, 10:], np.broadcast_to(np.eye(4), (40, 4, 4)))
     ls = np.log(np.maximum(s[..., 0].astype(np.float64), 1e-10))
     assert np.allclose(X[..., 8], (ls - ls.mean()) / ls.std(), atol=1e-10)
-    sc = G.FeaturePipeline(4, 8, 0, (), True, "scalar").fit(h, None)
+    sc = FeaturePipeline(4, 8, 0, (), True, "scalar").fit(h, None)
     assert sc.transform(h, None).shape == (40, 4, 9)
 
 
@@ -296,9 +303,10 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
     stores = {"rp-uniform": make_stores(tmp_path / "dump", "rp-uniform", seed=0),
               "rp-joint": make_stores(tmp_path / "dump", "rp-joint", seed=1)}
     gates = ("logreg-oracle", "logreg-consistent", "mlp-consistent", "logreg-utility", "ponder-linear")
-    cfg = small_cfg(gates=gates, cross_gates=("logreg-consistent",), utility_align="next", dx=(100, 95))
+    cfg = small_cfg(gates=gates, cross_gates=("logreg-consistent",), utility_align="next")
+    cal = CalibrationConfig(dx=(100.0, 95.0))
     out = tmp_path / "gates"
-    stage = G.gates_stage(stores, cfg, out, base_seed=0, tasks={"rp-uniform": "rp", "rp-joint": "rp"},
+    stage = gates_stage(stores, cfg, cal, out, base_seed=0, tasks={"rp-uniform": "rp", "rp-joint": "rp"},
                           progress=False, threads=1)
     assert stage["models"] == ["rp-uniform", "rp-joint"]
     for m, sp in stores.items():
@@ -310,10 +318,10 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
         assert ch["test_accuracy"].to_list() == [1.0] * len(gates)
         assert ch["test_depth"].to_list() == pytest.approx([want] * len(gates), abs=1e-12)
         # the chosen threshold separates the groups: every easy P(stop)_1 ≥ γ > every hard P(stop)_t, t < T
-        fit = G.load_fitted(out / m)
-        mg = G.ModelGates(m, fit["features"], fit["gates"], T, 8, None, {})
+        fit = load_fitted(out / m)
+        mg = ModelGates(m, fit["features"], fit["gates"], T, 8, None, {})
         for g in gates:
-            p = G.predict_split(sp["test"], [(mg, [g])], cfg)[(m, g)]
+            p = predict_split(sp["test"], [(mg, [g])], cfg)[(m, g)]
             thr = ch.filter(pl.col("rule") == f"gate:{g}")["threshold"][0]
             assert p[easy, 0].min() >= thr > p[~easy, :-1].max()
             ex = pl.read_parquet(out / m / "chosen_exits.parquet").filter(pl.col("rule") == f"gate:{g}").sort("token")
@@ -329,7 +337,7 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
         assert ops.filter((pl.col("rule") == "gate:logreg-oracle") & (pl.col("split") == "val")).height == 51
     cr = pl.read_parquet(out / "cross_regime.parquet")
     assert cr.height == 2 * 2 * 1 * 2 and set(cr["mode"]) == {"transfer", "refit"}
-    assert list(cr.columns) == list(G.CROSS_SCHEMA)
+    assert list(cr.columns) == list(CROSS_SCHEMA)
     for r in cr.iter_rows(named=True):
         own = pl.read_parquet(out / r["eval_model"] / "chosen.parquet").filter(pl.col("rule") == r["rule"])
         if r["mode"] == "refit" or r["fit_model"] == r["eval_model"]:
@@ -341,7 +349,7 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
         assert r["d_at"] == pytest.approx(float(np.where(easy, 1, 4).mean()), abs=1e-12)
     # re-running gives the same numbers (seeded), and replaces the outputs atomically
     first = pl.read_parquet(out / "rp-joint" / "operating_points.parquet")
-    G.gates_stage(stores, cfg, out, base_seed=0, tasks={"rp-uniform": "rp", "rp-joint": "rp"}, progress=False)
+    gates_stage(stores, cfg, cal, out, base_seed=0, tasks={"rp-uniform": "rp", "rp-joint": "rp"}, progress=False)
     assert pl.read_parquet(out / "rp-joint" / "operating_points.parquet").equals(first)
     assert not list(tmp_path.glob(".gates*"))
 
@@ -350,15 +358,15 @@ def test_failed_run_leaves_previous_outputs(tmp_path, monkeypatch):
     stores = {"m": make_stores(tmp_path / "dump", "m", n=(80, 40, 40))}
     cfg = small_cfg(gates=("logreg-consistent",), cross_gates=())
     out = tmp_path / "gates"
-    G.gates_stage(stores, cfg, out, progress=False)
+    gates_stage(stores, cfg, CalibrationConfig(), out, progress=False)
     before = {p.name: p.read_bytes() for p in (out / "m").iterdir()}
 
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(G, "result_frames", boom)
+    monkeypatch.setattr(gates_stage_module, "result_frames", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        G.gates_stage(stores, cfg, out, progress=False)
+        gates_stage(stores, cfg, CalibrationConfig(), out, progress=False)
     assert {p.name: p.read_bytes() for p in (out / "m").iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dump", "gates"]  # no temporary directory left
 
@@ -366,24 +374,25 @@ def test_failed_run_leaves_previous_outputs(tmp_path, monkeypatch):
 def test_online_gate_matches_store_features(tmp_path):
     """Features recomputed live from a real model's states and readouts give exactly the P(stop) of
     the store path (rounded states, step_metrics, LoopStats formulas)."""
-    from pipeline.dump import DumpConfig, dump_split
+    from looptrace.capture.dump import DumpConfig, dump_split
+
     from tests.dump_helpers import model_and_data
 
     adapter, data = model_and_data(n_seq=12, gate="linear", loops=4, d_model=16, unscored=False)
     model = adapter.model.eval()
     stores = {}
-    for split in G.SPLITS:
+    for split in SPLITS:
         stores[split] = dump_split(adapter, data, tmp_path / f"{split}.zarr", DumpConfig(batch_size=4, chunk_tokens=32),
                                    progress=False)
     cfg = small_cfg(gates=("logreg-consistent", "ponder-mlp"), cross_gates=(),
                     stats=("entropy", "margin", "kl_prev_rev", "logit_change", "accel", "step_d2", "gate_logit"))
-    G.gates_stage({"rs": stores}, cfg, tmp_path / "gates", progress=False)
-    fit = G.load_fitted(tmp_path / "gates" / "rs")
-    mg = G.ModelGates("rs", fit["features"], fit["gates"], 4, 16, None, {})
+    gates_stage({"rs": stores}, cfg, CalibrationConfig(), tmp_path / "gates", progress=False)
+    fit = load_fitted(tmp_path / "gates" / "rs")
+    mg = ModelGates("rs", fit["features"], fit["gates"], 4, 16, None, {})
     tok = torch.as_tensor(data.tokens)
     for name in ("logreg-consistent", "ponder-mlp"):
-        off = G.predict_split(stores["test"], [(mg, [name])], cfg)[("rs", name)]
-        og = G.load_online_gate(tmp_path / "gates" / "rs", f"gate:{name}")
+        off = predict_split(stores["test"], [(mg, [name])], cfg)[("rs", name)]
+        og = load_online_gate(tmp_path / "gates" / "rs", f"gate:{name}")
         assert og.needs_logits
         with torch.inference_mode():
             h0 = model.embed(tok)
@@ -395,9 +404,9 @@ def test_online_gate_matches_store_features(tmp_path):
         on = np.stack(on, -1).reshape(-1, 4)  # all positions scored: rows in (sequence, position) order
         assert np.array_equal(on, off)
     with pytest.raises(KeyError, match="not in the fitted gates"):
-        G.load_online_gate(tmp_path / "gates" / "rs", "gate:mlp-oracle")
+        load_online_gate(tmp_path / "gates" / "rs", "gate:mlp-oracle")
     with pytest.raises(FileNotFoundError, match="gates stage"):
-        G.load_online_gate(tmp_path, "gate:logreg-consistent")
+        load_online_gate(tmp_path, "gate:logreg-consistent")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,37 +416,36 @@ def test_online_gate_matches_store_features(tmp_path):
 
 def test_config_errors():
     with pytest.raises(ConfigError, match="unknown gate 'svm-oracle'"):
-        from_dict(G.GatesConfig, {"gates": ["svm-oracle"]}, "gates")
+        from_dict(GatesConfig, {"gates": ["svm-oracle"]}, "gates")
     with pytest.raises(ConfigError, match="unknown gate 'logreg-ponder'"):
-        from_dict(G.GatesConfig, {"gates": ["logreg-ponder"]}, "gates")
+        from_dict(GatesConfig, {"gates": ["logreg-ponder"]}, "gates")
     with pytest.raises(ConfigError, match="'target_logprob' cannot be a gate feature"):
-        from_dict(G.GatesConfig, {"stats": ["target_logprob"]}, "gates")
+        from_dict(GatesConfig, {"stats": ["target_logprob"]}, "gates")
     with pytest.raises(ConfigError, match="'kl_final' cannot be a gate feature"):
-        from_dict(G.GatesConfig, {"stats": ["kl_final"]}, "gates")
+        from_dict(GatesConfig, {"stats": ["kl_final"]}, "gates")
     with pytest.raises(ConfigError, match="not in gates.gates"):
-        from_dict(G.GatesConfig, {"gates": ["logreg-oracle"], "cross_gates": ["ponder-linear"]}, "gates")
+        from_dict(GatesConfig, {"gates": ["logreg-oracle"], "cross_gates": ["ponder-linear"]}, "gates")
     with pytest.raises(ConfigError, match="unknown key 'betaa'"):
-        from_dict(G.GatesConfig, {"ponder": {"betaa": 1}}, "gates.ponder")
-    fp = G.FeaturePipeline(3, 2, 0, ("step_d2",))
+        from_dict(GatesConfig, {"ponder": {"betaa": 1}}, "gates.ponder")
+    fp = FeaturePipeline(3, 2, 0, ("step_d2",))
     with pytest.raises(ValueError, match="'step_d2' has no finite value on the fit rows"):
         fp.fit(np.zeros((5, 2, 2)), np.full((5, 2, 1), np.nan))
     with pytest.raises(ConfigError, match="loop_feature"):
-        from_dict(G.GatesConfig, {"loop_feature": "binary"}, "gates")
-    assert G.GateSpec.parse("ponder-mlp").rule == "gate:ponder-mlp"
-    assert G.GateSpec.parse("mlp-utility") == G.GateSpec("mlp", "utility")
+        from_dict(GatesConfig, {"loop_feature": "binary"}, "gates")
+    assert GateSpec.parse("ponder-mlp").rule == "gate:ponder-mlp"
+    assert GateSpec.parse("mlp-utility") == GateSpec("mlp", "utility")
 
 
 def test_defaults_equal_params_yaml(repo_root):
-    from pipeline.config import load_section
+    from looptrace.config import load_section
 
-    assert load_section(G.GatesConfig, "gates", repo_root / "params.yaml") == G.GatesConfig()
+    assert load_section(GatesConfig, "gates", repo_root / "params.yaml") == GatesConfig()
 
 
 def test_stage_cli(tmp_path, repo_root):
     import yaml
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     make_stores(tmp_path / "dump", "rp-uniform", n=(80, 40, 40))
     params = yaml.safe_load((repo_root / "params.yaml").read_text())

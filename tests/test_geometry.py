@@ -8,16 +8,15 @@ import math
 import numpy as np
 import polars as pl
 import pytest
-
-from pipeline.config import ConfigError
-from pipeline.geometry import (
+from looptrace.config import ConfigError
+from looptrace.geometry import (
     GeometryConfig,
     argmax_differs,
     convergence_depth,
     drift_to_loop_ratio,
     group_handoffs,
-    step_metrics,
 )
+from looptrace.signals.steps import step_metrics
 
 
 def _traj(h0: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -193,7 +192,7 @@ def test_config_rejects_bad_values():
 
 
 def test_params_yaml_section_loads_and_matches_defaults(repo_root):
-    from pipeline.config import load_section
+    from looptrace.config import load_section
 
     assert load_section(GeometryConfig, "geometry", repo_root / "params.yaml") == GeometryConfig()
 
@@ -224,14 +223,14 @@ def _arrays(rng, N=40, T=5, D=6, V=4, loop_group=(0, 0, 0, 1, 1), gate=True, hid
 
 
 def _write(path, arrays, chunk=16):
-    from pipeline.store import write_store
+    from looptrace.io.store import write_store
 
     return write_store(path, arrays, {"token_types": ["keep", "change"], "vocab_size": 4}, chunk_tokens=chunk,
                        hidden_dtype="float32")
 
 
 def _run(stores, out, block, **cfg):
-    from pipeline.geometry import geometry_model
+    from looptrace.geometry import geometry_model
 
     cfg.setdefault("eps", {"kl_prev": (0.3,), "rel_step": (0.5, 1.0), "argmax": (0.5,)})
     return geometry_model(stores, GeometryConfig(block_tokens=block, **cfg), out, meta={"model": "m"},
@@ -259,7 +258,7 @@ def stage_run(tmp_path_factory):
 
 
 def test_stage_token_loop_matches_independent_numpy(stage_run):
-    from pipeline.geometry import TOKEN_LOOP_COLUMNS
+    from looptrace.geometry import TOKEN_LOOP_COLUMNS
 
     tmp, arrays, _, _, _ = stage_run
     df = pl.read_parquet(tmp / "out7" / "token_loop.parquet")
@@ -388,19 +387,19 @@ def test_single_group_writes_empty_dlr_and_failed_run_leaves_nothing(tmp_path):
 
 def test_training_dynamics_match_an_independent_forward(tmp_path, tiny_base):
     import torch
+    from looptrace.capture.dump import DumpConfig
+    from looptrace.capture.dynamics import DynamicsConfig, training_dynamics
+    from looptrace.models.looped import load_checkpoint
+    from looptrace.models.train import train_model
+    from looptrace.tasks import IGNORE, make_task
 
-    from pipeline.dump import DumpConfig
-    from pipeline.geometry import training_dynamics
-    from pipeline.model import load_checkpoint
-    from pipeline.tasks import IGNORE, make_task
-    from pipeline.train import train_model
     from tests.conftest import tiny_train_config
 
     torch.set_num_threads(1)
     train_dir = tmp_path / "rp-uniform"
     train_model(tiny_base, tiny_train_config(steps=20), "rp", "uniform", train_dir, progress=False)
     dump_cfg = DumpConfig(sequences={"val": 12}, batch_size=5, chunk_tokens=16, hidden_dtype="float32")
-    df = training_dynamics(train_dir, GeometryConfig(probe_sequences=12), dump_cfg, progress=False)
+    df = training_dynamics(train_dir, DynamicsConfig(probe_sequences=12), dump_cfg, progress=False)
     assert df["step"].unique().sort().to_list() == [10, 20]
     assert df.filter(pl.col("step") == 20)["fraction"].unique().to_list() == [1.0]
     task = make_task("rp", {"kind": "running_parity", "length": 8})
@@ -424,12 +423,13 @@ def test_training_dynamics_match_an_independent_forward(tmp_path, tiny_base):
 def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     import json
 
+    import looptrace.stages.dump as dump_stage
+    import looptrace.stages.dynamics as dynamics_stage
+    import looptrace.stages.geometry as stage
     import typer
+    from looptrace.models.train import train_model
     from typer.testing import CliRunner
 
-    import stages.dump as dump_stage
-    import stages.geometry as stage
-    from pipeline.train import train_model
     from tests.conftest import tiny_train_config
 
     train_model(tiny_base, tiny_train_config(steps=10), "rp", "uniform", tmp_path / "train" / "rp-uniform",
@@ -437,7 +437,8 @@ def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     params = tmp_path / "params.yaml"
     params.write_text("base: {seed: 0, threads: 1, device: cpu}\n"
                       "dump: {sequences: {fit: 6, val: 6, test: 5}, batch_size: 4, chunk_tokens: 20}\n"
-                      "geometry: {probe_sequences: 4, eps: {kl_prev: [0.001], argmax: [0.5]}}\n")
+                      "dynamics: {probe_sequences: 4}\n"
+                      "geometry: {eps: {kl_prev: [0.001], argmax: [0.5]}}\n")
     runner = CliRunner()
     dump_app, app = typer.Typer(), typer.Typer()
     dump_app.command()(dump_stage.main)
@@ -445,16 +446,23 @@ def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     res = runner.invoke(dump_app, ["--model", "rp-uniform", "--params", str(params), "--train-root",
                                    str(tmp_path / "train"), "--out", str(tmp_path / "dump")])
     assert res.exit_code == 0, res.output
-    args = ["--params", str(params), "--dump-root", str(tmp_path / "dump"), "--train-root", str(tmp_path / "train"),
-            "--out", str(tmp_path / "geometry")]
+    args = ["--params", str(params), "--dump-root", str(tmp_path / "dump"), "--out", str(tmp_path / "geometry")]
     res = runner.invoke(app, ["--model", "rp-uniform", *args])
     assert res.exit_code == 0, res.output
     out = tmp_path / "geometry" / "rp-uniform"
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["token_loop.parquet", "loop_summary.parquet", "convergence.parquet", "dlr.parquet",
-         "training_dynamics.parquet", "metrics.json"])
+        ["token_loop.parquet", "loop_summary.parquet", "convergence.parquet", "dlr.parquet", "metrics.json"])
     m = json.loads((out / "metrics.json").read_text())
-    assert m["training_dynamics"]["step"] == [5, 10] and m["model"] == "rp-uniform"
+    assert m["model"] == "rp-uniform"
+    # training dynamics: its own stage (capture code), never part of the offline geometry stage
+    dyn_app = typer.Typer()
+    dyn_app.command()(dynamics_stage.main)
+    res = runner.invoke(dyn_app, ["--model", "rp-uniform", "--params", str(params), "--train-root",
+                                  str(tmp_path / "train"), "--out", str(tmp_path / "dynamics")])
+    assert res.exit_code == 0, res.output
+    dyn = json.loads((tmp_path / "dynamics" / "rp-uniform" / "metrics.json").read_text())
+    assert dyn["training_dynamics"]["step"] == [5, 10]
+    assert pl.read_parquet(tmp_path / "dynamics" / "rp-uniform" / "training_dynamics.parquet").height == 2 * 4
     assert set(m["splits"]) == {"fit", "val", "test"} and m["splits"]["test"]["n_tokens"] == 5 * 8
     assert set(m["splits"]["test"]["convergence"]) == {"kl_prev@0.001", "argmax@0.5"}
     res = runner.invoke(app, ["--model", "nope", *args])

@@ -9,22 +9,20 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-
-from pipeline.geometry import step_metrics
-from pipeline.latency import (
-    LatencyConfig,
+from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
+from looptrace.online.engine import (
     OnlineRule,
     early_exit,
     float32_threshold,
     full_work,
-    latency_models,
     make_rule,
     minimal_work,
-    write_latency,
 )
-from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
-from pipeline.readouts import exit_depths, halting_cdf
-from pipeline.stats import logit_stats
+from looptrace.online.latency import LatencyConfig, latency_models, write_latency
+from looptrace.rules.scoring import CalibrationConfig, exit_depths
+from looptrace.signals.halting import halting_cdf
+from looptrace.signals.logits import logit_stats
+from looptrace.signals.steps import step_metrics
 
 torch.set_num_threads(1)
 
@@ -122,7 +120,7 @@ def _gap_threshold(values: np.ndarray) -> float:
 def test_online_rules_reproduce_offline_exit_depths(rule):
     """Each online rule fires where readouts.exit_depths fires on the offline signal (stats from full
     logits, geometry from float16-rounded states, halting CDF from gate logits)."""
-    from pipeline.readouts import THRESHOLD_RULES
+    from looptrace.rules.builtin import THRESHOLD_RULES
 
     m = _model(gate="linear", loops=6)
     m.gate.net.bias.data.fill_(-2.0)
@@ -161,9 +159,9 @@ def test_online_rules_reproduce_offline_exit_depths(rule):
 
 
 def _tiny_pipeline(tmp_path):
-    from pipeline.dump import DumpConfig, dump_model
-    from pipeline.interface import LoopedTransformerAdapter
-    from pipeline.tasks import make_task
+    from looptrace.capture.dump import DumpConfig, dump_model
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.tasks import make_task
 
     task = make_task("rs", {"kind": "running_sum", "length": 8, "modulus": 5})
     torch.manual_seed(0)
@@ -236,9 +234,8 @@ def test_stage_refuses_mismatching_offline_exits(tmp_path):
 
 
 def test_stage_cli_one_line_error(tmp_path):
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     res = CliRunner().invoke(app, ["latency", "--models", "nope", "--train-root", str(tmp_path)])
     assert res.exit_code == 2
@@ -248,12 +245,13 @@ def test_stage_cli_one_line_error(tmp_path):
 def test_refit_gate_runs_online_exactly(tmp_path):
     """The gates stage's fitted gate (pickled, loaded through pipeline.gates.load_online_gate) runs in
     the engine and reproduces the gates stage's offline chosen exits token by token."""
-    from pipeline.gates import GatesConfig, gates_stage
+    from looptrace.gates.config import GatesConfig
+    from looptrace.gates.stage import gates_stage
 
     name, _, stores = _tiny_pipeline(tmp_path)
     gcfg = GatesConfig(gates=("logreg-consistent",), pca_components=4, stats=("entropy", "kl_prev", "accel"),
                        cross_gates=(), max_fit_tokens=None)
-    gates_stage({name: stores}, gcfg, tmp_path / "gates", progress=False)
+    gates_stage({name: stores}, gcfg, CalibrationConfig(), tmp_path / "gates", progress=False)
     roots = [tmp_path / d for d in ("train", "dump", "readouts", "gates")]
     cfg = LatencyConfig(rules=("gate",), batch_sizes=(1, 3), bs1_sequences=10, warmup=0, repeats=1)
     df, metrics = latency_models([name], *roots, cfg, progress=False)

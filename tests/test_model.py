@@ -1,8 +1,13 @@
 """Looped model: shapes, loop groups, readout path, step API equals forward, checkpoint round trip."""
 
 import torch
-
-from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig, load_checkpoint, save_checkpoint
+from looptrace.models.looped import (
+    GroupConfig,
+    LoopedTransformer,
+    ModelConfig,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def _cfg(**kw):

@@ -16,12 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def tiny_artifacts(tmp_path_factory) -> Path:
     """dump (val, test) -> geometry -> readouts for one random-init model on running sum mod 5."""
-    from pipeline.dump import DumpConfig, dump_model
-    from pipeline.geometry import GeometryConfig, geometry_model
-    from pipeline.interface import LoopedTransformerAdapter
-    from pipeline.model import GroupConfig, LoopedTransformer, ModelConfig
-    from pipeline.readouts import ReadoutsConfig, readouts_model
-    from pipeline.tasks import make_task
+    from looptrace.capture.dump import DumpConfig, dump_model
+    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.scoring import CalibrationConfig
+    from looptrace.tasks import make_task
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("nb") / "artifacts"
@@ -32,9 +33,9 @@ def tiny_artifacts(tmp_path_factory) -> Path:
     adapter = LoopedTransformerAdapter(model, "rs-tiny", extra={"task": {"name": "rs", **task.spec()}})
     stores = dump_model(adapter, task, {"val": 43, "test": 44}, root / "dump" / "rs-tiny",
                         DumpConfig(sequences={"val": 20, "test": 20}, batch_size=10, chunk_tokens=64), progress=False)
-    geometry_model(stores, GeometryConfig(splits=("val", "test"), training_dynamics=False,
+    geometry_model(stores, GeometryConfig(splits=("val", "test"),
                                           eps={"kl_prev": (1e-3,)}), root / "geometry" / "rs-tiny", progress=False)
-    readouts_model(root / "geometry" / "rs-tiny", ReadoutsConfig(rules=("fixed", "top1", "oracle")),
+    readouts_model(root / "geometry" / "rs-tiny", ReadoutsConfig(rules=("fixed", "top1", "oracle")), CalibrationConfig(),
                    root / "readouts" / "rs-tiny", progress=False)
     return root
 
@@ -42,8 +43,7 @@ def tiny_artifacts(tmp_path_factory) -> Path:
 def test_notebook_executes_and_user_rule_is_right(tiny_artifacts, monkeypatch):
     import nbclient
     import nbformat
-
-    from pipeline.store import open_store
+    from looptrace.io.store import open_store
 
     for k, v in {"LOOPTRACE_ARTIFACTS": str(tiny_artifacts), "LOOPTRACE_MODEL": "rs-tiny",
                  "LOOPTRACE_SPLIT": "test", "LOOPTRACE_TOKEN": "7"}.items():

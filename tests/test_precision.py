@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from pipeline.precision import (
+from looptrace.io.precision import (
     PrecisionError,
     count_nonfinite,
     count_nonfinite_rows,

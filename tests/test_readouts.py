@@ -6,13 +6,26 @@ import json
 import math
 from pathlib import Path
 
+import looptrace.rules.scoring as scoring_module
 import numpy as np
 import polars as pl
 import pytest
-
-from pipeline import readouts as R
-from pipeline.config import ConfigError, from_dict
-from pipeline.geometry import TOKEN_LOOP_COLUMNS
+from looptrace.config import ConfigError, from_dict
+from looptrace.geometry import TOKEN_LOOP_COLUMNS
+from looptrace.io.tables import SplitData, load_token_loop
+from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, argmax_stable_depths, oracle_depths
+from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.scoring import (
+    CalibrationConfig,
+    choose_point,
+    d_at,
+    evaluate_points,
+    evaluate_rule,
+    exit_depths,
+    pareto_mask,
+    quantile_grid,
+)
+from looptrace.signals.halting import halting_cdf
 
 # ------------------------------------------------------------------------------------------------
 # Helpers shared with tests/test_diagnose.py
@@ -106,7 +119,7 @@ def test_quantile_grid_matches_hand_percentiles():
     rng = np.random.default_rng(3)
     vals = rng.normal(size=(37, 3))
     vals[0, 0], vals[5, 1], vals[7, 2] = np.nan, np.inf, -np.inf
-    grid = R.quantile_grid(vals, 51)
+    grid = quantile_grid(vals, 51)
     finite = np.sort(vals[np.isfinite(vals)])
     n = finite.size
     expect = []
@@ -120,27 +133,27 @@ def test_quantile_grid_matches_hand_percentiles():
     np.testing.assert_allclose(grid, np.percentile(finite, np.linspace(0.5, 99.5, 51)))
     assert np.all(np.diff(grid) >= 0)
     with pytest.raises(ValueError, match="no finite value"):
-        R.quantile_grid(np.full((3, 2), np.nan))
+        quantile_grid(np.full((3, 2), np.nan))
 
 
 def test_exit_depths_hand_cases():
     T = 4
     ent = np.array([[3.0, 2.0, 1.0, 0.5], [5.0, 5.0, 5.0, 5.0]])
-    d = R.exit_depths(ent, [1.0, 0.1, 10.0], "le")
+    d = exit_depths(ent, [1.0, 0.1, 10.0], "le")
     # thr 1.0: token 0 at t=3, token 1 never -> T; thr 0.1: never -> T; thr 10: t=1 for both.
     np.testing.assert_array_equal(d, [[3, T], [T, T], [1, 1]])
     conf = np.array([[0.2, 0.6, 0.9, 0.95]])
-    np.testing.assert_array_equal(R.exit_depths(conf, [0.5, 0.9, 0.99], "ge"), [[2], [3], [T]])
+    np.testing.assert_array_equal(exit_depths(conf, [0.5, 0.9, 0.99], "ge"), [[2], [3], [T]])
 
 
 def test_exit_depths_min_loop_floors():
     # kl_prev-like: NaN at t=1; hidden_change-like: defined and tiny at t=1 but the rule may not fire there.
     kl = np.array([[np.nan, 0.5, 1e-4, 1e-5]])
-    np.testing.assert_array_equal(R.exit_depths(kl, [1e-3, 1.0], "le", min_loop=2), [[3], [2]])
+    np.testing.assert_array_equal(exit_depths(kl, [1e-3, 1.0], "le", min_loop=2), [[3], [2]])
     hc = np.array([[0.0, 0.5, 0.01, 0.2]])
-    assert R.exit_depths(hc, [0.1], "le", min_loop=1)[0, 0] == 1
-    assert R.exit_depths(hc, [0.1], "le", min_loop=2)[0, 0] == 3
-    assert R.exit_depths(hc, [1.0], "le", min_loop=3)[0, 0] == 3
+    assert exit_depths(hc, [0.1], "le", min_loop=1)[0, 0] == 1
+    assert exit_depths(hc, [0.1], "le", min_loop=2)[0, 0] == 3
+    assert exit_depths(hc, [1.0], "le", min_loop=3)[0, 0] == 3
 
 
 def test_exit_depths_accel_two_hit():
@@ -150,7 +163,7 @@ def test_exit_depths_accel_two_hit():
         [np.nan, 0.1, 0.9, 0.9, 0.9],  # never -> T
         [np.nan, 0.1, 0.1, 0.1, 0.1],  # would fire at 2 without the t ≥ 3 floor -> 3
     ])
-    np.testing.assert_array_equal(R.exit_depths(a, [0.2], "le", min_loop=3, two_hit=True)[0], [5, 3, 5, 3])
+    np.testing.assert_array_equal(exit_depths(a, [0.2], "le", min_loop=3, two_hit=True)[0], [5, 3, 5, 3])
 
 
 @pytest.mark.parametrize("op,min_loop,two_hit", [("le", 1, False), ("ge", 1, False), ("le", 2, False),
@@ -160,19 +173,19 @@ def test_exit_depths_matches_brute_force(op, min_loop, two_hit, monkeypatch):
     sig = rng.random((60, 5))
     sig[rng.random(sig.shape) < 0.1] = np.nan
     thr = np.array([0.05, 0.3, 0.5, 0.9, 2.0, -1.0])
-    monkeypatch.setattr(R, "_MAX_BLOCK", 64)  # force several token chunks
-    got = R.exit_depths(sig, thr, op, min_loop, two_hit)
+    monkeypatch.setattr(scoring_module, "_MAX_BLOCK", 64)  # force several token chunks
+    got = exit_depths(sig, thr, op, min_loop, two_hit)
     ref = np.array([[brute_exit(sig[n], t, op, min_loop, two_hit) for n in range(60)] for t in thr])
     np.testing.assert_array_equal(got, ref)
 
 
 def test_argmax_stable_and_oracle_and_halting():
     am = np.array([[1, 2, 2, 2, 3, 3], [5, 5, 5, 5, 5, 5], [1, 2, 1, 2, 1, 2]])
-    np.testing.assert_array_equal(R.argmax_stable_depths(am, [1, 2, 3, 4]),
+    np.testing.assert_array_equal(argmax_stable_depths(am, [1, 2, 3, 4]),
                                   [[1, 1, 1], [3, 2, 6], [4, 3, 6], [6, 4, 6]])
     corr = np.array([[False, False, True, False], [False] * 4, [True, False, False, True]])
-    np.testing.assert_array_equal(R.oracle_depths(corr), [3, 4, 1])
-    cdf = R.halting_cdf(np.array([[0.0, 0.0, 800.0], [-800.0, np.log(3.0), 0.0]]))
+    np.testing.assert_array_equal(oracle_depths(corr), [3, 4, 1])
+    cdf = halting_cdf(np.array([[0.0, 0.0, 800.0], [-800.0, np.log(3.0), 0.0]]))
     # σ(0) = 1/2: 1 − 1/2, 1 − 1/4; σ(800) = 1. σ(ln 3) = 3/4: 1 − 1·(1/4) = 3/4, then 1 − 1/8.
     np.testing.assert_allclose(cdf, [[0.5, 0.75, 1.0], [0.0, 0.75, 0.875]], atol=1e-12)
 
@@ -180,7 +193,7 @@ def test_argmax_stable_and_oracle_and_halting():
 def test_evaluate_points_hand():
     correct = np.array([[False, True, True], [False, False, True]])
     loss = np.array([[2.0, 1.0, 0.5], [3.0, 2.5, 0.2]])
-    depth, acc, los = R.evaluate_points(np.array([[1, 1], [2, 3], [3, 3]]), correct, loss)
+    depth, acc, los = evaluate_points(np.array([[1, 1], [2, 3], [3, 3]]), correct, loss)
     np.testing.assert_allclose(depth, [1.0, 2.5, 3.0])
     np.testing.assert_allclose(acc, [0.0, 1.0, 1.0])
     np.testing.assert_allclose(los, [2.5, 0.6, 0.35])
@@ -191,7 +204,7 @@ def test_pareto_mask_vs_brute_force():
     depth = rng.integers(1, 6, 80).astype(float)
     acc = rng.integers(0, 8, 80) / 8  # many ties and exact duplicates
     depth[3] = np.nan
-    got = R.pareto_mask(depth, acc)
+    got = pareto_mask(depth, acc)
     ref = []
     for i in range(80):
         if np.isnan(depth[i]):
@@ -202,28 +215,28 @@ def test_pareto_mask_vs_brute_force():
             for j in range(80) if not np.isnan(depth[j]))
         ref.append(not dominated)
     np.testing.assert_array_equal(got, ref)
-    np.testing.assert_array_equal(R.pareto_mask([1.0, 1.0, 2.0], [0.5, 0.5, 0.5]), [True, True, False])
+    np.testing.assert_array_equal(pareto_mask([1.0, 1.0, 2.0], [0.5, 0.5, 0.5]), [True, True, False])
 
 
 def test_d_at_and_unreachable():
     depth = np.array([1.2, 2.0, 3.5, 6.0])
     acc = np.array([0.80, 0.95, 0.97, 0.99])
-    assert R.d_at(depth, acc, 95) == 2.0  # exactly 0.95 counts
-    assert R.d_at(depth, acc, 96) == 3.5
-    assert R.d_at(depth, acc, 99) == 6.0
-    assert math.isnan(R.d_at(depth, acc, 99.5))
-    assert R.d_at(np.array([5.0, 2.0]), np.array([57, 57]) / 100, 57) == 2.0  # float k/N edge
+    assert d_at(depth, acc, 95) == 2.0  # exactly 0.95 counts
+    assert d_at(depth, acc, 96) == 3.5
+    assert d_at(depth, acc, 99) == 6.0
+    assert math.isnan(d_at(depth, acc, 99.5))
+    assert d_at(np.array([5.0, 2.0]), np.array([57, 57]) / 100, 57) == 2.0  # float k/N edge
 
 
 def test_choose_point():
     d = np.array([1.0, 2.0, 2.0, 3.0, 6.0])
     a = np.array([0.90, 0.952, 0.956, 0.96, 0.96])
-    assert R.choose_point(d, a, full_acc=0.96, delta=0.5) == 2  # 0.956 ≥ 0.955; tie at depth 2 -> higher acc
-    assert R.choose_point(d, a, full_acc=0.96, delta=1.0) == 2
-    assert R.choose_point(d, a, full_acc=0.96, delta=0.0) == 3
-    assert R.choose_point(d, a, full_acc=0.96, delta=10.0) == 0
+    assert choose_point(d, a, full_acc=0.96, delta=0.5) == 2  # 0.956 ≥ 0.955; tie at depth 2 -> higher acc
+    assert choose_point(d, a, full_acc=0.96, delta=1.0) == 2
+    assert choose_point(d, a, full_acc=0.96, delta=0.0) == 3
+    assert choose_point(d, a, full_acc=0.96, delta=10.0) == 0
     # nothing within delta: the most accurate point, lowest depth among ties
-    assert R.choose_point(np.array([2.0, 1.0, 3.0]), np.array([0.7, 0.8, 0.8]), full_acc=0.99, delta=0.5) == 1
+    assert choose_point(np.array([2.0, 1.0, 3.0]), np.array([0.7, 0.8, 0.8]), full_acc=0.99, delta=0.5) == 1
 
 
 def test_evaluate_rule_freezes_val_grid():
@@ -232,15 +245,15 @@ def test_evaluate_rule_freezes_val_grid():
     ts = rng.random((150, 4)) * 0.5  # shifted test distribution: the grid must not move
     vc = rng.random((200, 4)) < 0.8
     tc = rng.random((150, 4)) < 0.8
-    val = R.SplitData(vc, rng.random((200, 4)))
-    test = R.SplitData(tc, rng.random((150, 4)), token=np.arange(150) + 10)
-    r = R.evaluate_rule("x", vs, ts, val, test, "le", n_quantiles=11, delta=0.5)
+    val = SplitData(vc, rng.random((200, 4)))
+    test = SplitData(tc, rng.random((150, 4)), token=np.arange(150) + 10)
+    r = evaluate_rule("x", vs, ts, val, test, "le", n_quantiles=11, delta=0.5)
     np.testing.assert_allclose(r.thresholds, np.percentile(vs, np.linspace(0.5, 99.5, 11)))
-    td = R.exit_depths(ts, r.thresholds, "le")
+    td = exit_depths(ts, r.thresholds, "le")
     np.testing.assert_allclose(r.test.mean_depth, td.mean(1))
-    vd = R.exit_depths(vs, r.thresholds, "le")
+    vd = exit_depths(vs, r.thresholds, "le")
     vacc = vc[np.arange(200)[None], vd - 1].mean(1)
-    assert r.chosen == R.choose_point(vd.mean(1), vacc, vc[:, -1].mean(), 0.5)
+    assert r.chosen == choose_point(vd.mean(1), vacc, vc[:, -1].mean(), 0.5)
     np.testing.assert_array_equal(r.test_exits, td[r.chosen])
     np.testing.assert_array_equal(r.test_correct, tc[np.arange(150), td[r.chosen] - 1])
     np.testing.assert_array_equal(r.test_token, np.arange(150) + 10)
@@ -254,8 +267,8 @@ def test_evaluate_rule_freezes_val_grid():
 def test_readouts_model_end_to_end(tmp_path):
     splits = synthetic_splits(n=300, T=4, gate=True)
     write_token_loop(tmp_path / "geo" / "token_loop.parquet", splits)
-    cfg = R.ReadoutsConfig(n_quantiles=21)
-    m = R.readouts_model(tmp_path / "geo", cfg, tmp_path / "out", meta={"model": "toy"}, progress=False)
+    cfg = ReadoutsConfig()
+    m = readouts_model(tmp_path / "geo", cfg, CalibrationConfig(n_quantiles=21), tmp_path / "out", meta={"model": "toy"}, progress=False)
     out = tmp_path / "out"
     for name in ("operating_points", "pareto", "dx", "chosen", "chosen_exits"):
         assert (out / f"{name}.parquet").is_file()
@@ -268,7 +281,7 @@ def test_readouts_model_end_to_end(tmp_path):
     np.testing.assert_allclose(fixed["mean_loss"].to_numpy(), -test["target_logprob"].mean(0))
     orc = ops.filter((pl.col("rule") == "oracle") & (pl.col("split") == "test"))
     assert orc["accuracy"][0] == pytest.approx(corr.any(1).mean())
-    assert set(ops["rule"].unique()) == set(R.ALL_RULES)  # q_exit present: the model has a gate
+    assert set(ops["rule"].unique()) == set(ALL_RULES)  # q_exit present: the model has a gate
     assert ops.filter(pl.col("rule") == "entropy").height == 2 * 21
     # chosen exits: correctness matches the per-token table; mean depth matches chosen.parquet
     ex = pl.read_parquet(out / "chosen_exits.parquet")
@@ -292,37 +305,38 @@ def test_readouts_model_end_to_end(tmp_path):
     par = pl.read_parquet(out / "pareto.parquet")
     for rule in par["rule"].unique():
         sub = par.filter(pl.col("rule") == rule)
-        assert R.pareto_mask(sub["mean_depth"].to_numpy(), sub["accuracy"].to_numpy()).all()
+        assert pareto_mask(sub["mean_depth"].to_numpy(), sub["accuracy"].to_numpy()).all()
 
 
 def test_readouts_without_gate_skips_q_exit(tmp_path):
     write_token_loop(tmp_path / "geo" / "token_loop.parquet", synthetic_splits(n=80, T=3, gate=False))
-    R.readouts_model(tmp_path / "geo", R.ReadoutsConfig(n_quantiles=5), tmp_path / "out", progress=False)
+    readouts_model(tmp_path / "geo", ReadoutsConfig(), CalibrationConfig(n_quantiles=5), tmp_path / "out", progress=False)
     rules = set(pl.read_parquet(tmp_path / "out" / "chosen.parquet")["rule"])
     assert "q_exit" not in rules and "entropy" in rules
 
 
 def test_bad_inputs_and_config(tmp_path):
     with pytest.raises(FileNotFoundError, match="geometry stage"):
-        R.load_token_loop(tmp_path / "missing.parquet")
+        load_token_loop(tmp_path / "missing.parquet")
     p = write_token_loop(tmp_path / "a" / "token_loop.parquet", synthetic_splits(n=20, T=3))
     pl.read_parquet(p).drop("entropy").write_parquet(p)
     with pytest.raises(ValueError, match="'entropy'"):
-        R.load_token_loop(p)
+        load_token_loop(p, columns=LOOP_COLUMNS)
     p = write_token_loop(tmp_path / "b" / "token_loop.parquet", synthetic_splits(n=20, T=3))
     pl.read_parquet(p).filter(~((pl.col("token") == 1003) & (pl.col("loop") == 2))).write_parquet(p)
     with pytest.raises(ValueError, match="loops 1..3"):
-        R.load_token_loop(p)
+        load_token_loop(p, columns=LOOP_COLUMNS)
     with pytest.raises(ConfigError, match="unknown rule 'bogus'"):
-        from_dict(R.ReadoutsConfig, {"rules": ["bogus"]}, "readouts")
+        from_dict(ReadoutsConfig, {"rules": ["bogus"]}, "readouts")
     with pytest.raises(ConfigError, match="unknown key"):
-        from_dict(R.ReadoutsConfig, {"n_quantile": 3}, "readouts")
+        from_dict(ReadoutsConfig, {"n_quantiles": 3}, "readouts")  # now in the calibration section
+    with pytest.raises(ConfigError, match="calibration.n_quantiles"):
+        from_dict(CalibrationConfig, {"n_quantiles": 0}, "calibration")
 
 
 def test_stage_cli(tmp_path, repo_root):
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     write_token_loop(tmp_path / "geometry" / "running_parity-uniform" / "token_loop.parquet",
                      synthetic_splits(n=60, T=6))

@@ -3,8 +3,7 @@
 import math
 
 import torch
-
-from pipeline.regimes import (
+from looptrace.models.regimes import (
     RegimeConfig,
     geometric_weights,
     halting_distribution,

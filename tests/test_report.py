@@ -10,9 +10,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
-
-from pipeline.latency import LATENCY_SCHEMA
-from pipeline.report import ReportConfig, build_report, latency_findings, markdown_to_html
+from looptrace.online.latency import LATENCY_SCHEMA
+from looptrace.report import ReportConfig, build_report, latency_findings, markdown_to_html
 
 T = 4
 MODELS = {"ta-uniform": ("ta", "uniform", "uniform"), "ta-joint": ("ta", "joint", "joint"),
@@ -186,9 +185,8 @@ def test_markdown_subset():
 
 
 def test_report_stage_cli(artifacts, tmp_path):
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     params = tmp_path / "params.yaml"
     params.write_text("report:\n  dpi: 60\n  bogus: 1\n")

@@ -7,8 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from pipeline.stats import STAT_NAMES, LoopStats, kl_div, logit_stats
+from looptrace.signals.logits import STAT_NAMES, LoopStats, kl_div, logit_stats
 
 
 def _np_reference(z: np.ndarray, y: np.ndarray) -> dict[str, np.ndarray]:

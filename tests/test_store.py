@@ -9,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
-
-from pipeline.store import (
+from looptrace.io.store import (
     STAT_NAMES,
     TOKEN_FIELDS,
     ArraySpec,

@@ -2,8 +2,7 @@
 
 import numpy as np
 import pytest
-
-from pipeline.tasks import IGNORE, TaskConfig, make_task, split_of
+from looptrace.tasks import IGNORE, TaskConfig, make_task, split_of
 
 
 def _eval_prefix(tokens, task):

@@ -14,8 +14,7 @@ import polars as pl
 import pytest
 import torch
 import yaml
-
-from pipeline.text import (
+from looptrace.tasks.text import (
     TOKEN_TYPES,
     TextConfig,
     classify_token_text,
@@ -25,6 +24,7 @@ from pipeline.text import (
     read_documents,
     text_batch,
 )
+
 from tests import hf_helpers as H
 from tests.hf_helpers import corpus, lm_params
 
@@ -109,12 +109,11 @@ def test_loss_bins_hand_case():
 
 
 def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
+    from looptrace.cli import app
+    from looptrace.io.store import open_store
+    from looptrace.tasks.text import text_splits
     from transformers import DoryForCausalLM
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
-    from pipeline.store import open_store
-    from pipeline.text import text_splits
 
     ckpt = H.build_dory(tmp_path / "dory")
     params = lm_params(tmp_path, ckpt, corpus(tmp_path / "corpus.jsonl"))
@@ -181,9 +180,8 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
 
 
 def test_lm_stage_errors_are_one_line(tmp_path):
+    from looptrace.cli import app
     from typer.testing import CliRunner
-
-    from pipeline.cli import app
 
     params = lm_params(tmp_path, tmp_path / "nope", tmp_path / "none.jsonl")
     r = CliRunner().invoke(app, ["dump", "--params", str(params), "--out", str(tmp_path / "a")])

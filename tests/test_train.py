@@ -4,11 +4,10 @@ import json
 
 import numpy as np
 import torch
+from looptrace.cli import app
+from looptrace.models.looped import load_checkpoint
+from looptrace.models.train import evaluate, lr_at, train_model
 from typer.testing import CliRunner
-
-from pipeline.cli import app
-from pipeline.model import load_checkpoint
-from pipeline.train import evaluate, lr_at, train_model
 
 from .conftest import tiny_train_config
 
@@ -42,8 +41,8 @@ def test_evaluate_matches_manual_accuracy(tiny_base):
     torch.manual_seed(0)
     cfg = tiny_train_config()
     task = cfg.task("mano")
-    from pipeline.model import LoopedTransformer
-    from pipeline.train import build_model_config
+    from looptrace.models.looped import LoopedTransformer
+    from looptrace.models.train import build_model_config
 
     model = LoopedTransformer(build_model_config(cfg.model, task, cfg.regime("uniform"))).eval()
     data = task.dataset("val", 100, 43)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import IGNORE, SPLITS, Task, TaskBatch, split_of
-from .mano import ManoTask
-from .parity import ParityTask
-from .running import RunningTask
+from looptrace.tasks.base import IGNORE, SPLITS, Task, TaskBatch, split_of
+from looptrace.tasks.mano import ManoTask
+from looptrace.tasks.parity import ParityTask
+from looptrace.tasks.running import RunningTask
 
 __all__ = ["IGNORE", "SPLITS", "Task", "TaskBatch", "TaskConfig", "make_task", "split_of"]
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from .base import IGNORE, Task, TaskBatch
+from looptrace.tasks.base import IGNORE, Task, TaskBatch
 
 _OPS = {"+": lambda a, b, m: (a + b) % m, "*": lambda a, b, m: (a * b) % m, "-": lambda a, b, m: (a - b) % m}
 

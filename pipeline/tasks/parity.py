@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from .base import IGNORE, Task, TaskBatch
+from looptrace.tasks.base import IGNORE, Task, TaskBatch
 
 
 @dataclass

@@ -13,8 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from .base import Task, TaskBatch
+from looptrace.tasks.base import Task, TaskBatch
 
 
 @dataclass

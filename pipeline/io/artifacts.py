@@ -8,6 +8,7 @@ could take for valid output. ``jsonable`` makes ``metrics.json`` parse for ``dvc
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 
 
 @contextlib.contextmanager
@@ -55,3 +57,32 @@ def jsonable(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     return obj
+
+
+def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics: dict,
+                  extra_text: dict[str, str] | None = None) -> None:
+    """Write ``<name>.parquet`` for each frame and ``metrics.json`` atomically into ``out_dir``.
+
+    Everything goes to a temporary sibling directory first, which then replaces ``out_dir``, so an
+    interrupted run never leaves a mix of old and new files.
+
+    Args:
+        out_dir: the model's (or stage's) output directory.
+        frames: file stem -> frame.
+        metrics: JSON-able dict (NaN written as null).
+        extra_text: file name -> text written beside them (``summary.md``).
+    """
+    with atomic_dir(out_dir) as tmp:
+        for name, df in frames.items():
+            df.write_parquet(tmp / f"{name}.parquet")
+        for name, text in (extra_text or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=True) + "\n")
+
+
+def write_parquet_atomic(df: pl.DataFrame, path: Path | str) -> None:
+    """Write a polars frame to ``path`` via a temporary file and ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    df.write_parquet(tmp)
+    os.replace(tmp, path)

@@ -11,19 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
+from looptrace.config import BaseConfig, to_dict
+from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
+from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
+from looptrace.project import versions
+from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 from tqdm.auto import tqdm
-
-from .config import BaseConfig, to_dict
-from .model import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
-from .regimes import RegimeConfig, per_depth_loss, regime_loss
-from .tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 
 
 @dataclass(frozen=True)
@@ -167,19 +166,6 @@ def evaluate(model: LoopedTransformer, data: TaskBatch, device: str = "cpu", bat
         "acc_by_difficulty": {str(d): (v[0] / max(v[1], 1)).tolist() for d, v in sorted(by_diff.items())},
         "n_tokens": count,
     }
-
-
-def versions() -> dict:
-    """Library versions recorded in every artifact."""
-    import polars
-    import sklearn
-    import zarr
-
-    from . import __version__
-
-    return {"looptrace": __version__, "torch": torch.__version__, "numpy": np.__version__,
-            "zarr": zarr.__version__, "polars": polars.__version__, "sklearn": sklearn.__version__,
-            "python": platform.python_version()}
 
 
 def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,

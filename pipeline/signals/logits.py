@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from .store import STAT_NAMES
+from looptrace.io.store import STAT_NAMES
 
 __all__ = ["STAT_NAMES", "LoopStats", "kl_div", "logit_stats"]
 

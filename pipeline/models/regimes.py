@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from looptrace.tasks import IGNORE
 from torch.nn import functional as F
-
-from .tasks import IGNORE
 
 KINDS = ("final", "uniform", "geometric", "joint")
 

@@ -44,10 +44,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 import zarr
+from looptrace.io.precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.sync import sync
-
-from .precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 
 #: Bumped whenever an array, dimension or required attribute changes meaning.
 SCHEMA_VERSION = 1

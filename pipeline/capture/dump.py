@@ -37,14 +37,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
-
-from .adapters.hf import AdapterConfig
-from .config import BaseConfig, ConfigError, to_dict
-from .interface import LoopedModelAdapter
-from .precision import encode_states_counted, resolve_state_dtype
-from .stats import LoopStats
-from .store import (
+from looptrace.config import BaseConfig, ConfigError, to_dict
+from looptrace.io.precision import encode_states_counted, resolve_state_dtype
+from looptrace.io.store import (
     DIMS,
     DTYPES,
     HIDDEN_DTYPES,
@@ -57,8 +52,13 @@ from .store import (
     TrajectoryStore,
     open_store,
 )
-from .tasks import IGNORE, SPLITS, Task, TaskBatch
-from .text import TextConfig
+from looptrace.models.adapters.hf import AdapterConfig
+from looptrace.models.interface import LoopedModelAdapter
+from looptrace.project import versions
+from looptrace.signals.logits import LoopStats
+from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
+from looptrace.tasks.text import TextConfig
+from tqdm.auto import tqdm
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ def _data_hash(data: TaskBatch) -> str:
 #: Modules whose code decides the stored values. Their source is part of the fingerprint: DVC re-runs the stage
 #: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
 #: resume likewise never mixes chunks written by two versions of the code.
-VALUE_MODULES = ("pipeline.dump", "pipeline.stats", "pipeline.precision", "pipeline.store", "pipeline.interface",
-                 "pipeline.model")
+VALUE_MODULES = ("looptrace.capture.dump", "looptrace.signals.logits", "looptrace.io.precision", "looptrace.io.store",
+                 "looptrace.models.interface", "looptrace.models.looped")
 
 
 def _code_hash(*extra_modules: str) -> str:
@@ -420,7 +420,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         "seeds": {kk: extra[kk] for kk in ("seed", "data_seeds") if kk in extra},
         "params": to_dict(cfg), "topk": k, "logits_mode": "full" if k is None else "topk",
         "dtypes": {name: spec.dtype for name, spec in specs.items()},
-        "versions": _versions(),
+        "versions": versions(),
     }
     base_attrs.update(user)
     code = _code_hash(type(adapter).__module__, *([finalize.__module__] if finalize is not None else []))
@@ -511,12 +511,6 @@ def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore
                          f"(dtype {cfg.hidden_dtype}) produced by the model itself (float16 overflow is refused "
                          "before writing); set dump.allow_nan: true to keep them")
     return st
-
-
-def _versions() -> dict:
-    from .train import versions
-
-    return versions()
 
 
 def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str, int], out_dir: Path | str,

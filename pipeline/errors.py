@@ -6,8 +6,7 @@ import contextlib
 import sys
 
 import typer
-
-from pipeline.config import ConfigError
+from looptrace.config import ConfigError
 
 
 class UserError(Exception):

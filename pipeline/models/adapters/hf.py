@@ -47,10 +47,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from looptrace.config import ConfigError, to_dict
+from looptrace.models.interface import AdapterInfo, LoopedModelAdapter, States, file_sha256
 from torch import nn
-
-from ..config import ConfigError, to_dict
-from ..interface import AdapterInfo, LoopedModelAdapter, States, file_sha256
 
 KINDS = ("dory", "inkling2loop", "retrofit", "ouro", "huginn")
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -181,7 +180,7 @@ def load_adapter(spec: AdapterConfig | dict, device: str = "cpu") -> LoopedModel
         device: torch device of the model (``base.device``).
     """
     if isinstance(spec, dict):
-        from ..config import from_dict
+        from looptrace.config import from_dict
 
         spec = from_dict(AdapterConfig, spec, "dump.adapter")
     model = load_hf_model(spec, device)

@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from .config import ConfigError
-from .tasks import SPLITS, TaskBatch
+from looptrace.config import ConfigError
+from looptrace.tasks import SPLITS, TaskBatch
 
 TOKEN_TYPES = ("whitespace", "punctuation", "number", "function_word", "content_word", "special", "other")
 DIFFICULTY_NAME = "final_loss_bin"
@@ -342,7 +341,7 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     Returns:
         split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
     """
-    from .dump import dump_split
+    from looptrace.capture.dump import dump_split
 
     if cfg.text is None:
         raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
@@ -362,7 +361,7 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
 
 def text_attrs(cfg: TextConfig, split: str) -> dict[str, Any]:
     """Store attributes of a text split (task description, difficulty and token-type names)."""
-    from .config import to_dict
+    from looptrace.config import to_dict
 
     return {"split": split, "task": {"name": "text", "kind": "text", **to_dict(cfg)},
             "difficulty_name": DIFFICULTY_NAME, "difficulty_levels": list(range(cfg.difficulty_bins)),

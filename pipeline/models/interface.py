@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
-from .model import LoopedTransformer, load_checkpoint
+from looptrace.models.looped import LoopedTransformer, load_checkpoint
 
 
 @dataclass

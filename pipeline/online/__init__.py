@@ -1,0 +1,1 @@
+"""Online early exit: the engine that really stops looping, and the latency measurement built on it."""

@@ -1,0 +1,88 @@
+"""What a run is made of: the model list, a model's task and regime, and the versions it ran with.
+
+Every stage that needs the default matrix of models (``train.tasks`` × ``train.regimes``) or the
+versions to record asks this module; it reads ``params.yaml`` as plain YAML, so that offline stages
+never import torch or the training code just to name the models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+from looptrace.config import ConfigError, read_params, to_dict
+
+
+def versions() -> dict:
+    """Versions recorded in every artifact: looptrace, torch, numpy, zarr, polars, sklearn, scipy, python.
+
+    Read from the installed distributions' metadata: importing torch, scikit-learn and zarr only to read
+    their version strings costs ~5 s per process on this machine — more than the whole readouts
+    computation — and would make offline stages import torch.
+    """
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from looptrace import __version__
+
+    def v(dist: str) -> str | None:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    return {"looptrace": __version__, "torch": v("torch"), "numpy": np.__version__, "zarr": v("zarr"),
+            "polars": pl.__version__, "sklearn": v("scikit-learn"), "scipy": v("scipy"),
+            "python": platform.python_version()}
+
+
+def resolve_model(model: str, task_defs: dict, regime_defs: dict) -> dict:
+    """Task, regime and regime definition of a ``<task>-<regime>`` model name (SPEC §10).
+
+    Args:
+        model: the model name.
+        task_defs: ``train.task_defs`` (name -> TaskConfig or its params mapping).
+        regime_defs: ``train.regime_defs`` (name -> RegimeConfig or its params mapping).
+
+    Returns:
+        dict with ``model``, ``task``, ``regime``, ``regime_kind`` and ``regime_def`` (all None except
+        ``model`` when the name is not a known task × regime, e.g. an adapter's run name).
+    """
+    for t in task_defs:
+        for r, rdef in regime_defs.items():
+            if model == f"{t}-{r}":
+                d = to_dict(rdef)
+                return {"model": model, "task": t, "regime": r, "regime_kind": d.get("kind"), "regime_def": d}
+    return {"model": model, "task": None, "regime": None, "regime_kind": None, "regime_def": None}
+
+
+def model_names(params: Path | str | Mapping, models: str = "") -> list[str]:
+    """The models a multi-model stage runs on: ``--models a,b`` or the default matrix.
+
+    Args:
+        params: the params file (or its parsed mapping).
+        models: comma-separated names from the command line ("" = ``train.tasks`` × ``train.regimes``).
+
+    Returns:
+        Model names ``<task>-<regime>`` in matrix order (tasks outer).
+
+    Raises:
+        ConfigError: neither ``--models`` nor a non-empty matrix.
+    """
+    if models:
+        return [m.strip() for m in models.split(",") if m.strip()]
+    raw = params if isinstance(params, Mapping) else read_params(params)
+    train = raw.get("train") or {}
+    names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
+    if not names:
+        raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
+    return names
+
+
+def model_meta(model: str, params: Path | str | Mapping) -> dict:
+    """:func:`resolve_model` with the task and regime definitions of the params file."""
+    raw = params if isinstance(params, Mapping) else read_params(params)
+    train = raw.get("train") or {}
+    return resolve_model(model, train.get("task_defs") or {}, train.get("regime_defs") or {})
