@@ -179,7 +179,7 @@ def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
     dump_split(adapter, data, path, cfg)  # same code: returned as is
     monkeypatch.setattr(StoreWriter, "write_chunk", real)
     # one more module's source in the hash stands for a changed source
-    monkeypatch.setattr(dump_mod, "VALUE_MODULES", (*dump_mod.VALUE_MODULES, "pipeline.tasks"))
+    monkeypatch.setattr(dump_mod, "VALUE_MODULES", (*dump_mod.VALUE_MODULES, "looptrace.tasks"))
     capsys.readouterr()
     st = dump_split(adapter, data, path, cfg)
     assert "data or code; starting over" in capsys.readouterr().err

@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from looptrace.capture.encode import encode_states_counted
 from looptrace.config import BaseConfig, ConfigError, to_dict
-from looptrace.io.precision import encode_states_counted, resolve_state_dtype
+from looptrace.io.precision import resolve_state_dtype
 from looptrace.io.store import (
     DIMS,
     DTYPES,
@@ -133,8 +134,9 @@ def _data_hash(data: TaskBatch) -> str:
 #: Modules whose code decides the stored values. Their source is part of the fingerprint: DVC re-runs the stage
 #: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
 #: resume likewise never mixes chunks written by two versions of the code.
-VALUE_MODULES = ("looptrace.capture.dump", "looptrace.signals.logits", "looptrace.io.precision", "looptrace.io.store",
-                 "looptrace.models.interface", "looptrace.models.looped")
+VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
+                 "looptrace.io.precision", "looptrace.io.store", "looptrace.models.interface",
+                 "looptrace.models.looped")
 
 
 def _code_hash(*extra_modules: str) -> str:
