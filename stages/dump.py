@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import typer
 from looptrace.capture.dump import DumpConfig, dump_model
-from looptrace.config import load_base, load_section
+from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, run, user_errors
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter
@@ -23,7 +23,7 @@ from looptrace.tasks.text import dump_text_model
 def main(
     model: str = typer.Option("", help="model name <task>-<regime> (artifacts/train/<model>/model.pt); with "
                                        "dump.adapter optional (it must equal dump.adapter.name)"),
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     train_root: Path = typer.Option(Path("artifacts/train"), help="root of the train stage's checkpoints"),
     out: Path = typer.Option(Path("artifacts/dump"), help="output root"),
 ) -> None:
