@@ -36,8 +36,8 @@ ParamsFiles = Path | str | Sequence[Path | str]
 PARAMS_HELP = ("params file; repeat to layer override files over it, later ones winning "
                "(--params params.yaml --params profiles/ad/params.yaml)")
 
-#: The params sections, in pipeline order: each is read by the stages of the table in docs/DESIGN.md.
-SECTIONS = ("base", "train", "dump", "dynamics", "geometry", "calibration", "readouts", "gates", "diagnose",
+#: The params sections, in params.yaml order (docs/DESIGN.md: which stage reads which).
+SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "readouts", "gates", "diagnose",
             "latency", "report")
 
 

@@ -1,8 +1,8 @@
 """DVC stage ``dump``: capture one model's trajectories -> artifacts/dump/<model>/{fit,val,test}.zarr.
 
 The model is a trained looptrace checkpoint (``--model <task>-<regime>``) or, when ``dump.adapter`` is set
-(e.g. ``params-lm.yaml``), a real checkpoint directory run on the corpus ``dump.text``
-(:mod:`looptrace.tasks.text`).
+(e.g. the LM profile, ``--params params.yaml --params profiles/lm/params.yaml``), a real checkpoint directory
+run on the corpus ``dump.text`` (:mod:`looptrace.tasks.text`).
 """
 
 from __future__ import annotations
