@@ -164,7 +164,7 @@ def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
 
 
 def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
-    # DVC re-runs the stage when pipeline/dump.py & co change, but keeps the old store (persist): it must be
+    # DVC re-runs the stage when pipeline/capture/dump.py & co change, but keeps the old store (persist): it must be
     # dumped again, not returned as complete
     import looptrace.capture.dump as dump_mod
 

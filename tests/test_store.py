@@ -165,7 +165,7 @@ def test_nan_in_hidden_counted_and_refused(tmp_path):
         open_store(p)
     st = open_store(p, allow_nan=True)
     assert st.attrs["nan_count"] == 2 and np.isposinf(st.read("hidden_init")[5, 0])
-    # a finite state beyond float16's range is refused, never stored as inf (pipeline.precision)
+    # a finite state beyond float16's range is refused, never stored as inf (looptrace.io.precision)
     arrays["hidden"][7, 0, 0] = 1e5
     with pytest.raises(StoreError, match=r"chunk 0 of 'hidden': \|value\| reaches 1e\+05, beyond float16"):
         write_store(tmp_path / "over.zarr", arrays, ATTRS, chunk_tokens=10, hidden_dtype="float16")

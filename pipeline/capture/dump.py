@@ -1,10 +1,10 @@
 """The ``dump`` stage: run a looped model once and persist every scored token's trajectory (SPEC §1).
 
-For each batch of sequences the model interface (:mod:`pipeline.interface`) returns the per-loop states;
+For each batch of sequences the model interface (:mod:`looptrace.models.interface`) returns the per-loop states;
 each loop is read out on its own (never [batch, seq, loop, vocab] in memory), loop T first so that
-``kl_final`` can be computed while streaming loops 1..T (:class:`pipeline.stats.LoopStats`). Rows are the
+``kl_final`` can be computed while streaming loops 1..T (:class:`looptrace.signals.logits.LoopStats`). Rows are the
 scored positions (``targets != IGNORE``) in (sequence, position) order; ``sequence`` is the row index of
-the input :class:`~pipeline.tasks.TaskBatch`.
+the input :class:`~looptrace.tasks.TaskBatch`.
 
 Compute and I/O overlap: the forward pass fills whole token chunks, which a bounded background thread
 compresses and writes (``dump.writer_queue`` chunks in flight), so the capture costs little beyond the
@@ -71,7 +71,7 @@ class DumpConfig:
         batch_size: sequences per forward pass.
         chunk_tokens: rows per store chunk along ``token`` (the unit of writing, resuming and streaming reads).
         hidden_dtype: stored dtype of ``hidden``/``hidden_init``: ``float16``, ``float32``, ``bfloat16`` (kept as
-            its uint16 bits) or ``auto`` (bfloat16 for bf16 models, else float16; :mod:`pipeline.precision`).
+            its uint16 bits) or ``auto`` (bfloat16 for bf16 models, else float16; :mod:`looptrace.io.precision`).
             A finite state beyond float16's range is an error, never a silent inf.
         full_logits_max_vocab: store full ``logits`` when vocab ≤ this, else ``topk_ids``/``topk_logits``
             (the statistics are exact either way: computed from the full logits at dump time).
@@ -80,9 +80,9 @@ class DumpConfig:
         allow_nan: accept NaN/Inf in the stored states (they are counted in ``nan_count`` either way);
             when false a dump that produced any fails after writing, and readers refuse the store.
         clevel: zstd compression level (Blosc, byte shuffle).
-        adapter: a real checkpoint to dump instead of a trained looptrace model (``pipeline.adapters.hf``;
+        adapter: a real checkpoint to dump instead of a trained looptrace model (``looptrace.models.adapters.hf``;
             the run name is ``adapter.name``); null = the default pipeline's checkpoints.
-        text: the corpus of an adapter dump (:class:`pipeline.text.TextConfig`); required with ``adapter``.
+        text: the corpus of an adapter dump (:class:`looptrace.tasks.text.TextConfig`); required with ``adapter``.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -386,13 +386,13 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         adapter: the model interface (states + per-loop readout).
         data: the sequences; ``tokens``/``targets``/``difficulty``/``token_type`` all [batch, seq];
             ``targets == IGNORE`` marks unscored positions. ``sequence`` in the store = row index here.
-        path: ``<split>.zarr`` directory or :func:`pipeline.store.memory_store`.
+        path: ``<split>.zarr`` directory or :func:`looptrace.io.store.memory_store`.
         cfg: the ``dump`` section.
         attrs: extra group attributes (split, task, regime, difficulty_name, difficulty_levels, token_types,
             seeds...); ``task``/``regime`` default to the adapter's ``info.extra``.
         progress: show a tqdm bar (silent when not a terminal anyway).
         finalize: called with the writer after every chunk is written and before the store is marked
-            complete; may :meth:`~pipeline.store.StoreWriter.rewrite` token columns and returns extra
+            complete; may :meth:`~looptrace.io.store.StoreWriter.rewrite` token columns and returns extra
             attributes (or None). Runs again on resume, so it must be idempotent.
 
     Returns:

@@ -1,7 +1,7 @@
 """Text corpora as dump input: documents → tokens → packed next-token sequences (a :class:`TaskBatch`).
 
 So that the dump, geometry, readouts, gates and diagnose stages run unchanged on a real language model,
-a text corpus is turned into the same :class:`~pipeline.tasks.TaskBatch` the synthetic tasks produce:
+a text corpus is turned into the same :class:`~looptrace.tasks.TaskBatch` the synthetic tasks produce:
 
 - Documents come from a local JSONL (one JSON object per line, text in ``text.field``), Parquet (column
   ``text.field``) or plain-text file (documents separated by blank lines).
@@ -332,8 +332,8 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
 
     Args:
-        adapter: the checkpoint's :class:`~pipeline.interface.LoopedModelAdapter` (``pipeline.adapters.hf``).
-        cfg: the ``dump`` section (:class:`pipeline.dump.DumpConfig`) with ``text`` set; the tokenizer
+        adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters.hf``).
+        cfg: the ``dump`` section (:class:`looptrace.capture.dump.DumpConfig`) with ``text`` set; the tokenizer
             defaults to ``cfg.adapter.path``.
         out_dir: ``artifacts/dump/<model>``.
         base: the ``base`` section (its seed is recorded).
