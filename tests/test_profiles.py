@@ -63,11 +63,10 @@ def test_stage_cli_layers_repeated_params(tmp_path):
 
     import looptrace.stages.readouts as stage
     import typer
+    from looptrace.testing import token_loop_splits, write_token_loop
     from typer.testing import CliRunner
 
-    from tests.test_readouts import synthetic_splits, write_token_loop
-
-    write_token_loop(tmp_path / "geometry" / "m" / "token_loop.parquet", synthetic_splits(n=120))
+    write_token_loop(tmp_path / "geometry" / "m" / "token_loop.parquet", token_loop_splits(n=120))
     over = tmp_path / "over.yaml"
     over.write_text("readouts: {rules: [fixed, top1]}\ncalibration: {n_quantiles: 11}\n")
     app = typer.Typer()
