@@ -2,7 +2,7 @@
 
 The model is a trained looptrace checkpoint (``--model <task>-<regime>``) or, when ``dump.adapter`` is set
 (e.g. the LM profile, ``--params params.yaml --params profiles/lm/params.yaml``), a real checkpoint directory
-run on the corpus ``dump.text`` (:mod:`looptrace.tasks.text`).
+run on the corpus ``dump.text`` (:mod:`looptrace.tasks.text` makes its batches).
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ from pathlib import Path
 
 import torch
 import typer
-from looptrace.capture.dump import DumpConfig, dump_model
+from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, run, user_errors
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.tasks import make_task
-from looptrace.tasks.text import dump_text_model
 
 
 def main(

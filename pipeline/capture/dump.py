@@ -58,7 +58,7 @@ from looptrace.models.interface import LoopedModelAdapter
 from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
-from looptrace.tasks.text import TextConfig
+from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_splits
 from tqdm.auto import tqdm
 
 
@@ -546,4 +546,36 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     return stores
 
 
-__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "reuse_freed_memory"]
+def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool = True) -> dict:
+    """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
+
+    The batches come from :func:`looptrace.tasks.text.text_splits` (content-disjoint document splits, packed);
+    ``difficulty`` is rewritten before completion by :func:`looptrace.tasks.text.loss_bins_finalizer`.
+
+    Args:
+        adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters.hf``).
+        cfg: the ``dump`` section (:class:`looptrace.capture.dump.DumpConfig`) with ``text`` set; the tokenizer
+            defaults to ``cfg.adapter.path``.
+        out_dir: ``artifacts/dump/<model>``.
+        base: the ``base`` section (its seed is recorded).
+
+    Returns:
+        split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
+    """
+    if cfg.text is None:
+        raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
+    tok_path = cfg.text.tokenizer or (cfg.adapter.path if cfg.adapter is not None else None)
+    if tok_path is None:
+        raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size)
+    stores = {}
+    for split, batch in data.items():
+        attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed}
+        stores[split] = dump_split(adapter, batch, out_dir / f"{split}.zarr", cfg, attrs, progress,
+                                   finalize=loss_bins_finalizer(cfg.text.difficulty_bins))
+    return stores
+
+
+__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "dump_text_model", "reuse_freed_memory"]
