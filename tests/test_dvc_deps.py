@@ -325,6 +325,20 @@ def test_model_code_edit_leaves_analysis_stages_untouched():
     assert touched == {"train", "dump", "dynamics", "latency"}, touched
 
 
+def test_design_stage_table_lists_the_params_each_stage_reads():
+    """docs/DESIGN.md's "Stages, params, artifacts" table: its params column is each stage's derived reads."""
+    import re
+
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    section = text.split("## Stages, params, artifacts", 1)[1].split("\n### ", 1)[0]
+    rows = {cells[0]: cells[1] for line in section.splitlines() if line.startswith("| ")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]] if cells[0] not in ("stage", "---")}
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    assert set(rows) == set(stages), sorted(set(rows) ^ set(stages))
+    for name, cell in rows.items():
+        assert set(re.findall(r"`([\w.]+)`", cell)) == params_reads(REPO / "stages" / f"{name}.py"), name
+
+
 # ---------------------------------------------------------------------------------------------- the fixer
 
 def rewrite_code_deps(dvc_file: Path) -> bool:
