@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: repro test lint bench clean-venv
+.PHONY: repro status test lint bench clean-venv
 
 # torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -13,9 +13,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# dvc.yaml commands call `python`: put the venv first on PATH.
+# dvc.yaml commands call `python`: put the venv first on PATH. `dvc repro` without a target runs ./dvc.yaml only;
+# profiles run with `dvc repro profiles/<name>/dvc.yaml` (README, "Profiles").
 repro: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
+
+# The default pipeline's status (a bare `dvc status` also lists every profile's stages).
+status: $(STAMP)
+	$(BIN)/dvc status dvc.yaml
 
 test: $(STAMP)
 	$(BIN)/ruff check pipeline stages tests benchmarks

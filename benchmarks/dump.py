@@ -12,12 +12,12 @@ of each comes first (warm-up: the first dump of a process is ~25 % slower than t
 
 1. bare forward: ``adapter.states`` plus the per-loop readout of every loop (what the dump computes
    anyway), nothing kept, nothing stored;
-2. dump: ``pipeline.dump.dump_split`` to a fresh on-disk store (float16 states, full logits, the nine
+2. dump: ``looptrace.capture.dump.dump_split`` to a fresh on-disk store (float16 states, full logits, the nine
    SPEC §3 statistics, background chunk writer);
 3. naive: the model's forward with per-loop readouts, then ``np.save`` of ``hidden``, ``hidden_init``
    and ``logits`` as float32, one set of files per batch, in the main thread (no statistics).
 
-All three run after ``pipeline.dump.reuse_freed_memory()`` (the allocator setting the dump applies to its
+All three run after ``looptrace.capture.dump.reuse_freed_memory()`` (the allocator setting the dump applies to its
 process), so the baselines get the same allocator as the dump.
 
 Reported: wall(dump) / wall(bare), wall(dump) / wall(naive), bytes on disk of the store / bytes of the
@@ -66,7 +66,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions of (dump, naive), each between two bare "
                     "runs; ratios are medians over repetitions")
     ap.add_argument("--hf", action="store_true", help="also run benchmarks/dump_hf.py (a wide tiny HF Dory "
-                    "through pipeline.adapters.hf vs the model's own forward) with its defaults")
+                    "through looptrace.models.adapters.hf vs the model's own forward) with its defaults")
     args = ap.parse_args()
 
     from looptrace.capture.dump import DumpConfig, dump_split, reuse_freed_memory

@@ -1,14 +1,14 @@
 """Benchmark of an HF adapter dump: a wide tiny Dory (d_model ≥ 1024) against the model's own forward.
 
-Same random-init ``DoryForCausalLM`` (saved to a temp dir and loaded through ``pipeline.adapters.hf``),
+Same random-init ``DoryForCausalLM`` (saved to a temp dir and loaded through ``looptrace.models.adapters.hf``),
 same batches, each measured ``--reps`` times, interleaved, best run counts (the machine is shared):
 
 1. own forward: ``DoryForCausalLM(ids, use_cache=False)`` — prelude, T loops, coda, head, once;
 2. bare capture: ``adapter.states`` + ``adapter.readout`` of every loop, nothing kept (what any per-loop
    capture must compute: the exit path — coda + norm + head — runs T times instead of once);
-3. bare + stats: the same plus ``pipeline.stats.LoopStats`` and the top-k of every loop (the exact SPEC §3
+3. bare + stats: the same plus ``looptrace.signals.logits.LoopStats`` and the top-k of every loop (the exact SPEC §3
    statistics from the full logits, which the dump computes);
-4. dump: ``pipeline.dump.dump_split`` to a fresh on-disk store (top-k mode: vocab > 256; background
+4. dump: ``looptrace.capture.dump.dump_split`` to a fresh on-disk store (top-k mode: vocab > 256; background
    chunk writer).
 
 Reported: wall(dump) / wall(bare + stats) — the cost of capturing and storing (target ≤ 1.15),

@@ -1,10 +1,13 @@
 """looptrace: trajectory diagnostics for adaptive depth in looped transformers.
 
-The library is packaged by concern: ``model`` (the looped transformer), ``tasks`` (synthetic data),
-``regimes`` (depth supervision), ``train``, ``store`` (the only module that touches Zarr),
-``dump``, ``geometry``, ``readouts``, ``gates``, ``diagnose``, ``latency``, ``report`` and
-``adapters`` (real checkpoints). Stage entry points live in ``stages/``; ``pipeline.cli`` gathers
-them into the ``looptrace`` Typer app.
+The library is packaged by concern (docs/DESIGN.md draws the module graph): ``config`` and ``project``
+(params, the model list, versions), ``io`` (the Zarr store, state precision, atomic artifacts, tables),
+``signals`` (per-loop signals, each defined once), ``rules`` (exit rules and their scoring), ``models`` (the
+looped transformer, regimes, training, the model interface and adapters for real checkpoints), ``capture``
+(dump and training dynamics: the only analysis-side code that runs a model), ``geometry``, ``gates``,
+``diagnose``, ``online`` (real early exit and latency), ``report`` and ``testing`` (tiny builders the tests
+share). It installs as ``looptrace`` from the ``pipeline/`` folder; the DVC stage entry points in ``stages/``
+install as ``looptrace.stages`` and ``looptrace.cli`` registers them as the ``looptrace`` Typer app.
 """
 
 __version__ = "0.1.0"

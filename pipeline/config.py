@@ -4,6 +4,12 @@ Every stage reads its own section (plus ``base``) through :func:`load_section`. 
 error that names the key and the section, so a typo in ``params.yaml`` or in ``dvc exp run -S`` never
 silently falls back to a default.
 
+Profiles (``profiles/<name>/params.yaml``, nanoGPT-style) are small override files layered over
+``params.yaml``: every loader takes one params file or a sequence of them (``--params params.yaml --params
+profiles/ad/params.yaml``), merged left to right by :func:`merge_params` — mappings merge key by key, any other
+value (list, scalar, null) replaces. An override file may only name sections of :data:`SECTIONS` (or of the
+first file); keys inside a section are checked against its dataclass when a stage loads it, as for one file.
+
 A section dataclass may nest other dataclasses (fields typed as a dataclass, a tuple of dataclasses
 or a ``dict[str, Dataclass]``); nested mappings are converted recursively and checked the same way.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -21,6 +28,17 @@ import yaml
 T = TypeVar("T")
 
 DEFAULT_PARAMS = Path("params.yaml")
+
+#: One params file, or several layered left to right (later files override earlier ones).
+ParamsFiles = Path | str | Sequence[Path | str]
+
+#: ``--params`` help of every stage.
+PARAMS_HELP = ("params file; repeat to layer override files over it, later ones winning "
+               "(--params params.yaml --params profiles/ad/params.yaml)")
+
+#: The params sections, in params.yaml order (docs/DESIGN.md: which stage reads which).
+SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "readouts", "gates", "diagnose",
+            "latency", "report")
 
 
 class ConfigError(ValueError):
@@ -105,9 +123,7 @@ def from_dict(cls: type[T], data: dict[str, Any], section: str) -> T:
         raise ConfigError(f"params section '{section}': {exc}") from None
 
 
-def read_params(path: Path | str = DEFAULT_PARAMS) -> dict[str, Any]:
-    """Read ``params.yaml`` as a plain mapping (error names the file when it is missing or bad)."""
-    path = Path(path)
+def _read_one(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"params file '{path}' not found; run from the repository root or pass --params")
     try:
@@ -119,8 +135,43 @@ def read_params(path: Path | str = DEFAULT_PARAMS) -> dict[str, Any]:
     return data
 
 
-def load_section(cls: type[T], section: str, path: Path | str = DEFAULT_PARAMS) -> T:
-    """Load one section of ``params.yaml`` into its dataclass.
+def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``override`` layered over ``base``: mappings merge key by key (recursively); any other value replaces."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge_params(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def params_files(path: ParamsFiles) -> list[Path]:
+    """The params files of a ``--params`` value (one path or a sequence of them), in layering order."""
+    files = [Path(path)] if isinstance(path, str | Path) else [Path(p) for p in path]
+    if not files:
+        raise ConfigError("no params file given; pass --params params.yaml")
+    return files
+
+
+def read_params(path: ParamsFiles = DEFAULT_PARAMS) -> dict[str, Any]:
+    """Read ``params.yaml`` (or several files, merged left to right) as a plain mapping.
+
+    Raises:
+        ConfigError: a file is missing or not a YAML mapping, or an override file (any file after the first)
+            names a section that is neither in :data:`SECTIONS` nor in the first file.
+    """
+    files = params_files(path)
+    data = _read_one(files[0])
+    for f in files[1:]:
+        over = _read_one(f)
+        unknown = sorted(k for k in over if k not in SECTIONS and k not in data)
+        if unknown:
+            raise ConfigError(f"unknown params section '{unknown[0]}' in override file '{f}'; "
+                              f"allowed sections: {', '.join(SECTIONS)}")
+        data = merge_params(data, over)
+    return data
+
+
+def load_section(cls: type[T], section: str, path: ParamsFiles = DEFAULT_PARAMS) -> T:
+    """Load one section of ``params.yaml`` (or of layered params files) into its dataclass.
 
     A missing section gives the dataclass defaults (every field must then have one).
     """
@@ -128,7 +179,7 @@ def load_section(cls: type[T], section: str, path: Path | str = DEFAULT_PARAMS) 
     return from_dict(cls, data.get(section) or {}, section)
 
 
-def load_base(path: Path | str = DEFAULT_PARAMS) -> BaseConfig:
+def load_base(path: ParamsFiles = DEFAULT_PARAMS) -> BaseConfig:
     """Load the ``base`` section."""
     return load_section(BaseConfig, "base", path)
 

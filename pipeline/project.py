@@ -8,11 +8,10 @@ never import torch or the training code just to name the models.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import numpy as np
 import polars as pl
-from looptrace.config import ConfigError, read_params, to_dict
+from looptrace.config import ConfigError, ParamsFiles, read_params, to_dict
 
 
 def versions() -> dict:
@@ -58,11 +57,11 @@ def resolve_model(model: str, task_defs: dict, regime_defs: dict) -> dict:
     return {"model": model, "task": None, "regime": None, "regime_kind": None, "regime_def": None}
 
 
-def model_names(params: Path | str | Mapping, models: str = "") -> list[str]:
+def model_names(params: ParamsFiles | Mapping, models: str = "") -> list[str]:
     """The models a multi-model stage runs on: ``--models a,b`` or the default matrix.
 
     Args:
-        params: the params file (or its parsed mapping).
+        params: the params file(s) (or their parsed, merged mapping).
         models: comma-separated names from the command line ("" = ``train.tasks`` × ``train.regimes``).
 
     Returns:
@@ -81,7 +80,7 @@ def model_names(params: Path | str | Mapping, models: str = "") -> list[str]:
     return names
 
 
-def model_meta(model: str, params: Path | str | Mapping) -> dict:
+def model_meta(model: str, params: ParamsFiles | Mapping) -> dict:
     """:func:`resolve_model` with the task and regime definitions of the params file."""
     raw = params if isinstance(params, Mapping) else read_params(params)
     train = raw.get("train") or {}

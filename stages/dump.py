@@ -1,8 +1,8 @@
 """DVC stage ``dump``: capture one model's trajectories -> artifacts/dump/<model>/{fit,val,test}.zarr.
 
 The model is a trained looptrace checkpoint (``--model <task>-<regime>``) or, when ``dump.adapter`` is set
-(e.g. ``params-lm.yaml``), a real checkpoint directory run on the corpus ``dump.text``
-(:mod:`looptrace.tasks.text`).
+(e.g. the LM profile, ``--params params.yaml --params profiles/lm/params.yaml``), a real checkpoint directory
+run on the corpus ``dump.text`` (:mod:`looptrace.tasks.text` makes its batches).
 """
 
 from __future__ import annotations
@@ -11,19 +11,18 @@ from pathlib import Path
 
 import torch
 import typer
-from looptrace.capture.dump import DumpConfig, dump_model
-from looptrace.config import load_base, load_section
+from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
+from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, run, user_errors
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.tasks import make_task
-from looptrace.tasks.text import dump_text_model
 
 
 def main(
     model: str = typer.Option("", help="model name <task>-<regime> (artifacts/train/<model>/model.pt); with "
                                        "dump.adapter optional (it must equal dump.adapter.name)"),
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     train_root: Path = typer.Option(Path("artifacts/train"), help="root of the train stage's checkpoints"),
     out: Path = typer.Option(Path("artifacts/dump"), help="output root"),
 ) -> None:

@@ -9,7 +9,7 @@ import torch
 import typer
 from looptrace.capture.dump import DumpConfig
 from looptrace.capture.dynamics import DYNAMICS_SCHEMA, DynamicsConfig, dynamics_metrics, training_dynamics
-from looptrace.config import load_base, load_section, to_dict
+from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.io.artifacts import write_outputs
 from looptrace.project import versions
@@ -17,7 +17,7 @@ from looptrace.project import versions
 
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/train/<model>)"),
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     train_root: Path = typer.Option(Path("artifacts/train"), help="root of the train stage's checkpoints"),
     out: Path = typer.Option(Path("artifacts/dynamics"), help="output root"),
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from looptrace.config import load_base, load_section, to_dict
+from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.gates.config import SPLITS, GatesConfig
 from looptrace.gates.stage import gates_stage
@@ -15,7 +15,7 @@ from looptrace.rules.scoring import CalibrationConfig
 
 
 def main(
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),
     dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores"),
     out: Path = typer.Option(Path("artifacts/gates"), help="output directory"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from looptrace.config import load_base, load_section
+from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import run, user_errors
 from looptrace.geometry import GeometryConfig, geometry_model
 from looptrace.io.store import open_store
@@ -14,7 +14,7 @@ from looptrace.project import versions
 
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/dump/<model>)"),
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores"),
     out: Path = typer.Option(Path("artifacts/geometry"), help="output root"),
 ) -> None:

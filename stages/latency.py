@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 import typer
-from looptrace.config import load_base, load_section, to_dict
+from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.online.latency import LatencyConfig, latency_models, write_latency
 from looptrace.project import model_meta, model_names, versions
 
 
 def main(
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),
     train_root: Path = typer.Option(Path("artifacts/train"), help="root of the train stage's checkpoints"),
     dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores (test split)"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from looptrace.config import load_base, load_section, to_dict
+from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.project import model_meta, versions
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
@@ -14,7 +14,7 @@ from looptrace.rules.scoring import CalibrationConfig
 
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/geometry/<model>)"),
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     geometry_root: Path = typer.Option(Path("artifacts/geometry"), help="root of the geometry stage's outputs"),
     out: Path = typer.Option(Path("artifacts/readouts"), help="output root"),
 ) -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from looptrace.config import load_base, load_section, to_dict
+from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.project import model_names, versions
 from looptrace.report import ReportConfig, build_report
 
 
 def main(
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),
     root: Path = typer.Option(Path("artifacts"), help="artifacts root the other stages wrote"),
     out: Path = typer.Option(Path("artifacts/report"), help="output directory"),

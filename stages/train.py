@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from looptrace.config import load_base, load_section
+from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import run, user_errors
 from looptrace.models.train import TrainConfig, model_name, train_model
 
@@ -13,7 +13,7 @@ from looptrace.models.train import TrainConfig, model_name, train_model
 def main(
     task: str = typer.Option(..., help="task name (a key of train.task_defs)"),
     regime: str = typer.Option(..., help="regime name (a key of train.regime_defs)"),
-    params: Path = typer.Option(Path("params.yaml"), help="params file"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     out: Path = typer.Option(Path("artifacts/train"), help="output root"),
 ) -> None:
     """Train one looped model under a depth-supervision regime."""

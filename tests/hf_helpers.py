@@ -305,8 +305,11 @@ def corpus(path, n=60, seed=0):
 
 
 def lm_params(tmp_path, ckpt, corpus_path, **adapter):
-    """The repository's params-lm.yaml with paths and sizes for a tiny run."""
-    p = yaml.safe_load((REPO / "params-lm.yaml").read_text())
+    """The repository's LM profile (params.yaml + profiles/lm/params.yaml, merged into one file) with paths and
+    sizes for a tiny run."""
+    from looptrace.config import read_params
+
+    p = read_params([REPO / "params.yaml", REPO / "profiles" / "lm" / "params.yaml"])
     p["base"]["threads"] = 1
     p["dump"]["adapter"].update(path=str(ckpt), dtype="float32", name="tiny", **adapter)
     p["dump"]["text"].update(path=str(corpus_path), seq_len=16)

@@ -40,7 +40,7 @@ def test_missing_params_file(tmp_path):
 
 
 def test_ad_profile_loads(repo_root):
-    cfg = load_section(TrainConfig, "train", repo_root / "params-ad.yaml")
+    cfg = load_section(TrainConfig, "train", [repo_root / "params.yaml", repo_root / "profiles" / "ad" / "params.yaml"])
     assert cfg.model.d_model == 512 and cfg.batch_size == 1024 and cfg.steps == 40000
     mano = cfg.task("mano")
     assert mano.modulus == 23 and mano.max_ops == 10

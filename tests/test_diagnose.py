@@ -15,9 +15,8 @@ from looptrace.io.tables import SplitData
 from looptrace.project import resolve_model
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
+from looptrace.testing import token_loop_splits, write_token_loop
 from scipy.stats import rankdata
-
-from tests.test_readouts import synthetic_splits, write_token_loop
 
 F, T_ = False, True
 
@@ -228,7 +227,7 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     train_meta = {"running_parity": None}
     regimes = {"uniform": {"kind": "uniform"}, "geometric": {"kind": "geometric"}, "joint": {"kind": "joint"}}
     for i, m in enumerate(models):
-        splits = synthetic_splits(n=240, T=6, seed=i, gate=m.endswith("joint"))
+        splits = token_loop_splits(n=240, T=6, seed=i, gate=m.endswith("joint"))
         write_token_loop(tmp_path / "geometry" / m / "token_loop.parquet", splits)
         readouts_model(tmp_path / "geometry" / m, ReadoutsConfig(), CalibrationConfig(n_quantiles=21), tmp_path / "readouts" / m,
                          meta=resolve_model(m, train_meta, regimes), progress=False)

@@ -21,8 +21,8 @@ from looptrace.config import ConfigError, from_dict, load_section
 from looptrace.io.store import STAT_NAMES, StoreError, StoreWriter, memory_store, open_store
 from looptrace.models.interface import LoopedTransformerAdapter, States
 from looptrace.tasks import IGNORE, make_task
+from looptrace.testing import tiny_adapter_and_data, tiny_dump_config, tiny_train_config
 
-from tests.dump_helpers import KILL_CFG, model_and_data
 from tests.test_stats import _np_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def _one_thread():
 
 @pytest.mark.parametrize("unscored", [True, False])
 def test_dump_matches_independent_forward(unscored):
-    adapter, data = model_and_data(unscored=unscored)
+    adapter, data = tiny_adapter_and_data(unscored=unscored)
     st = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=7, chunk_tokens=16), {"split": "val"})
     mask = data.targets != IGNORE
     b, p = np.nonzero(mask)  # (sequence, position) order
@@ -70,7 +70,7 @@ def test_dump_matches_independent_forward(unscored):
 
 
 def test_topk_mode_agrees_with_full_mode():
-    adapter, data = model_and_data(gate="none")
+    adapter, data = tiny_adapter_and_data(gate="none")
     full = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=8, chunk_tokens=32))
     topk = dump_split(adapter, data, memory_store(),
                       DumpConfig(batch_size=8, chunk_tokens=32, full_logits_max_vocab=4, topk=3))
@@ -85,7 +85,7 @@ def test_topk_mode_agrees_with_full_mode():
 
 
 def test_xarray_opens_a_dump(tmp_path):
-    adapter, data = model_and_data()
+    adapter, data = tiny_adapter_and_data()
     dump_split(adapter, data, tmp_path / "val.zarr", DumpConfig(batch_size=16, chunk_tokens=64))
     ds = xr.open_zarr(tmp_path / "val.zarr")
     assert ds["hidden"].dims == ("token", "loop", "d_model") and ds["hidden"].shape[1:] == (3, 16)
@@ -98,7 +98,7 @@ class _Crash(RuntimeError):
 
 
 def test_resume_after_crash_and_start_over_on_new_params(tmp_path, monkeypatch, capsys):
-    adapter, data = model_and_data()
+    adapter, data = tiny_adapter_and_data()
     cfg = DumpConfig(batch_size=5, chunk_tokens=16)
     ref = dump_split(adapter, data, memory_store(), cfg)
     path = tmp_path / "val.zarr"
@@ -148,7 +148,7 @@ class _NanAdapter(LoopedTransformerAdapter):
 
 
 def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
-    base, data = model_and_data(gate="none")
+    base, data = tiny_adapter_and_data(gate="none")
     adapter = _NanAdapter(base.model, "nan")
     cfg = DumpConfig(batch_size=10)
     with pytest.raises(StoreError, match=r"NaN/Inf values in 'hidden'/'hidden_init'.*dump.allow_nan"):
@@ -164,11 +164,11 @@ def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
 
 
 def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
-    # DVC re-runs the stage when pipeline/dump.py & co change, but keeps the old store (persist): it must be
+    # DVC re-runs the stage when pipeline/capture/dump.py & co change, but keeps the old store (persist): it must be
     # dumped again, not returned as complete
     import looptrace.capture.dump as dump_mod
 
-    adapter, data = model_and_data()
+    adapter, data = tiny_adapter_and_data()
     cfg = DumpConfig(batch_size=5, chunk_tokens=16)
     ref = dump_split(adapter, data, memory_store(), cfg)
     path = tmp_path / "val.zarr"
@@ -179,7 +179,7 @@ def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
     dump_split(adapter, data, path, cfg)  # same code: returned as is
     monkeypatch.setattr(StoreWriter, "write_chunk", real)
     # one more module's source in the hash stands for a changed source
-    monkeypatch.setattr(dump_mod, "VALUE_MODULES", (*dump_mod.VALUE_MODULES, "pipeline.tasks"))
+    monkeypatch.setattr(dump_mod, "VALUE_MODULES", (*dump_mod.VALUE_MODULES, "looptrace.tasks"))
     capsys.readouterr()
     st = dump_split(adapter, data, path, cfg)
     assert "data or code; starting over" in capsys.readouterr().err
@@ -190,7 +190,7 @@ def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
 def test_never_overwrites_a_directory_that_is_not_a_store(tmp_path):
     # the store is created on the writer thread: its refusal must still reach the caller, and the
     # user's files must be untouched
-    adapter, data = model_and_data()
+    adapter, data = tiny_adapter_and_data()
     path = tmp_path / "val.zarr"
     path.mkdir()
     (path / "notes.txt").write_text("mine")
@@ -208,7 +208,7 @@ _CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.io.store import StoreWriter
-    from tests.dump_helpers import model_and_data, KILL_CFG
+    from looptrace.testing import tiny_adapter_and_data, tiny_dump_config
     real = StoreWriter.write_chunk
     def slow(self, c, a, **kw):  # widen every chunk write so the kill lands anywhere, mid-chunk included
         time.sleep(0.01)
@@ -216,9 +216,9 @@ _CHILD = textwrap.dedent("""
         time.sleep(0.02)
         return out
     StoreWriter.write_chunk = slow
-    adapter, data = model_and_data(n_seq=60)
+    adapter, data = tiny_adapter_and_data(n_seq=60)
     print("ready", flush=True)
-    dump_split(adapter, data, {path!r}, KILL_CFG, progress=False)
+    dump_split(adapter, data, {path!r}, tiny_dump_config(), progress=False)
     print("done", flush=True)
 """)
 
@@ -228,9 +228,10 @@ def _markers(path: Path) -> int:
 
 
 def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path, capsys):
-    adapter, data = model_and_data(n_seq=60)
-    ref = dump_split(adapter, data, memory_store(), KILL_CFG)
-    n_chunks = -(-ref.n_tokens // KILL_CFG.chunk_tokens)
+    adapter, data = tiny_adapter_and_data(n_seq=60)
+    kill_cfg = tiny_dump_config()  # the child's config: 7 sequences a batch, 16-row chunks
+    ref = dump_split(adapter, data, memory_store(), kill_cfg)
+    n_chunks = -(-ref.n_tokens // kill_cfg.chunk_tokens)
     path = tmp_path / "val.zarr"
     script = tmp_path / "child.py"
     script.write_text(_CHILD.format(repo=str(REPO), path=str(path)))
@@ -251,7 +252,7 @@ def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path, ca
     with pytest.raises(StoreError, match="incomplete"):
         open_store(path)
     capsys.readouterr()
-    st = dump_split(adapter, data, path, KILL_CFG)
+    st = dump_split(adapter, data, path, kill_cfg)
     assert f"resuming ({killed_at} of {n_chunks} chunks" in capsys.readouterr().err
     _same_stores(open_store(path), ref)
     assert st.attrs["complete"]
@@ -276,7 +277,6 @@ def test_stage_dumps_every_split_with_checkpoint_seeds(tmp_path, tiny_base):
     from looptrace.models.train import train_model
     from typer.testing import CliRunner
 
-    from tests.conftest import tiny_train_config
 
     train_model(tiny_base, tiny_train_config(steps=2), "rp", "uniform", tmp_path / "train" / "rp-uniform",
                 progress=False)

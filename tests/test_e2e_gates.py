@@ -1,6 +1,7 @@
 """End to end (slow): in a tiny copy of the project, changing only a ``gates`` parameter re-runs the
 ``gates`` stage and invalidates the stages downstream of it — never anything upstream (train, dump,
-geometry, readouts).
+geometry, readouts); editing the model's code (pipeline/models/looped.py) changes only the stages that
+run the model (train, dump, dynamics, latency).
 
 The project is built in tmp_path from the repository's own dvc.yaml, params.yaml (shrunk to a tiny
 profile), pipeline/ and stages/. To stay within ~90 s on two shared cores, the first full run executes
@@ -185,6 +186,17 @@ def test_gates_param_change_reruns_only_gates_and_downstream(tmp_path):
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "artifacts").rglob("*")
               if p.is_file() and p.relative_to(tmp_path / "artifacts").parts[0] in {"train", "dump"}}
     assert before
+
+    # editing the looped transformer's code changes exactly the stages that run the model, never the offline
+    # analysis (geometry, readouts, gates, diagnose, report read stores and tables only)
+    model_py = tmp_path / "pipeline" / "models" / "looped.py"
+    source = model_py.read_text()
+    model_py.write_text(source + "\n# an edit\n")
+    runs_model = {n for n, st in dvc_yaml["stages"].items() if "pipeline/models/looped.py" in _paths(st.get("deps"))}
+    assert runs_model == {"train", "dump", "dynamics", "latency"}, runs_model
+    changed = _stage_names(_dvc(["status"], tmp_path, env), r"(?m)^(\S+):\s*$")
+    assert changed == runs_model, f"dvc status after a model code edit lists {sorted(changed)}"
+    model_py.write_text(source)
 
     params["gates"]["oracle_delta"] = float(params["gates"].get("oracle_delta", 0.01)) * 2 + 0.01
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))

@@ -20,10 +20,9 @@ from looptrace.gates.labels import consistent_stop, oracle_continue, stop_target
 from looptrace.gates.online import load_fitted, load_online_gate
 from looptrace.gates.ponder import _ponder_module, fit_ponder, ponder_loss, ponder_prior
 from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
-from looptrace.io.store import write_store
 from looptrace.models.regimes import halting_distribution
 from looptrace.rules.scoring import CalibrationConfig
-from looptrace.signals.logits import logit_stats
+from looptrace.testing import two_group_stores
 
 torch.set_num_threads(1)
 
@@ -32,53 +31,8 @@ def sig(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
-# ------------------------------------------------------------------------------------------------
-# Tiny stores: "easy" tokens right (and confident) at every loop, "hard" ones wrong until loop T
-# ------------------------------------------------------------------------------------------------
-
-
-def two_group_arrays(n: int, T: int = 4, D: int = 8, seed: int = 0, shift: float = 0.0) -> dict:
-    """Arrays of a store whose optimal exit is obvious: easy tokens exit at loop 1, hard ones at T.
-
-    The state carries the group (h_t = ±2·u + 0.1·t + noise, separable); easy tokens have the same
-    logit margin for the target at every loop (constant loss: no later loop improves it), hard tokens
-    favour the wrong class until loop T, less and less. Easy tokens are all alike (no noise, one margin), so their
-    P(stop) at a loop is one value and the val quantile grid holds it: the obvious operating point is
-    then on the grid exactly. ``shift`` moves the state distribution (to tell which split a PCA was
-    fit on).
-    """
-    rng = np.random.default_rng(seed)
-    easy = rng.random(n) < 0.5
-    target = rng.integers(0, 2, n)
-    loops = np.arange(1, T + 1)
-    mag = np.where(easy, 3.0, rng.uniform(2.0, 4.0, n))
-    # hard: the target logit climbs from −mag to +mag, convexly (still < 0 before T), so every loop
-    # lowers the loss (by > 0.2 nats: the utility and oracle labels say "continue" at every t < T)
-    climb = -1.0 + 2.0 * ((loops - 1) / (T - 1)) ** 3  # [T]
-    sign = np.where(easy[:, None], 1.0, climb[None, :])  # [n, T]
-    logits = np.zeros((n, T, 2), np.float32)
-    logits[np.arange(n), :, target] = (sign * mag[:, None]).astype(np.float32)
-    u = np.zeros(D)
-    u[0] = 1.0
-    hidden = ((2 * easy - 1)[:, None, None] * 2.0 * u + shift
-              + 0.3 * rng.normal(size=(n, T, D)) * ~easy[:, None, None] + 0.1 * loops[None, :, None]
-              ).astype(np.float32)
-    h0 = (0.3 * rng.normal(size=(n, D)) * ~easy[:, None]).astype(np.float32)
-    arrays = {"hidden": hidden, "hidden_init": h0,
-              **logit_stats(logits, target), "target": target, "token_id": rng.integers(0, 2, n),
-              "sequence": np.arange(n) // 4, "position": np.arange(n) % 4, "difficulty": (~easy).astype(np.int64),
-              "token_type": np.zeros(n, np.int64)}
-    return arrays
-
-
-def make_stores(root, name="rp-uniform", n=(240, 160, 160), T=4, D=8, seed=0, shift=(0.0, 0.0, 0.0)):
-    out = {}
-    for i, split in enumerate(SPLITS):
-        out[split] = write_store(root / name / f"{split}.zarr",
-                                 two_group_arrays(n[i], T, D, seed=seed * 10 + i, shift=shift[i]),
-                                 {"split": split, "vocab_size": 2}, chunk_tokens=64, hidden_dtype="float32")
-    return out
-
+# Tiny stores: looptrace.testing.two_group_arrays / two_group_stores ("easy" tokens right and confident at every
+# loop, "hard" ones wrong until loop T).
 
 SMALL = dict(pca_components=4, stats=("entropy", "kl_prev", "rel_step"), max_fit_tokens=None, mlp_max_iter=40,
              ponder={"epochs": 60, "batch_tokens": 256})
@@ -226,7 +180,7 @@ def test_single_class_labels_give_a_constant_gate():
 
 @pytest.mark.parametrize("name", ["logreg-oracle", "mlp-consistent", "mlp-utility", "ponder-linear", "ponder-mlp"])
 def test_fits_reproducible_with_fixed_seed(tmp_path, name):
-    stores = make_stores(tmp_path, n=(120, 40, 40))
+    stores = two_group_stores(tmp_path, n=(120, 40, 40))
     cfg = small_cfg(gates=(name,), cross_gates=(), mlp_max_iter=10, ponder={"epochs": 5, "batch_tokens": 64})
     spec = cfg.specs[0]
     a = fit_model_gates(stores["fit"], cfg, [spec], 7, "m", progress=False)
@@ -248,7 +202,7 @@ def test_fits_reproducible_with_fixed_seed(tmp_path, name):
 def test_pca_and_scaler_fit_on_fit_split_only(tmp_path):
     from sklearn.decomposition import PCA
 
-    stores = make_stores(tmp_path, n=(200, 80, 80), shift=(0.0, 3.0, -3.0))
+    stores = two_group_stores(tmp_path, n=(200, 80, 80), shift=(0.0, 3.0, -3.0))
     cfg = small_cfg(gates=("logreg-consistent",), cross_gates=(), max_fit_tokens=150,
                     stats=("entropy", "rel_step", "accel"))
     mg = fit_model_gates(stores["fit"], cfg, cfg.specs, 0, "m", progress=False)
@@ -273,7 +227,7 @@ def test_pca_and_scaler_fit_on_fit_split_only(tmp_path):
 def test_feature_columns_stats_and_loop_encoding(tmp_path):
     from looptrace.signals.steps import step_metrics
 
-    stores = make_stores(tmp_path, n=(64, 40, 40))
+    stores = two_group_stores(tmp_path, n=(64, 40, 40))
     st = stores["val"]
     s = block_stats(st, slice(0, 40), ("rel_step", "kl_prev", "hidden_change"))
     geo = step_metrics(st.read("hidden"), st.read("hidden_init"))
@@ -300,8 +254,8 @@ def test_feature_columns_stats_and_loop_encoding(tmp_path):
 def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
     """Easy tokens are right at loop 1, hard ones only at T, and the state tells them apart: every gate
     should exit easy tokens at 1 and hard ones at T — the oracle depth at full accuracy."""
-    stores = {"rp-uniform": make_stores(tmp_path / "dump", "rp-uniform", seed=0),
-              "rp-joint": make_stores(tmp_path / "dump", "rp-joint", seed=1)}
+    stores = {"rp-uniform": two_group_stores(tmp_path / "dump", "rp-uniform", seed=0),
+              "rp-joint": two_group_stores(tmp_path / "dump", "rp-joint", seed=1)}
     gates = ("logreg-oracle", "logreg-consistent", "mlp-consistent", "logreg-utility", "ponder-linear")
     cfg = small_cfg(gates=gates, cross_gates=("logreg-consistent",), utility_align="next")
     cal = CalibrationConfig(dx=(100.0, 95.0))
@@ -355,7 +309,7 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
 
 
 def test_failed_run_leaves_previous_outputs(tmp_path, monkeypatch):
-    stores = {"m": make_stores(tmp_path / "dump", "m", n=(80, 40, 40))}
+    stores = {"m": two_group_stores(tmp_path / "dump", "m", n=(80, 40, 40))}
     cfg = small_cfg(gates=("logreg-consistent",), cross_gates=())
     out = tmp_path / "gates"
     gates_stage(stores, cfg, CalibrationConfig(), out, progress=False)
@@ -375,10 +329,9 @@ def test_online_gate_matches_store_features(tmp_path):
     """Features recomputed live from a real model's states and readouts give exactly the P(stop) of
     the store path (rounded states, step_metrics, LoopStats formulas)."""
     from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.testing import tiny_adapter_and_data
 
-    from tests.dump_helpers import model_and_data
-
-    adapter, data = model_and_data(n_seq=12, gate="linear", loops=4, d_model=16, unscored=False)
+    adapter, data = tiny_adapter_and_data(n_seq=12, gate="linear", loops=4, d_model=16, unscored=False)
     model = adapter.model.eval()
     stores = {}
     for split in SPLITS:
@@ -447,7 +400,7 @@ def test_stage_cli(tmp_path, repo_root):
     from looptrace.cli import app
     from typer.testing import CliRunner
 
-    make_stores(tmp_path / "dump", "rp-uniform", n=(80, 40, 40))
+    two_group_stores(tmp_path / "dump", "rp-uniform", n=(80, 40, 40))
     params = yaml.safe_load((repo_root / "params.yaml").read_text())
     params["gates"] = {"gates": ["logreg-consistent"], "cross_gates": [], "pca_components": 4}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))

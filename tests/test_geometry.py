@@ -1,5 +1,5 @@
 """Geometry (SPEC §2): block metrics against closed-form trajectories, convergence depth, DLR, and the
-streamed stage on small stores built with ``pipeline.store.write_store``."""
+streamed stage on small stores built with ``looptrace.io.store.write_store``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from looptrace.geometry import (
     group_handoffs,
 )
 from looptrace.signals.steps import step_metrics
+from looptrace.testing import random_signal_arrays, tiny_train_config, write_arrays
 
 
 def _traj(h0: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -199,36 +200,6 @@ def test_params_yaml_section_loads_and_matches_defaults(repo_root):
 
 # ----------------------------------------------------------------------------- streamed stage on real stores
 
-STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final", "logit_change")
-
-
-def _arrays(rng, N=40, T=5, D=6, V=4, loop_group=(0, 0, 0, 1, 1), gate=True, hidden=None, h0=None):
-    """Store arrays with random states and statistics (NaN at t = 1 where t − 1 is needed)."""
-    a = {"hidden": rng.normal(size=(N, T, D)).astype(np.float32) if hidden is None else hidden,
-         "hidden_init": rng.normal(size=(N, D)).astype(np.float32) if h0 is None else h0}
-    for s in STATS:
-        x = rng.random((N, T)).astype(np.float32)
-        if s in ("kl_prev", "kl_prev_rev", "logit_change"):
-            x[:, 0] = np.nan
-        a[s] = x
-    a["target"] = rng.integers(0, V, N)
-    a["argmax"] = np.where(rng.random((N, T)) < 0.6, a["target"][:, None], rng.integers(0, V, (N, T)))
-    a["token_id"] = rng.integers(0, V, N)
-    a["sequence"], a["position"] = np.arange(N) // 4, np.arange(N) % 4
-    a["difficulty"], a["token_type"] = np.arange(N) % 4 + 1, rng.integers(0, 2, N)
-    a["loop_group"] = np.asarray(loop_group)
-    if gate:
-        a["gate_logit"] = rng.normal(size=(N, T)).astype(np.float32)
-    return a
-
-
-def _write(path, arrays, chunk=16):
-    from looptrace.io.store import write_store
-
-    return write_store(path, arrays, {"token_types": ["keep", "change"], "vocab_size": 4}, chunk_tokens=chunk,
-                       hidden_dtype="float32")
-
-
 def _run(stores, out, block, **cfg):
     from looptrace.geometry import geometry_model
 
@@ -250,8 +221,8 @@ def _first_settled_loop(sig, eps):
 def stage_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("geo")
     rng = np.random.default_rng(7)
-    arrays = {"val": _arrays(rng, N=33), "test": _arrays(rng, N=40)}
-    stores = {s: _write(tmp / f"{s}.zarr", a) for s, a in arrays.items()}
+    arrays = {"val": random_signal_arrays(rng, N=33), "test": random_signal_arrays(rng, N=40)}
+    stores = {s: write_arrays(tmp / f"{s}.zarr", a) for s, a in arrays.items()}
     metrics7 = _run(stores, tmp / "out7", 7)
     metrics_big = _run(stores, tmp / "out4096", 4096)
     return tmp, arrays, stores, metrics7, metrics_big
@@ -354,8 +325,8 @@ def test_dlr_from_a_store_with_two_groups(tmp_path):
     h0 = np.full((N, D), 0.5)
     hidden = (h0[:, None] + np.cumsum(steps, axis=1)).astype(np.float32)
     rng = np.random.default_rng(0)
-    st = _write(tmp_path / "s.zarr", _arrays(rng, N=N, T=5, D=D, gate=False, hidden=hidden,
-                                            h0=h0.astype(np.float32)), chunk=4)
+    st = write_arrays(tmp_path / "s.zarr", random_signal_arrays(rng, N=N, T=5, D=D, gate=False, hidden=hidden,
+                                            h0=h0.astype(np.float32)), chunk_tokens=4)
     metrics = _run({"test": st}, tmp_path / "out", 3)
     dlr = pl.read_parquet(tmp_path / "out" / "dlr.parquet")
     assert dlr.height == 1
@@ -373,10 +344,10 @@ def test_dlr_from_a_store_with_two_groups(tmp_path):
 
 def test_single_group_writes_empty_dlr_and_failed_run_leaves_nothing(tmp_path):
     rng = np.random.default_rng(3)
-    one = _write(tmp_path / "one.zarr", _arrays(rng, N=10, loop_group=(0,) * 5, gate=False))
+    one = write_arrays(tmp_path / "one.zarr", random_signal_arrays(rng, N=10, loop_group=(0,) * 5, gate=False))
     _run({"val": one}, tmp_path / "ok", None)
     assert pl.read_parquet(tmp_path / "ok" / "dlr.parquet").height == 0
-    two = _write(tmp_path / "two.zarr", _arrays(rng, N=10))
+    two = write_arrays(tmp_path / "two.zarr", random_signal_arrays(rng, N=10))
     with pytest.raises(ValueError, match="different loop structure"):
         _run({"val": one, "test": two}, tmp_path / "bad", None)
     assert not (tmp_path / "bad").exists()
@@ -393,7 +364,6 @@ def test_training_dynamics_match_an_independent_forward(tmp_path, tiny_base):
     from looptrace.models.train import train_model
     from looptrace.tasks import IGNORE, make_task
 
-    from tests.conftest import tiny_train_config
 
     torch.set_num_threads(1)
     train_dir = tmp_path / "rp-uniform"
@@ -430,7 +400,6 @@ def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     from looptrace.models.train import train_model
     from typer.testing import CliRunner
 
-    from tests.conftest import tiny_train_config
 
     train_model(tiny_base, tiny_train_config(steps=10), "rp", "uniform", tmp_path / "train" / "rp-uniform",
                 progress=False)

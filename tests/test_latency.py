@@ -9,7 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
-from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
+from looptrace.models.looped import GroupConfig, LoopedTransformer
 from looptrace.online.engine import (
     OnlineRule,
     early_exit,
@@ -23,6 +23,7 @@ from looptrace.rules.scoring import CalibrationConfig, exit_depths
 from looptrace.signals.halting import halting_cdf
 from looptrace.signals.logits import logit_stats
 from looptrace.signals.steps import step_metrics
+from looptrace.testing import tiny_checkpoint, tiny_model, tiny_task
 
 torch.set_num_threads(1)
 
@@ -47,10 +48,7 @@ class HandRule(OnlineRule):
 
 def _model(causal: bool = True, gate: str = "none", loops: int = 5, vocab: int = 5, seq: int = 9,
            groups=None) -> LoopedTransformer:
-    torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=vocab, block_size=seq, d_model=16, n_head=2, causal=causal, gate=gate,
-                      groups=groups or (GroupConfig(1, loops),), n_coda=1)
-    return LoopedTransformer(cfg).eval()
+    return tiny_model(vocab=vocab, seq=seq, loops=loops, gate=gate, causal=causal, groups=groups, n_coda=1, seed=1)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -161,16 +159,10 @@ def test_online_rules_reproduce_offline_exit_depths(rule):
 def _tiny_pipeline(tmp_path):
     from looptrace.capture.dump import DumpConfig, dump_model
     from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.tasks import make_task
 
-    task = make_task("rs", {"kind": "running_sum", "length": 8, "modulus": 5})
-    torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=5, block_size=8, d_model=16, n_head=2, gate="linear",
-                                          groups=(GroupConfig(1, 4),))).eval()
+    task = tiny_task()  # running sum mod 5, 8 digits; checkpoint: 4 loops, linear gate
     name = "rs-joint"
-    ckpt = tmp_path / "train" / name / "model.pt"
-    save_checkpoint(ckpt, model, name=name, task={"name": "rs", **task.spec()},
-                    data_seeds={"fit": 42, "val": 43, "test": 44})
+    ckpt = tiny_checkpoint(tmp_path / "train", name, task)
     adapter = LoopedTransformerAdapter.from_checkpoint(ckpt)
     stores = dump_model(adapter, task, {"fit": 42, "val": 43, "test": 44}, tmp_path / "dump" / name,
                         DumpConfig(sequences={"fit": 16, "val": 10, "test": 10}, batch_size=4, chunk_tokens=32),

@@ -1,5 +1,6 @@
-"""notebooks/explore.ipynb executes (nbclient, the venv's kernel) on a tiny pipeline's outputs, and its
-user-written exit rule gives the depth/accuracy an explicit per-token loop gives."""
+"""notebooks/explore.ipynb executes (nbclient, the venv's kernel) on a tiny pipeline's outputs (the
+``tiny_artifacts`` fixture, looptrace.testing.tiny_artifacts), and its user-written exit rule gives the
+depth/accuracy an explicit per-token loop gives."""
 
 from __future__ import annotations
 
@@ -8,36 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_artifacts(tmp_path_factory) -> Path:
-    """dump (val, test) -> geometry -> readouts for one random-init model on running sum mod 5."""
-    from looptrace.capture.dump import DumpConfig, dump_model
-    from looptrace.geometry import GeometryConfig, geometry_model
-    from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
-    from looptrace.rules.scoring import CalibrationConfig
-    from looptrace.tasks import make_task
-
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("nb") / "artifacts"
-    task = make_task("rs", {"kind": "running_sum", "length": 6, "modulus": 5})
-    torch.manual_seed(0)
-    model = LoopedTransformer(ModelConfig(vocab_size=5, block_size=6, d_model=16, n_head=2,
-                                          groups=(GroupConfig(1, 4),))).eval()
-    adapter = LoopedTransformerAdapter(model, "rs-tiny", extra={"task": {"name": "rs", **task.spec()}})
-    stores = dump_model(adapter, task, {"val": 43, "test": 44}, root / "dump" / "rs-tiny",
-                        DumpConfig(sequences={"val": 20, "test": 20}, batch_size=10, chunk_tokens=64), progress=False)
-    geometry_model(stores, GeometryConfig(splits=("val", "test"),
-                                          eps={"kl_prev": (1e-3,)}), root / "geometry" / "rs-tiny", progress=False)
-    readouts_model(root / "geometry" / "rs-tiny", ReadoutsConfig(rules=("fixed", "top1", "oracle")), CalibrationConfig(),
-                   root / "readouts" / "rs-tiny", progress=False)
-    return root
 
 
 def test_notebook_executes_and_user_rule_is_right(tiny_artifacts, monkeypatch):

@@ -1,16 +1,18 @@
-"""Stored precision of the states (pipeline.precision): the cast, the overflow refusal and the NaN/Inf count."""
+"""Stored precision of the states (looptrace.io.precision, and the dump's torch encoder looptrace.capture.encode):
+the cast, the overflow refusal and the NaN/Inf count."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+from looptrace.capture.encode import encode_states_counted
 from looptrace.io.precision import (
     PrecisionError,
     count_nonfinite,
     count_nonfinite_rows,
     decode_states,
-    encode_states_counted,
+    encode_states,
 )
 
 
@@ -52,3 +54,30 @@ def test_float16_overflow_refused_bfloat16_overflow_counted():
     enc, counts = encode_states_counted(x, "bfloat16", "hidden")
     np.testing.assert_array_equal(counts, [1, 0, 0])
     assert np.isinf(decode_states(enc, "bfloat16")[0, 0])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_numpy_and_torch_encoders_store_the_same_bytes(dtype):
+    """The torch-free numpy encoder (StoreWriter) and the dump's torch encoder store the same bits for every
+    non-NaN value (Inf included) and NaN at the same places (the NaN payload differs for bfloat16: torch writes
+    0xFFFF, numpy a quiet 0x7FC0; both decode to NaN and are counted alike)."""
+    x = torch.randn(7, 3, 8) * 300
+    x[2, 1, 4] = float("nan")
+    x[5, 0, 0] = float("-inf")
+    via_torch, counts = encode_states_counted(x, dtype, "hidden")
+    via_numpy = encode_states(x.numpy(), dtype, "hidden")
+    assert via_torch.dtype == via_numpy.dtype
+    nan = np.isnan(decode_states(via_numpy, dtype))
+    np.testing.assert_array_equal(np.isnan(decode_states(via_torch, dtype)), nan)
+    bits = {2: np.uint16, 4: np.uint32}[via_numpy.dtype.itemsize]
+    np.testing.assert_array_equal(via_torch.view(bits)[~nan], via_numpy.view(bits)[~nan])
+    np.testing.assert_array_equal(counts, count_nonfinite_rows(via_numpy, dtype))
+
+
+def test_numpy_encoder_refuses_float16_overflow_and_torch_input():
+    x = np.ones((2, 3), np.float32)
+    x[1, 2] = 1e6
+    with pytest.raises(PrecisionError, match=r"hidden: \|value\| reaches 1e\+06.*dump.hidden_dtype"):
+        encode_states(x, "float16", "hidden")
+    with pytest.raises(TypeError, match="capture.encode"):
+        encode_states(torch.ones(2, 3), "float16", "hidden")

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import looptrace.rules.scoring as scoring_module
 import numpy as np
 import polars as pl
 import pytest
 from looptrace.config import ConfigError, from_dict
-from looptrace.geometry import TOKEN_LOOP_COLUMNS
 from looptrace.io.tables import SplitData, load_token_loop
 from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, argmax_stable_depths, oracle_depths
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
@@ -26,73 +24,10 @@ from looptrace.rules.scoring import (
     quantile_grid,
 )
 from looptrace.signals.halting import halting_cdf
+from looptrace.testing import token_loop_splits, write_token_loop
 
-# ------------------------------------------------------------------------------------------------
-# Helpers shared with tests/test_diagnose.py
-# ------------------------------------------------------------------------------------------------
-
-
-def synthetic_splits(n: int = 400, T: int = 4, seed: int = 0, gate: bool = False) -> dict[str, dict]:
-    """Per-split [token, loop] columns of a toy model whose confidence grows with depth.
-
-    Correctness at loop t is 1[t ≥ need] for a per-token "need" depth (some never correct); entropy
-    falls when the token becomes correct, so confidence readouts can exit early.
-    """
-    rng = np.random.default_rng(seed)
-    out = {}
-    for si, split in enumerate(("fit", "val", "test")):
-        difficulty = rng.integers(0, 3, n)
-        need = np.clip(difficulty + 1 + rng.integers(0, 2, n), 1, T + 1)  # T + 1 = never correct
-        loops = np.arange(1, T + 1)
-        correct = loops[None, :] >= need[:, None]
-        noise = rng.random((n, T))
-        entropy = np.where(correct, 0.1 + 0.2 * noise, 1.0 + noise)
-        max_prob = 1.0 - entropy / 3.0
-        hidden = rng.normal(size=(n, T)).cumsum(1)
-        cols = {
-            "difficulty": np.repeat(difficulty[:, None], T, 1), "token_type": np.zeros((n, T), np.int64),
-            "target": np.ones((n, T), np.int64), "sequence": np.repeat(np.arange(n)[:, None] // 4, T, 1),
-            "position": np.repeat(np.arange(n)[:, None] % 4, T, 1), "loop": np.repeat(loops[None], n, 0),
-            "loop_group": np.zeros((n, T), np.int64), "argmax": np.where(correct, 1, 0),
-            "correct": correct, "entropy": entropy, "max_prob": max_prob, "margin": 5.0 * max_prob,
-            "target_logprob": np.log(np.where(correct, max_prob, (1 - max_prob) / 2)),
-            "kl_prev": np.abs(np.diff(entropy, prepend=np.nan, axis=1)),
-            "kl_prev_rev": np.abs(np.diff(entropy, prepend=np.nan, axis=1)) * 1.1,
-            "kl_final": np.abs(entropy - entropy[:, -1:]),
-            "logit_change": np.abs(np.diff(max_prob, prepend=np.nan, axis=1)),
-            "step_norm": np.abs(np.diff(hidden, prepend=0.0, axis=1)), "rel_step": noise,
-            "step_cos": np.where(loops[None] == 1, np.nan, noise), "state_cos_dist": noise / 10,
-            "accel": np.where(loops[None] == 1, np.nan, noise * entropy),
-            "accel_norm": np.where(loops[None] == 1, np.nan, noise),
-            "step_d2": np.where(loops[None] <= 2, np.nan, noise),
-        }
-        cols["hidden_change"] = cols["step_norm"]
-        cols["gate_logit"] = (rng.normal(size=(n, T)) + 3 * correct - 1.5) if gate else None
-        cols["token"] = np.repeat((np.arange(n) + 1000 * si)[:, None], T, 1)
-        out[split] = cols
-    return out
-
-
-def write_token_loop(path: Path, splits: dict[str, dict], shuffle_seed: int | None = 1) -> Path:
-    """Write ``token_loop.parquet`` with exactly the geometry stage's columns (row order shuffled)."""
-    frames = []
-    for split, cols in splits.items():
-        n, T = cols["correct"].shape
-        data = {}
-        for c in TOKEN_LOOP_COLUMNS:
-            if c == "split":
-                data[c] = [split] * (n * T)
-            elif cols.get(c) is None:
-                data[c] = pl.Series(c, [None] * (n * T), dtype=pl.Float32)
-            else:
-                data[c] = np.asarray(cols[c]).reshape(-1)
-        frames.append(pl.DataFrame(data))
-    df = pl.concat(frames, how="vertical_relaxed")
-    if shuffle_seed is not None:
-        df = df.sample(fraction=1.0, shuffle=True, seed=shuffle_seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    df.write_parquet(path)
-    return path
+# Token-loop tables of a toy model: looptrace.testing.token_loop_splits / write_token_loop (shared builders).
+synthetic_splits = token_loop_splits
 
 
 def brute_exit(signal, thr, op, min_loop=1, two_hit=False):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import xarray as xr
 from looptrace.io.store import (
-    STAT_NAMES,
     TOKEN_FIELDS,
     ArraySpec,
     StoreError,
@@ -19,28 +18,7 @@ from looptrace.io.store import (
     open_store,
     write_store,
 )
-
-
-def _arrays(n=37, T=3, D=4, V=5, seed=0, gate=False, topk=None) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    a = {"hidden": rng.normal(size=(n, T, D)).astype(np.float32),
-         "hidden_init": rng.normal(size=(n, D)).astype(np.float32)}
-    if topk:
-        a["topk_ids"] = rng.integers(0, V, (n, T, topk)).astype(np.int32)
-        a["topk_logits"] = rng.normal(size=(n, T, topk)).astype(np.float32)
-    else:
-        a["logits"] = rng.normal(size=(n, T, V)).astype(np.float32)
-    for s in STAT_NAMES:
-        a[s] = rng.integers(0, V, (n, T)).astype(np.int32) if s == "argmax" else \
-            rng.normal(size=(n, T)).astype(np.float32)
-    a["kl_prev"][:, 0] = np.nan
-    for f in TOKEN_FIELDS:
-        a[f] = rng.integers(0, V, n).astype(np.int64)
-    a["loop_group"] = np.array([0, 0, 1][:T], dtype=np.int32)
-    if gate:
-        a["gate_logit"] = rng.normal(size=(n, T)).astype(np.float32)
-    return a
-
+from looptrace.testing import random_store_arrays
 
 ATTRS = {"split": "val", "task": {"name": "rp", "kind": "running_parity", "length": 8},
          "regime": {"name": "uniform", "kind": "uniform"}, "token_types": ["keep", "change"],
@@ -56,7 +34,7 @@ def _assert_same(st, arrays):
 
 @pytest.mark.parametrize("where", ["memory", "disk"])
 def test_exact_round_trip(where, tmp_path):
-    arrays = _arrays(gate=True)
+    arrays = random_store_arrays(gate=True)
     target = memory_store() if where == "memory" else tmp_path / "val.zarr"
     st = write_store(target, arrays, ATTRS, chunk_tokens=10)
     st = open_store(target)
@@ -84,7 +62,7 @@ def test_exact_round_trip(where, tmp_path):
 
 
 def test_float16_states_and_topk_round_trip():
-    arrays = _arrays(topk=2)
+    arrays = random_store_arrays(topk=2)
     st = write_store(memory_store(), arrays, {}, chunk_tokens=16, hidden_dtype="float16")
     assert st.attrs["dtypes"]["hidden"] == "float16" and not st.has_logits and "topk_ids" in st
     np.testing.assert_array_equal(st.read("hidden"), arrays["hidden"].astype(np.float16).astype(np.float32))
@@ -94,7 +72,7 @@ def test_float16_states_and_topk_round_trip():
 
 
 def test_xarray_opens_store_with_named_dims(tmp_path):
-    arrays = _arrays(gate=True)
+    arrays = random_store_arrays(gate=True)
     write_store(tmp_path / "s.zarr", arrays, ATTRS, chunk_tokens=10)
     ds = xr.open_zarr(tmp_path / "s.zarr")
     assert ds["hidden"].dims == ("token", "loop", "d_model")
@@ -112,7 +90,7 @@ def test_xarray_opens_store_with_named_dims(tmp_path):
 
 def _disk_store(tmp_path, **kw) -> Path:
     p = tmp_path / "val.zarr"
-    write_store(p, _arrays(**kw), ATTRS, chunk_tokens=10)
+    write_store(p, random_store_arrays(**kw), ATTRS, chunk_tokens=10)
     return p
 
 
@@ -150,13 +128,13 @@ def test_inconsistent_shapes(tmp_path):
     with pytest.raises(StoreError, match=r"array 'target' has shape \(36,\), inconsistent .*token=37"):
         open_store(p)
     with pytest.raises(StoreError, match="array 'margin' has shape"):
-        bad = _arrays()
+        bad = random_store_arrays()
         bad["margin"] = bad["margin"][:, :2]
         write_store(memory_store(), bad, {})
 
 
 def test_nan_in_hidden_counted_and_refused(tmp_path):
-    arrays = _arrays()
+    arrays = random_store_arrays()
     arrays["hidden"][3, 1, 2] = np.nan
     arrays["hidden_init"][5, 0] = np.inf
     p = tmp_path / "nan.zarr"
@@ -165,7 +143,7 @@ def test_nan_in_hidden_counted_and_refused(tmp_path):
         open_store(p)
     st = open_store(p, allow_nan=True)
     assert st.attrs["nan_count"] == 2 and np.isposinf(st.read("hidden_init")[5, 0])
-    # a finite state beyond float16's range is refused, never stored as inf (pipeline.precision)
+    # a finite state beyond float16's range is refused, never stored as inf (looptrace.io.precision)
     arrays["hidden"][7, 0, 0] = 1e5
     with pytest.raises(StoreError, match=r"chunk 0 of 'hidden': \|value\| reaches 1e\+05, beyond float16"):
         write_store(tmp_path / "over.zarr", arrays, ATTRS, chunk_tokens=10, hidden_dtype="float16")
@@ -178,7 +156,7 @@ def test_damaged_chunk_is_an_error(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     chunk.write_bytes(bytes(raw))
     st = open_store(p)  # lazy: the damage is found on read
-    np.testing.assert_array_equal(st.read("hidden", slice(0, 10)), _arrays()["hidden"][:10])  # other chunks fine
+    np.testing.assert_array_equal(st.read("hidden", slice(0, 10)), random_store_arrays()["hidden"][:10])  # other chunks fine
     with pytest.raises(StoreError, match=r"array 'hidden' has a damaged chunk \(checksum mismatch\)"):
         st.read("hidden", slice(10, 20))
     with pytest.raises(StoreError, match="damaged chunk"):
@@ -193,7 +171,7 @@ def test_missing_chunk_is_an_error_not_zeros(tmp_path):
 
 
 def test_incomplete_store_says_resume(tmp_path):
-    arrays = _arrays()
+    arrays = random_store_arrays()
     p = tmp_path / "inc.zarr"
     specs = {k: ArraySpec(v.shape, str(v.dtype)) for k, v in arrays.items()}
     w = StoreWriter.create(p, specs, {"n_tokens": 37, "n_loops": 3, "d_model": 4, "vocab_size": 5,
@@ -210,19 +188,19 @@ def test_incomplete_store_says_resume(tmp_path):
         w.finish()
 
 
-def test_write_store_names_missing_or_unknown_arrays():
-    arrays = _arrays()
+def test_write_store_names_missing_or_unknownrandom_store_arrays():
+    arrays = random_store_arrays()
     del arrays["token_type"]
     with pytest.raises(StoreError, match="array 'token_type'"):
         write_store(memory_store(), arrays, {})
     with pytest.raises(StoreError, match="unknown array 'hiden'"):
-        write_store(memory_store(), {**_arrays(), "hiden": np.zeros(3)}, {})
+        write_store(memory_store(), {**random_store_arrays(), "hiden": np.zeros(3)}, {})
 
 
 def test_refuses_to_replace_a_non_store_directory(tmp_path):
     (tmp_path / "x.zarr").mkdir()
     (tmp_path / "x.zarr" / "precious.txt").write_text("keep")
     with pytest.raises(StoreError, match="not a trajectory store"):
-        write_store(tmp_path / "x.zarr", _arrays(), {})
+        write_store(tmp_path / "x.zarr", random_store_arrays(), {})
     assert (tmp_path / "x.zarr" / "precious.txt").read_text() == "keep"
     assert not (tmp_path / "x.zarr.tmp").exists()

@@ -1,6 +1,6 @@
 """Text corpora → TaskBatch, token types, loss-bin difficulty, and the LM profile end to end.
 
-The end-to-end test runs the repository's ``params-lm.yaml`` (paths pointed at a tiny Dory checkpoint and
+The end-to-end test runs the repository's LM profile (params.yaml + profiles/lm/params.yaml, paths pointed at a tiny Dory checkpoint and
 corpus built here) through ``looptrace dump`` → ``geometry`` → ``readouts`` → ``diagnose`` with the CLI, and
 checks the store against the model's own forward pass (independent of the adapter and the dump).
 """

@@ -7,9 +7,8 @@ import torch
 from looptrace.cli import app
 from looptrace.models.looped import load_checkpoint
 from looptrace.models.train import evaluate, lr_at, train_model
+from looptrace.testing import tiny_train_config
 from typer.testing import CliRunner
-
-from .conftest import tiny_train_config
 
 
 def test_lr_schedule():

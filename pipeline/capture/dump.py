@@ -1,10 +1,10 @@
 """The ``dump`` stage: run a looped model once and persist every scored token's trajectory (SPEC §1).
 
-For each batch of sequences the model interface (:mod:`pipeline.interface`) returns the per-loop states;
+For each batch of sequences the model interface (:mod:`looptrace.models.interface`) returns the per-loop states;
 each loop is read out on its own (never [batch, seq, loop, vocab] in memory), loop T first so that
-``kl_final`` can be computed while streaming loops 1..T (:class:`pipeline.stats.LoopStats`). Rows are the
+``kl_final`` can be computed while streaming loops 1..T (:class:`looptrace.signals.logits.LoopStats`). Rows are the
 scored positions (``targets != IGNORE``) in (sequence, position) order; ``sequence`` is the row index of
-the input :class:`~pipeline.tasks.TaskBatch`.
+the input :class:`~looptrace.tasks.TaskBatch`.
 
 Compute and I/O overlap: the forward pass fills whole token chunks, which a bounded background thread
 compresses and writes (``dump.writer_queue`` chunks in flight), so the capture costs little beyond the
@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from looptrace.capture.encode import encode_states_counted
 from looptrace.config import BaseConfig, ConfigError, to_dict
-from looptrace.io.precision import encode_states_counted, resolve_state_dtype
+from looptrace.io.precision import resolve_state_dtype
 from looptrace.io.store import (
     DIMS,
     DTYPES,
@@ -57,7 +58,7 @@ from looptrace.models.interface import LoopedModelAdapter
 from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
-from looptrace.tasks.text import TextConfig
+from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_splits
 from tqdm.auto import tqdm
 
 
@@ -70,7 +71,7 @@ class DumpConfig:
         batch_size: sequences per forward pass.
         chunk_tokens: rows per store chunk along ``token`` (the unit of writing, resuming and streaming reads).
         hidden_dtype: stored dtype of ``hidden``/``hidden_init``: ``float16``, ``float32``, ``bfloat16`` (kept as
-            its uint16 bits) or ``auto`` (bfloat16 for bf16 models, else float16; :mod:`pipeline.precision`).
+            its uint16 bits) or ``auto`` (bfloat16 for bf16 models, else float16; :mod:`looptrace.io.precision`).
             A finite state beyond float16's range is an error, never a silent inf.
         full_logits_max_vocab: store full ``logits`` when vocab ≤ this, else ``topk_ids``/``topk_logits``
             (the statistics are exact either way: computed from the full logits at dump time).
@@ -79,9 +80,9 @@ class DumpConfig:
         allow_nan: accept NaN/Inf in the stored states (they are counted in ``nan_count`` either way);
             when false a dump that produced any fails after writing, and readers refuse the store.
         clevel: zstd compression level (Blosc, byte shuffle).
-        adapter: a real checkpoint to dump instead of a trained looptrace model (``pipeline.adapters.hf``;
+        adapter: a real checkpoint to dump instead of a trained looptrace model (``looptrace.models.adapters.hf``;
             the run name is ``adapter.name``); null = the default pipeline's checkpoints.
-        text: the corpus of an adapter dump (:class:`pipeline.text.TextConfig`); required with ``adapter``.
+        text: the corpus of an adapter dump (:class:`looptrace.tasks.text.TextConfig`); required with ``adapter``.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -133,8 +134,9 @@ def _data_hash(data: TaskBatch) -> str:
 #: Modules whose code decides the stored values. Their source is part of the fingerprint: DVC re-runs the stage
 #: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
 #: resume likewise never mixes chunks written by two versions of the code.
-VALUE_MODULES = ("looptrace.capture.dump", "looptrace.signals.logits", "looptrace.io.precision", "looptrace.io.store",
-                 "looptrace.models.interface", "looptrace.models.looped")
+VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
+                 "looptrace.io.precision", "looptrace.io.store", "looptrace.models.interface",
+                 "looptrace.models.looped")
 
 
 def _code_hash(*extra_modules: str) -> str:
@@ -384,13 +386,13 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         adapter: the model interface (states + per-loop readout).
         data: the sequences; ``tokens``/``targets``/``difficulty``/``token_type`` all [batch, seq];
             ``targets == IGNORE`` marks unscored positions. ``sequence`` in the store = row index here.
-        path: ``<split>.zarr`` directory or :func:`pipeline.store.memory_store`.
+        path: ``<split>.zarr`` directory or :func:`looptrace.io.store.memory_store`.
         cfg: the ``dump`` section.
         attrs: extra group attributes (split, task, regime, difficulty_name, difficulty_levels, token_types,
             seeds...); ``task``/``regime`` default to the adapter's ``info.extra``.
         progress: show a tqdm bar (silent when not a terminal anyway).
         finalize: called with the writer after every chunk is written and before the store is marked
-            complete; may :meth:`~pipeline.store.StoreWriter.rewrite` token columns and returns extra
+            complete; may :meth:`~looptrace.io.store.StoreWriter.rewrite` token columns and returns extra
             attributes (or None). Runs again on resume, so it must be idempotent.
 
     Returns:
@@ -544,4 +546,36 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     return stores
 
 
-__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "reuse_freed_memory"]
+def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool = True) -> dict:
+    """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
+
+    The batches come from :func:`looptrace.tasks.text.text_splits` (content-disjoint document splits, packed);
+    ``difficulty`` is rewritten before completion by :func:`looptrace.tasks.text.loss_bins_finalizer`.
+
+    Args:
+        adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters.hf``).
+        cfg: the ``dump`` section (:class:`looptrace.capture.dump.DumpConfig`) with ``text`` set; the tokenizer
+            defaults to ``cfg.adapter.path``.
+        out_dir: ``artifacts/dump/<model>``.
+        base: the ``base`` section (its seed is recorded).
+
+    Returns:
+        split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
+    """
+    if cfg.text is None:
+        raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
+    tok_path = cfg.text.tokenizer or (cfg.adapter.path if cfg.adapter is not None else None)
+    if tok_path is None:
+        raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size)
+    stores = {}
+    for split, batch in data.items():
+        attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed}
+        stores[split] = dump_split(adapter, batch, out_dir / f"{split}.zarr", cfg, attrs, progress,
+                                   finalize=loss_bins_finalizer(cfg.text.difficulty_bins))
+    return stores
+
+
+__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "dump_text_model", "reuse_freed_memory"]

@@ -102,13 +102,13 @@ def training_dynamics(train_dir: Path | str, cfg: DynamicsConfig, dump_cfg, devi
 
     Every intermediate checkpoint and ``model.pt`` (fraction 1.0) runs the same fixed probe set —
     ``cfg.probe_sequences`` sequences of ``cfg.probe_split`` drawn with the checkpoint's recorded data
-    seed — through ``pipeline.dump.dump_split`` into a temporary store, which is then read back with the
+    seed — through ``looptrace.capture.dump.dump_split`` into a temporary store, which is then read back with the
     same block code as the main stage.
 
     Args:
         train_dir: ``artifacts/train/<model>``.
         cfg: the ``dynamics`` section.
-        dump_cfg: a :class:`pipeline.dump.DumpConfig` (the ``dump`` section: dtype, chunking...).
+        dump_cfg: a :class:`looptrace.capture.dump.DumpConfig` (the ``dump`` section: dtype, chunking...).
         device: torch device of the captures.
         progress: show a progress bar.
 

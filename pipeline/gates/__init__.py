@@ -3,7 +3,7 @@
 Backbone and readout head stay frozen. A new gate maps the features of a token at loop t to
 P(stop | features_t); the exit rule is SPEC §4's "offline gate", d = min{t : P(stop) ≥ γ} (d = T when
 never met). Fit on the ``fit`` split, calibrate γ on ``val`` (the 51-quantile grid of readouts),
-report on ``test`` — scored by exactly the operating-point code of ``pipeline.readouts``.
+report on ``test`` — scored by exactly the operating-point code of ``looptrace.rules.scoring``.
 
 Features per (token, loop), all from the trajectory store (read block by block):
 
@@ -11,7 +11,7 @@ Features per (token, loop), all from the trajectory store (read block by block):
 - optional scalar statistics (``gates.stats``): the store's logit statistics (entropy, max_prob,
   margin, kl_prev, kl_prev_rev, logit_change, gate_logit) and the step geometry of SPEC §2 (step_norm,
   rel_step, step_cos, state_cos_dist, accel, accel_norm, step_d2, hidden_change) computed with
-  ``pipeline.geometry.step_metrics`` — the function the geometry stage uses, so the values are those of
+  ``looptrace.signals.steps.step_metrics`` — the function the geometry stage uses, so the values are those of
   ``token_loop.parquet``. Non-negative statistics enter as log(max(x, 1e-10)) (``gates.log_stats``:
   they span decades, e.g. KL 1e-6…1); statistics that need t − 1 are NaN at t = 1 and, after
   standardising, set to 0 (= the fit mean) — the loop encoding tells the gate which loop it is at;
@@ -40,7 +40,7 @@ Gates (``gates.gates``, names ``<gate>-<labels>``; rule ``gate:<gate>-<labels>``
   P(stop) = 1 − P(continue) for utility and oracle, P(stop) for consistent.
 - ``ponder-linear`` / ``ponder-mlp``: a small torch module g (linear, or a 2-layer MLP) trained on the
   frozen per-depth losses ℓ_t = −target_logprob to minimise Σ_t q_t ℓ_t + β KL(q ‖ π) with
-  λ_t = σ(g(x_t)) and q = ``pipeline.regimes.halting_distribution`` (SPEC §5, [AD]'s "same objective");
+  λ_t = σ(g(x_t)) and q = ``looptrace.models.regimes.halting_distribution`` (SPEC §5, [AD]'s "same objective");
   P(stop) = λ_t.
 
 Training rows are loops 1..T − 1 (the exit at T is forced whatever the gate says; the PonderNet

@@ -17,7 +17,7 @@ CLASSIFIERS = ("logreg", "mlp")
 PONDER_ARCHS = ("linear", "mlp")
 #: Statistics read from the store (SPEC §3) that a gate may use at loop t.
 STORE_FEATURES = ("entropy", "max_prob", "margin", "kl_prev", "kl_prev_rev", "logit_change", "gate_logit")
-#: Step geometry (SPEC §2) from ``pipeline.geometry.step_metrics``; ``hidden_change`` = step_norm.
+#: Step geometry (SPEC §2) from ``looptrace.signals.steps.step_metrics``; ``hidden_change`` = step_norm.
 GEOMETRY_FEATURES = ("step_norm", "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2",
                      "hidden_change")
 FEATURE_STATS = STORE_FEATURES + GEOMETRY_FEATURES
@@ -30,7 +30,7 @@ LOOP_FEATURES = ("onehot", "scalar", "none")
 UTILITY_ALIGN = ("ouro", "next")
 #: Floor of the log transform of non-negative statistics (exact zeros, e.g. entropy 0 in float32).
 LOG_FLOOR = 1e-10
-#: Floor of q inside log q of KL(q ‖ π) (as ``pipeline.regimes.regime_loss``).
+#: Floor of q inside log q of KL(q ‖ π) (as ``looptrace.models.regimes.regime_loss``).
 Q_FLOOR = 1e-12
 
 

@@ -135,7 +135,7 @@ class SplitTargets:
 
     @property
     def data(self) -> SplitData:
-        """For ``pipeline.readouts.evaluate_depths`` (token = store row)."""
+        """For ``looptrace.rules.scoring.evaluate_depths`` (token = store row)."""
         return SplitData(correct=self.correct, loss=self.loss, token=np.arange(self.loss.shape[0], dtype=np.int64))
 
 
@@ -161,7 +161,7 @@ def block_stats(st, tokens: slice, stats: Sequence[str], hidden: np.ndarray | No
     """Raw statistics [token, loop, k] (float32 values as stored / as ``step_metrics`` returns) of one block.
 
     Store statistics are read as stored; geometry statistics come from
-    ``pipeline.geometry.step_metrics(hidden, hidden_init)`` (the geometry stage's function), so they
+    ``looptrace.signals.steps.step_metrics(hidden, hidden_init)`` (the geometry stage's function), so they
     equal the ``token_loop.parquet`` columns.
     """
     if not stats:

@@ -7,7 +7,7 @@ from looptrace.gates.config import Q_FLOOR, PonderConfig
 
 
 def ponder_prior(T: int, prior: str = "uniform", lam: float = 0.3):
-    """π over depths [T] (torch float32), via ``pipeline.regimes.prior_weights`` (joint regime's prior)."""
+    """π over depths [T] (torch float32), via ``looptrace.models.regimes.prior_weights`` (joint regime's prior)."""
     from looptrace.models.regimes import RegimeConfig, prior_weights
 
     return prior_weights(T, RegimeConfig(kind="joint", prior=prior, lam=lam))

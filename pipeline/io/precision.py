@@ -14,11 +14,14 @@ Zarr v3 has no bfloat16, and LM checkpoints run in bf16 / fp16 / fp32. The store
 
 Values that are non-finite *in the model* (NaN/Inf) are not overflow: they are stored as such and
 counted (``nan_count``), as before.
+
+This module is the numpy side of the representation (the policy, the numpy encoder :class:`StoreWriter` uses,
+the decoder every reader uses, the counts) and never imports torch, so the offline stages that read stores stay
+torch-free. The dump's torch fast path (cast on the model's device, one ``aminmax`` per batch) is
+:mod:`looptrace.capture.encode`; both produce the same stored bytes (tests/test_precision.py).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
@@ -38,32 +41,29 @@ def resolve_state_dtype(requested: str, model_dtype: str | None) -> str:
     return {"bfloat16": "bfloat16", "float16": "float16"}.get(str(model_dtype or "").replace("torch.", ""), "float16")
 
 
-def _max_finite_abs(x: Any) -> float:
-    if isinstance(x, np.ndarray):
-        a = np.abs(x.astype(np.float32, copy=False)) if x.dtype != np.float64 else np.abs(x)
-        a = a[np.isfinite(a)]
-        return float(a.max()) if a.size else 0.0
-    import torch
-
-    a = x.detach().abs()
-    if a.dtype not in (torch.float32, torch.float64):
-        a = a.float()
-    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
-    return float(a.max()) if a.numel() else 0.0
+def _max_finite_abs(x: np.ndarray) -> float:
+    a = np.abs(x.astype(np.float32, copy=False)) if x.dtype != np.float64 else np.abs(x)
+    a = a[np.isfinite(a)]
+    return float(a.max()) if a.size else 0.0
 
 
-def check_fits(x: Any, dtype: str, what: str) -> None:
+def check_fits(x: np.ndarray, dtype: str, what: str) -> None:
     """Raise :class:`PrecisionError` when a finite value of ``x`` exceeds the range of ``dtype``.
 
     Args:
-        x: the values (any float dtype; numpy array or torch tensor).
+        x: the values (any float dtype, numpy; a torch tensor goes through
+            :func:`looptrace.capture.encode.encode_states_counted`).
         dtype: the stored dtype (only ``float16`` has a narrower range than the models' dtypes).
         what: names the array (and chunk / batch) in the message.
     """
     if dtype != "float16":
         return
-    m = _max_finite_abs(x)
-    if m > FLOAT16_MAX:
+    check_max_abs(_max_finite_abs(x), dtype, what)
+
+
+def check_max_abs(m: float, dtype: str, what: str) -> None:
+    """:func:`check_fits` given the largest finite magnitude ``m`` (computed by the caller, numpy or torch)."""
+    if dtype == "float16" and m > FLOAT16_MAX:
         raise PrecisionError(f"{what}: |value| reaches {m:.4g}, beyond float16's largest finite value "
                              f"{FLOAT16_MAX:.0f} (it would be stored as inf); set dump.hidden_dtype: float32 or "
                              "bfloat16 (auto picks bfloat16 for bf16 models)")
@@ -79,69 +79,32 @@ def _f32_to_bf16_bits(a: np.ndarray) -> np.ndarray:
     return rounded
 
 
-def encode_states(x: Any, dtype: str, what: str) -> np.ndarray:
+def encode_states(x: np.ndarray, dtype: str, what: str) -> np.ndarray:
     """States → the numpy array stored for ``dtype`` (range-checked; bfloat16 as uint16 bits).
 
     Args:
-        x: [..., d_model] states, any float dtype (torch tensor or numpy); uint16 numpy input is taken as
-            bfloat16 bits already.
+        x: [..., d_model] numpy states, any float dtype; uint16 input is taken as bfloat16 bits already. Torch
+            tensors (the dump's capture) are encoded by :func:`looptrace.capture.encode.encode_states_counted`,
+            which gives the same stored values.
         dtype: ``float16`` | ``bfloat16`` | ``float32``.
         what: names the array in an error message.
     """
     if dtype not in STATE_DTYPES:
         raise PrecisionError(f"{what}: unknown state dtype {dtype!r} (one of {', '.join(STATE_DTYPES)})")
-    if isinstance(x, np.ndarray):
-        if x.dtype == np.uint16:
-            if dtype != "bfloat16":
-                raise PrecisionError(f"{what}: uint16 (bfloat16 bits) given for a {dtype} array")
-            return x
-        if dtype != "bfloat16" and x.dtype == np.dtype(dtype):
-            return x  # already in the stored representation (cast, and range-checked, by the producer)
-        check_fits(x, dtype, what)
-        if dtype == "bfloat16":
-            return _f32_to_bf16_bits(x)
-        with np.errstate(over="ignore", invalid="ignore"):
-            return x.astype(dtype, copy=False)
-    return encode_states_counted(x, dtype, what)[0]
-
-
-def encode_states_counted(x: Any, dtype: str, what: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """:func:`encode_states` of a torch tensor, plus the non-finite count of each row.
-
-    The common case costs the cast and one reduction over its result: a finite ``torch.aminmax`` of the
-    stored values proves there is nothing to count and nothing to refuse (a finite value beyond float16's
-    range becomes inf in the cast), so the per-element checks (largest finite magnitude of the input,
-    finiteness mask, count per row) only run for a batch that holds a NaN/Inf after the cast.
-
-    Args:
-        x: [row, ...] states (torch tensor, any float dtype; numpy goes through :func:`encode_states`).
-        dtype: ``float16`` | ``bfloat16`` | ``float32``.
-        what: names the array in an error message.
-
-    Returns:
-        (stored array [row, ...], [row] int64 non-finite count per row, or None when there is none).
-    """
-    if isinstance(x, np.ndarray):
-        enc = encode_states(x, dtype, what)
-        bad = count_nonfinite_rows(enc, dtype)
-        return enc, (bad if bad.any() else None)
-    if dtype not in STATE_DTYPES:
-        raise PrecisionError(f"{what}: unknown state dtype {dtype!r} (one of {', '.join(STATE_DTYPES)})")
-    import torch
-
-    t = x.detach()
-    target = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    e = t.to(target)
-    counts = None
-    if e.numel():
-        lo, hi = (float(v) for v in torch.aminmax(e))
-        if not (np.isfinite(lo) and np.isfinite(hi)):
-            # rare path: a NaN/Inf after the cast, from the model or from overflow (refused for float16)
-            check_fits(t, dtype, what)
-            counts = (~torch.isfinite(e)).reshape(e.shape[0], -1).sum(-1).cpu().numpy().astype(np.int64)
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{what}: encode_states takes a numpy array, got {type(x).__name__} "
+                        "(torch tensors: looptrace.capture.encode.encode_states_counted)")
+    if x.dtype == np.uint16:
+        if dtype != "bfloat16":
+            raise PrecisionError(f"{what}: uint16 (bfloat16 bits) given for a {dtype} array")
+        return x
+    if dtype != "bfloat16" and x.dtype == np.dtype(dtype):
+        return x  # already in the stored representation (cast, and range-checked, by the producer)
+    check_fits(x, dtype, what)
     if dtype == "bfloat16":
-        return e.contiguous().view(torch.int16).cpu().numpy().view(np.uint16), counts
-    return e.cpu().numpy(), counts
+        return _f32_to_bf16_bits(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(dtype, copy=False)
 
 
 def decode_states(a: np.ndarray, dtype: str | None) -> np.ndarray:
@@ -165,5 +128,5 @@ def count_nonfinite_rows(stored: np.ndarray, dtype: str) -> np.ndarray:
     return bad.reshape(len(stored), -1).sum(-1, dtype=np.int64)
 
 
-__all__ = ["FLOAT16_MAX", "STATE_DTYPES", "PrecisionError", "check_fits", "count_nonfinite", "decode_states",
-           "count_nonfinite_rows", "encode_states", "encode_states_counted", "resolve_state_dtype"]
+__all__ = ["FLOAT16_MAX", "STATE_DTYPES", "PrecisionError", "check_fits", "check_max_abs", "count_nonfinite",
+           "decode_states", "count_nonfinite_rows", "encode_states", "resolve_state_dtype"]

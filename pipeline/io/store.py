@@ -80,7 +80,7 @@ DTYPES: dict[str, str] = {
 }
 
 HIDDEN_NAMES = ("hidden", "hidden_init")
-#: Stored dtypes of the states; bfloat16 is kept as its uint16 bit pattern (pipeline.precision).
+#: Stored dtypes of the states; bfloat16 is kept as its uint16 bit pattern (looptrace.io.precision).
 HIDDEN_DTYPES = ("float16", "float32", "bfloat16")
 
 #: Arrays every store must hold (``logits`` or ``topk_*`` and ``gate_logit`` are optional).
@@ -619,7 +619,7 @@ def write_store(path: StoreTarget, arrays: Mapping[str, np.ndarray], attrs: Mapp
                 chunk_tokens: int = 4096, hidden_dtype: str | None = None, clevel: int = 1) -> TrajectoryStore:
     """One-shot writer for tests and small captures: write ``arrays`` as a complete store.
 
-    No statistics are computed here (see :func:`pipeline.stats.logit_stats`). On disk the store is
+    No statistics are computed here (see :func:`looptrace.signals.logits.logit_stats`). On disk the store is
     written to ``<path>.tmp`` and renamed, so a failure leaves no store that could be taken as valid.
 
     Args:
@@ -633,7 +633,7 @@ def write_store(path: StoreTarget, arrays: Mapping[str, np.ndarray], attrs: Mapp
         chunk_tokens: rows per chunk along ``token``.
         hidden_dtype: stored dtype of ``hidden``/``hidden_init`` (``float16``/``float32``/``bfloat16``);
             ``None`` keeps the given array's dtype when it is one of those, else float16. A finite value beyond
-            float16's range is a :class:`StoreError` (never stored as inf; ``pipeline.precision``).
+            float16's range is a :class:`StoreError` (never stored as inf; ``looptrace.io.precision``).
 
     Returns:
         The store, opened with ``allow_nan=True`` (non-finite states are counted in ``nan_count``).

@@ -2,7 +2,7 @@
 
 A :class:`LoopedModelAdapter` runs a batch of token sequences and returns the per-loop states; it
 reads out any loop's state on request. The dump never touches a model's internals, so adapters
-for real checkpoints (``pipeline.adapters``) plug in without changing the store or the stages.
+for real checkpoints (``looptrace.models.adapters``) plug in without changing the store or the stages.
 
 Readout is per loop (``readout(hidden[:, :, t], t)``) rather than all loops at once so that a
 large vocabulary never needs [batch, seq, loop, vocab] in memory.
@@ -92,7 +92,7 @@ def file_sha256(path: Path | str, chunk: int = 1 << 20) -> str:
 
 
 class LoopedTransformerAdapter(LoopedModelAdapter):
-    """The interface for looptrace's own :class:`~pipeline.model.LoopedTransformer`."""
+    """The interface for looptrace's own :class:`~looptrace.models.looped.LoopedTransformer`."""
 
     def __init__(self, model: LoopedTransformer, name: str, checkpoint_hash: str = "", extra: dict | None = None,
                  device: str = "cpu"):

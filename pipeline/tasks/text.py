@@ -1,7 +1,7 @@
 """Text corpora as dump input: documents → tokens → packed next-token sequences (a :class:`TaskBatch`).
 
 So that the dump, geometry, readouts, gates and diagnose stages run unchanged on a real language model,
-a text corpus is turned into the same :class:`~pipeline.tasks.TaskBatch` the synthetic tasks produce:
+a text corpus is turned into the same :class:`~looptrace.tasks.TaskBatch` the synthetic tasks produce:
 
 - Documents come from a local JSONL (one JSON object per line, text in ``text.field``), Parquet (column
   ``text.field``) or plain-text file (documents separated by blank lines).
@@ -328,37 +328,6 @@ def loss_bins_finalizer(n_bins: int):
     return finalize
 
 
-def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool = True) -> dict:
-    """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
-
-    Args:
-        adapter: the checkpoint's :class:`~pipeline.interface.LoopedModelAdapter` (``pipeline.adapters.hf``).
-        cfg: the ``dump`` section (:class:`pipeline.dump.DumpConfig`) with ``text`` set; the tokenizer
-            defaults to ``cfg.adapter.path``.
-        out_dir: ``artifacts/dump/<model>``.
-        base: the ``base`` section (its seed is recorded).
-
-    Returns:
-        split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
-    """
-    from looptrace.capture.dump import dump_split
-
-    if cfg.text is None:
-        raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
-    tok_path = cfg.text.tokenizer or (cfg.adapter.path if cfg.adapter is not None else None)
-    if tok_path is None:
-        raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size)
-    stores = {}
-    for split, batch in data.items():
-        attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed}
-        stores[split] = dump_split(adapter, batch, out_dir / f"{split}.zarr", cfg, attrs, progress,
-                                   finalize=loss_bins_finalizer(cfg.text.difficulty_bins))
-    return stores
-
-
 def text_attrs(cfg: TextConfig, split: str) -> dict[str, Any]:
     """Store attributes of a text split (task description, difficulty and token-type names)."""
     from looptrace.config import to_dict
@@ -369,5 +338,5 @@ def text_attrs(cfg: TextConfig, split: str) -> dict[str, Any]:
 
 
 __all__ = ["DIFFICULTY_NAME", "FUNCTION_WORDS", "TOKEN_TYPES", "TextConfig", "classify_token_text",
-           "document_split", "dump_text_model", "load_tokenizer", "loss_bins", "loss_bins_finalizer", "pack", "read_documents",
+           "document_split", "load_tokenizer", "loss_bins", "loss_bins_finalizer", "pack", "read_documents",
            "text_attrs", "text_batch", "text_splits", "token_type_table"]

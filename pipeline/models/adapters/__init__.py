@@ -1,1 +1,1 @@
-"""Adapters that run real looped checkpoints through the model interface of ``pipeline.interface``."""
+"""Adapters that run real looped checkpoints through the model interface of ``looptrace.models.interface``."""

@@ -1,4 +1,4 @@
-"""Hugging Face looped language models through the model interface (:mod:`pipeline.interface`).
+"""Hugging Face looped language models through the model interface (:mod:`looptrace.models.interface`).
 
 Five kinds of checkpoint, each loaded from a local directory only (``local_files_only=True``):
 
@@ -173,7 +173,7 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
 
 def load_adapter(spec: AdapterConfig | dict, device: str = "cpu") -> LoopedModelAdapter:
     """The adapter of one checkpoint: ``spec`` (an :class:`AdapterConfig` or its mapping) → a
-    :class:`~pipeline.interface.LoopedModelAdapter`.
+    :class:`~looptrace.models.interface.LoopedModelAdapter`.
 
     Args:
         spec: the ``dump.adapter`` section.

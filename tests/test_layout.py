@@ -1,0 +1,122 @@
+"""The layout is what docs/DESIGN.md says: its module graph is the real package-level import graph, the installed
+distribution holds only ``looptrace`` (no top-level ``pipeline``/``stages``), and ``looptrace.testing`` is imported by
+tests only."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.import_graph import GRAPH, REPO
+
+
+def unit(module: str) -> str:
+    """``looptrace.rules.scoring`` -> ``rules``; ``looptrace.stages.x`` -> ``stages``; ``looptrace`` -> ``looptrace``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def package_edges() -> dict[str, set[str]]:
+    """unit -> the units it imports (anywhere in its files, function-level imports included)."""
+    edges: dict[str, set[str]] = {}
+    for f in sorted([*(REPO / "pipeline").rglob("*.py"), *(REPO / "stages").rglob("*.py")]):
+        u = unit(GRAPH.module_name(f))
+        ours, _ = GRAPH.direct_imports(f)
+        edges.setdefault(u, set()).update(v for v in map(unit, ours) if v not in (u, "looptrace"))
+    return edges
+
+
+def drawn_edges() -> dict[str, set[str]]:
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    block = re.search(r"```mermaid\n(.*?)```", text, re.S)
+    assert block, "docs/DESIGN.md has no mermaid module graph"
+    edges: dict[str, set[str]] = {}
+    for a, b in re.findall(r"^\s*(\w+)\s*-->\s*(\w+)\s*$", block.group(1), re.M):
+        edges.setdefault(a, set()).add(b)
+        edges.setdefault(b, set())
+    for node in re.findall(r"^\s*(\w+)\s*(?:\[|$)", block.group(1), re.M):
+        edges.setdefault(node, set())
+    edges.pop("graph", None)
+    return edges
+
+
+def test_design_module_graph_is_the_import_graph():
+    real, drawn = package_edges(), drawn_edges()
+    real.pop("looptrace", None)  # pipeline/__init__.py imports nothing
+    missing = sorted(f"{a} --> {b}" for a, bs in real.items() for b in bs - drawn.get(a, set()))
+    false = sorted(f"{a} --> {b}" for a, bs in drawn.items() for b in bs - real.get(a, set()))
+    assert not missing and not false, f"DESIGN.md graph lacks {missing}; draws imports that do not exist {false}"
+    assert set(drawn) == set(real), sorted(set(drawn) ^ set(real))
+
+
+def test_package_graph_has_no_cycle():
+    edges = package_edges()
+    state: dict[str, int] = {}
+
+    def visit(n, path):
+        if state.get(n) == 1:
+            pytest.fail(f"import cycle {' -> '.join([*path, n])}")
+        if state.get(n) == 2:
+            return
+        state[n] = 1
+        for m in sorted(edges.get(n, ())):
+            visit(m, [*path, n])
+        state[n] = 2
+
+    for n in sorted(edges):
+        visit(n, [])
+
+
+def test_testing_builders_are_imported_by_tests_only():
+    users = sorted(u for u, vs in package_edges().items() if "testing" in vs)
+    assert users == [], users
+
+
+def test_pyproject_lists_every_package():
+    cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(cfg["packages"])
+    found = {GRAPH.module_name(p) for p in [*(REPO / "pipeline").rglob("__init__.py"), *(REPO / "stages").rglob("__init__.py")]}
+    assert listed == found, sorted(listed ^ found)
+
+
+def test_installed_names_do_not_squat(tmp_path):
+    """From a directory outside the repository (no cwd on sys.path), ``pipeline`` and ``stages`` are not importable;
+    ``looptrace`` and ``looptrace.stages`` are, from this checkout's folders."""
+    code = ("import importlib.util as u, json; print(json.dumps([u.find_spec('pipeline') is None, "
+            "u.find_spec('stages') is None, u.find_spec('looptrace').origin, u.find_spec('looptrace.stages').origin]))")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    import json
+
+    no_pipeline, no_stages, lt, st = json.loads(res.stdout)
+    assert no_pipeline and no_stages
+    assert Path(lt) == REPO / "pipeline" / "__init__.py" and Path(st) == REPO / "stages" / "__init__.py"
+
+
+def test_wheel_holds_only_looptrace(tmp_path):
+    """A regular (non-editable) build, what ``pip install .`` installs: one top-level package, ``looptrace``, with
+    every module of pipeline/ and stages/ in it."""
+    src = tmp_path / "src"
+    for d in ("pipeline", "stages"):
+        shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / f, src / f)
+    res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, timeout=300)
+    if res.returncode != 0 and "No module named" in res.stderr:
+        pytest.skip(f"cannot build here: {res.stderr.strip().splitlines()[-1]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    names = zipfile.ZipFile(next((tmp_path / "dist").glob("looptrace-*.whl"))).namelist()
+    assert {n.split("/")[0] for n in names} == {"looptrace", "looptrace-0.1.0.dist-info"}
+    want = {"looptrace/" + p.relative_to(REPO / "pipeline").as_posix() for p in (REPO / "pipeline").rglob("*.py")}
+    want |= {"looptrace/stages/" + p.relative_to(REPO / "stages").as_posix() for p in (REPO / "stages").rglob("*.py")}
+    assert want <= set(names), sorted(want - set(names))
