@@ -372,9 +372,11 @@ def test_failed_run_leaves_previous_outputs(tmp_path, monkeypatch):
 
 
 def test_online_gate_matches_store_features(tmp_path):
-    """Features recomputed live from a real model's states and readouts give exactly the P(stop) of
-    the store path (rounded states, step_metrics, LoopStats formulas)."""
+    """Features recomputed live from a real model's states and readouts — the gate's statistics from the
+    engine's LiveSignals, as latency runs it — give exactly the P(stop) of the store path (rounded states,
+    step_metrics, LoopStats). (LiveSignals under compaction: tests/test_latency.py.)"""
     from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.online.engine import CallableRule
 
     from tests.dump_helpers import model_and_data
 
@@ -390,19 +392,22 @@ def test_online_gate_matches_store_features(tmp_path):
     fit = load_fitted(tmp_path / "gates" / "rs")
     mg = ModelGates("rs", fit["features"], fit["gates"], 4, 16, None, {})
     tok = torch.as_tensor(data.tokens)
+    B, S = tok.shape
     for name in ("logreg-consistent", "ponder-mlp"):
-        off = predict_split(stores["test"], [(mg, [name])], cfg)[("rs", name)]
+        off = predict_split(stores["test"], [(mg, [name])], cfg)[("rs", name)].reshape(B, S, 4)
         og = load_online_gate(tmp_path / "gates" / "rs", f"gate:{name}")
-        assert og.needs_logits
+        assert og.needs_logits and og.signals == cfg.stats
+        rule = CallableRule(f"gate:{name}", 0.5, og.stop_prob, signals=og.signals, hidden_dtype=og.hidden_dtype)
+        assert rule.needs_logits
         with torch.inference_mode():
             h0 = model.embed(tok)
-            state = og.reset(model, h0)
-            h, on = h0, []
+            rule.reset(model, h0)
+            h = h0
             for t in range(1, 5):
                 h = model.step(h, h0, model.cfg.loop_group[t - 1])
-                on.append(og.stop_prob(t, h, model.readout(h), state).numpy())
-        on = np.stack(on, -1).reshape(-1, 4)  # all positions scored: rows in (sequence, position) order
-        assert np.array_equal(on, off)
+                on = rule.signal(t, h, model.readout(h), model).numpy()
+                # all positions scored: store rows in (sequence, position) order
+                assert np.array_equal(on, off[:, :, t - 1]), (name, t)
     with pytest.raises(KeyError, match="not in the fitted gates"):
         load_online_gate(tmp_path / "gates" / "rs", "gate:mlp-oracle")
     with pytest.raises(FileNotFoundError, match="gates stage"):

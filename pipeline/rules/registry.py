@@ -181,18 +181,19 @@ def check_causal(rule: ExitRule, signals: Mapping[str, np.ndarray]) -> None:
     full = rule.score_of(signals)
     n, T = full.shape
     own = {s: np.asarray(signals[s]) for s in rule.signals}
+    # contiguous copies, as the online form's history arrays are
+    if n > 1:
+        rows = np.arange(0, n, 2)
+        part = rule.score_of({s: np.ascontiguousarray(v[rows]) for s, v in own.items()})
+        if not np.array_equal(part, full[rows], equal_nan=True):
+            raise ValueError(f"exit rule '{rule.name}' ({rule.origin}) depends on other tokens: its score of a "
+                             f"token changes when other tokens are left out; a rule scores each token on its own")
     for t in range(1, T):
-        part = rule.score_of({s: v[:, :t] for s, v in own.items()})
+        part = rule.score_of({s: np.ascontiguousarray(v[:, :t]) for s, v in own.items()})
         if not np.array_equal(part[:, -1], full[:, t - 1], equal_nan=True):
             raise ValueError(f"exit rule '{rule.name}' ({rule.origin}) is not causal: its score at loop {t} "
                              f"changes when the loops after {t} are removed; a rule may read loops 1..t only "
                              f"(online it sees no later loop)")
-    if n > 1:
-        rows = np.arange(0, n, 2)
-        part = rule.score_of({s: v[rows] for s, v in own.items()})
-        if not np.array_equal(part, full[rows], equal_nan=True):
-            raise ValueError(f"exit rule '{rule.name}' ({rule.origin}) depends on other tokens: its score of a "
-                             f"token changes when other tokens are left out; a rule scores each token on its own")
 
 
 def exit_rule(signals: Sequence[str], op: str, min_loop: int = 1, two_hit: bool = False,
@@ -323,6 +324,8 @@ def get_rule(name: str | ExitRule) -> ExitRule:
         return _RESOLVED[name]
     try:
         rule = _load_reference(name) if ":" in name else _entry_point(name)
+    except ConfigError:
+        raise
     except ValueError as exc:  # a bad decorator call inside the user's module
         raise ConfigError(f"rule '{name}': {str(exc).splitlines()[0]}") from None
     if rule is None:
