@@ -70,7 +70,8 @@ class LiveSignals:
         self._steps = StepSignals(self._rounded(h0), self._step) if self._step else None
 
     def _rounded(self, h: torch.Tensor) -> np.ndarray:
-        return round_states(h, self.hidden_dtype).double().cpu().numpy()
+        dt = _ROUNDING.get(str(self.hidden_dtype))  # float16 -> float64 directly: the same values as via float32
+        return (h.to(dt) if dt is not None else h).double().cpu().numpy()
 
     def update(self, t: int, h: torch.Tensor, z: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Signals after loop t (1-based) from h_t [b, s, D] and z_t [b, s, V] (None when no logit signal).
@@ -82,8 +83,10 @@ class LiveSignals:
         if self._logits is not None:
             out.update(self._logits.update(z))
         if self._steps is not None:
+            cpu = h.device.type == "cpu"
             for k, v in self._steps.update(self._rounded(h)).items():
-                out[k] = torch.from_numpy(v.astype(np.float32)).to(h.device)
+                x = torch.from_numpy(v.astype(np.float32))
+                out[k] = x if cpu else x.to(h.device)
         for n in self.names:
             if n in ALIASES:
                 out[n] = out[ALIASES[n]]

@@ -183,6 +183,7 @@ class LoopStats:
             self._target = tgt.unsqueeze(-1)
         self._need_top = any(n in self.names for n in ("max_prob", "argmax", "margin"))
         self._need_logp = any(n not in ("argmax", "margin", "logit_change") for n in self.names)
+        self._need_finite = any(n in self.names for n in ("entropy", "kl_prev", "kl_prev_rev", "kl_final"))
         self._keep_z = "logit_change" in self.names
         self._keep_logp = "kl_prev" in self.names or "kl_prev_rev" in self.names
         self._keep_p = "kl_prev_rev" in self.names
@@ -207,7 +208,8 @@ class LoopStats:
         logp = torch.log_softmax(z, dim=-1) if self._need_logp else None
         p = logp.exp() if (logp is not None and any(n in names for n in ("entropy", "kl_prev", "kl_final")))\
             or self._keep_p else None
-        finite = _all_finite(z)  # finite logits: finite log-probabilities, no mask needed in the sums
+        # finite logits: finite log-probabilities, no mask needed in the sums (only the sums need to know)
+        finite = _all_finite(z) if self._need_finite else False
         z_top, top = z.max(dim=-1) if self._need_top else (None, None)  # [...], [...]
         prev = self._started
         out: dict[str, torch.Tensor] = {}

@@ -108,6 +108,7 @@ class StepSignals:
         self._nh_prev = None
         self._d_prev = self._s_prev = self._s_prev2 = None
         self._need_nh = any(n in self.names for n in ("rel_step", "state_cos_dist", "accel_norm"))
+        self._need_s = any(n in self.names for n in ("step_norm", "rel_step", "step_cos", "step_d2"))
 
     def update(self, hidden: np.ndarray) -> dict[str, np.ndarray]:
         """Signals of the next loop t.
@@ -123,7 +124,7 @@ class StepSignals:
         h2 = h.reshape(-1, D)
         hp = self._h_prev.reshape(-1, D)
         d = h2 - hp
-        s = step_norm(d)
+        s = step_norm(d) if self._need_s else None
         nh = _norm(h2) if self._need_nh else None
         if self._need_nh and self._nh_prev is None:
             self._nh_prev = _norm(hp).reshape(lead)
@@ -138,7 +139,7 @@ class StepSignals:
             elif n == "step_d2" and self._s_prev2 is not None:
                 v = step_d2(s, self._s_prev.reshape(-1), self._s_prev2.reshape(-1))
             elif n == "step_d2" or self._d_prev is None:  # needs t − 2 / t − 1
-                v = np.full(s.shape, np.nan)
+                v = np.full(h2.shape[0], np.nan)
             elif n == "step_cos":
                 v = step_cos(d, self._d_prev.reshape(-1, D), s, self._s_prev.reshape(-1))
             elif n == "accel":
@@ -148,7 +149,8 @@ class StepSignals:
             flat[n] = v
         out = {n: v.reshape(lead) for n, v in flat.items()}
         self._h_prev, self._nh_prev = h, (nh.reshape(lead) if nh is not None else None)
-        self._d_prev, self._s_prev2, self._s_prev = d.reshape(h.shape), self._s_prev, s.reshape(lead)
+        self._d_prev = d.reshape(h.shape)
+        self._s_prev2, self._s_prev = self._s_prev, (s.reshape(lead) if s is not None else None)
         return out
 
     def compact(self, rows, seq: int | None) -> None:
