@@ -250,6 +250,21 @@ def test_entry_point_rule(tmp_path, monkeypatch):
         assert r.test.accuracy[k] == pytest.approx(np.mean(test.correct[np.arange(60), np.array(d) - 1]), abs=1e-12)
 
 
+def test_register_a_rule_defined_in_this_process(monkeypatch):
+    """register(): a rule defined here (a notebook, a script) is found by its name; built-in names are refused."""
+    from looptrace.rules import register, registry
+
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+    rule = exit_rule(signals=("max_prob",), op="ge", name="confident")(lambda s: s["max_prob"])
+    assert register(rule) is rule and get_rule("confident") is rule
+    val, test = _split(7), _split(8)
+    r = evaluate_model_rules(val, test, ReadoutsConfig(rules=("confident",)), CalibrationConfig(n_quantiles=5),
+                             progress=False)[0]
+    np.testing.assert_array_equal(r.thresholds, np.percentile(val.loop["max_prob"], [0.5, 25.25, 50, 74.75, 99.5]))
+    with pytest.raises(ValueError, match="the name is a built-in rule"):
+        register(user_rules.entropy)
+
+
 def test_explicit_thresholds_and_loop_signal():
     """``thresholds=`` replaces the quantile grid; ``loop`` is t = 1..T."""
     val, test = _split(3), _split(4)
