@@ -124,16 +124,17 @@ def main() -> None:
     ratios: dict[int, list[float]] = {1: [], args.batch: []}
     for name in args.models.split(","):
         model, _ = load_checkpoint(ROOT / "train" / name / "model.pt")
-        data = load_test_data(ROOT / "dump" / name / "test.zarr")
-        specs, _ = readout_rule_specs(ROOT / "readouts" / name, rules, int(data.scored.sum()), model.gate is not None,
-                                      data.hidden_dtype)
+        data, token, hidden_dtype = load_test_data(ROOT / "dump" / name / "test.zarr")
+        scored_all = token >= 0
+        specs, _ = readout_rule_specs(ROOT / "readouts" / name, rules, int(scored_all.sum()), model.gate is not None,
+                                      hidden_dtype)
         T = model.cfg.n_loops
         for spec in specs:
             for bs in (1, args.batch):
                 n = args.bs1_sequences if bs == 1 else data.tokens.shape[0]
-                tok, sc = torch.from_numpy(data.tokens[:n]), torch.from_numpy(data.scored[:n])
+                tok, sc = torch.from_numpy(data.tokens[:n]), torch.from_numpy(scored_all[:n])
                 ed, _, loops, _ = run_split(model, tok, sc, bs, spec.factory)
-                scored = data.scored[:n]
+                scored = scored_all[:n]
                 depth = float(ed[scored].mean())
                 exact_ideal = full_work(scored, T, model.cfg.causal) / minimal_work(ed, scored, model.cfg.causal)
                 real, t_full, _ = _paired(lambda m=model, tok=tok, sc=sc, bs=bs: run_split(m, tok, sc, bs, None),

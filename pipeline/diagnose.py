@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 from looptrace.io.artifacts import write_outputs
-from looptrace.io.tables import SplitFrame, load_token_loop
+from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.rules.builtin import CONFIDENCE_RULES
 
 #: Failure classes in output order (SPEC §7); codes are their indices.
@@ -545,7 +545,7 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
         if g is not None:
             gates_present = True
             outs.append(("gates", g))
-        test: SplitFrame = load_token_loop(geometry_root / model / "token_loop.parquet", splits=("test",),
+        test: SplitArrays = load_token_loop(geometry_root / model / "token_loop.parquet", splits=("test",),
                                            columns=("correct", *cfg.spearman_signals))["test"]
         correct = test.loop["correct"]
         chosen, dxs = [], []
@@ -562,13 +562,13 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
                                      f"the geometry test split ({tok.size} vs {test.token.size}); re-run {source}")
                 depth = e["exit_depth"].to_numpy()
                 codes = failure_codes(depth, correct)
-                for row in failure_rows(codes, depth, test.difficulty):
+                for row in failure_rows(codes, depth, test.fields["difficulty"]):
                     fail_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind")},
                                       "source": source, "rule": rule, "kind": kinds.get(rule), **row})
         signals = {s: test.loop[s] for s in cfg.spearman_signals}
         c = correct
         signals["oracle_depth"] = np.where(c.any(1), c.argmax(1) + 1, c.shape[1]).astype(np.float64)
-        sp_rows += [{"model": model, **r} for r in spearman_rows(test.difficulty, signals)]
+        sp_rows += [{"model": model, **r} for r in spearman_rows(test.fields["difficulty"], signals)]
         ch, dx = pl.concat(chosen, how="diagonal_relaxed"), pl.concat(dxs, how="diagonal_relaxed")
         dx_all.append(dx.with_columns(model=pl.lit(model)))
         orc = rm.get("rules", {}).get("oracle", {})

@@ -39,6 +39,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 from looptrace.config import ConfigError, to_dict
+from looptrace.io.tables import SplitArrays
 from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
 from tqdm.auto import tqdm
 
@@ -236,27 +237,7 @@ def release_large_buffers() -> None:
         pass  # not glibc: keep the default allocator behaviour
 
 
-@dataclass
-class Block:
-    """One block of a store with everything the geometry outputs need.
-
-    Attributes:
-        tokens: the store rows of this block (a slice).
-        fields: token field -> [token] int64 (target, sequence, position, difficulty, token_type).
-        per_loop: quantity -> [token, loop]: geometry metrics and store stats (float32), ``argmax``
-            (int64), ``correct`` (bool), ``gate_logit`` (float32, only when the model has a gate).
-    """
-
-    tokens: slice
-    fields: dict[str, np.ndarray]
-    per_loop: dict[str, np.ndarray]
-
-    @property
-    def n(self) -> int:
-        return len(next(iter(self.fields.values())))
-
-
-def iter_blocks(store, block_tokens: int | None = None) -> Iterator[Block]:
+def iter_blocks(store, block_tokens: int | None = None) -> Iterator[SplitArrays]:
     """Stream a trajectory store block by block, computing the step metrics of each block.
 
     Args:
@@ -264,7 +245,10 @@ def iter_blocks(store, block_tokens: int | None = None) -> Iterator[Block]:
         block_tokens: tokens per block; ``None`` = the store's chunk size (chunk-aligned reads).
 
     Yields:
-        :class:`Block` per token slice, in store order. Only one block's ``hidden`` is in memory.
+        A :class:`~looptrace.io.tables.SplitArrays` per token slice, in store order: ``token`` the store rows,
+        ``fields`` target, sequence, position, difficulty, token_type ([token] int64), ``loop`` the geometry
+        metrics and store stats (float32), ``argmax`` (int64), ``correct`` (bool) and ``gate_logit``
+        (float32, only when the model has a gate). Only one block's ``hidden`` is in memory.
     """
     release_large_buffers()
     names = ["hidden", "hidden_init", "argmax", *STORE_STATS, *_TOKEN_NAMES]
@@ -280,19 +264,16 @@ def iter_blocks(store, block_tokens: int | None = None) -> Iterator[Block]:
             per_loop["gate_logit"] = np.asarray(arr.pop("gate_logit"), dtype=np.float32)
         fields = {k: np.asarray(arr[k], dtype=np.int64) for k in _TOKEN_NAMES}
         per_loop["correct"] = per_loop["argmax"] == fields["target"][:, None]
-        yield Block(tokens=tokens, fields=fields, per_loop=per_loop)
+        start = tokens.start or 0
+        token = np.arange(start, start + len(fields["target"]), dtype=np.int64)
+        yield SplitArrays(token=token, loop=per_loop, fields=fields)
 
 
-def _signal(block: Block, name: str) -> np.ndarray:
-    return argmax_differs(block.per_loop["argmax"]) if name == "argmax" else block.per_loop[name]
+def _signal(block: SplitArrays, name: str) -> np.ndarray:
+    return argmax_differs(block.loop["argmax"]) if name == "argmax" else block.loop[name]
 
 
-def _token_index(block: Block) -> np.ndarray:
-    start = block.tokens.start or 0
-    return np.arange(start, start + block.n, dtype=np.int64)
-
-
-def token_loop_table(block: Block, split: str, loop_group: np.ndarray) -> pa.Table:
+def token_loop_table(block: SplitArrays, split: str, loop_group: np.ndarray) -> pa.Table:
     """The ``token_loop.parquet`` rows of one block: one row per (token, loop), token-major.
 
     Args:
@@ -303,37 +284,37 @@ def token_loop_table(block: Block, split: str, loop_group: np.ndarray) -> pa.Tab
     Returns:
         Arrow table with :data:`TOKEN_LOOP_COLUMNS` (loop 1-based; ``gate_logit`` null without a gate).
     """
-    n, n_loops = block.per_loop["argmax"].shape
+    n, n_loops = block.loop["argmax"].shape
     rep = lambda a: np.repeat(a, n_loops)  # noqa: E731 - [token] -> [token * loop]
     flat = lambda a: a.reshape(-1)  # noqa: E731 - [token, loop] -> [token * loop], token-major
     cols: dict[str, Any] = {
         "split": pa.array([split] * (n * n_loops), pa.string()),
-        "token": rep(_token_index(block)), "sequence": rep(block.fields["sequence"]),
+        "token": rep(block.token), "sequence": rep(block.fields["sequence"]),
         "position": rep(block.fields["position"]),
         "loop": np.tile(np.arange(1, n_loops + 1, dtype=np.int64), n),
         "loop_group": np.tile(np.asarray(loop_group, dtype=np.int64), n),
         "difficulty": rep(block.fields["difficulty"]), "token_type": rep(block.fields["token_type"]),
-        "target": rep(block.fields["target"]), "argmax": flat(block.per_loop["argmax"]),
-        "correct": flat(block.per_loop["correct"]),
+        "target": rep(block.fields["target"]), "argmax": flat(block.loop["argmax"]),
+        "correct": flat(block.loop["correct"]),
     }
     for m in GEOMETRY_METRICS:
-        cols[m] = flat(block.per_loop[m])
+        cols[m] = flat(block.loop[m])
     cols["hidden_change"] = cols["step_norm"]  # SPEC §4 `hidden_change` = ‖h_t − h_{t−1}‖ = step norm
     for s in STORE_STATS:
-        cols[s] = flat(block.per_loop[s])
-    gate = block.per_loop.get("gate_logit")
+        cols[s] = flat(block.loop[s])
+    gate = block.loop.get("gate_logit")
     cols["gate_logit"] = (pa.array(flat(gate), pa.float32()) if gate is not None
                           else pa.nulls(n * n_loops, pa.float32()))
     return pa.table([pa.array(cols[c], _TOKEN_LOOP_SCHEMA.field(c).type) for c in TOKEN_LOOP_COLUMNS],
                     schema=_TOKEN_LOOP_SCHEMA)
 
 
-def block_convergence(block: Block, keys: list[tuple[str, float]]) -> dict[tuple[str, float], dict]:
+def block_convergence(block: SplitArrays, keys: list[tuple[str, float]]) -> dict[tuple[str, float], dict]:
     """Convergence depths of one block for every (signal, ε): see :func:`convergence_depth`."""
     return {(sig, eps): convergence_depth(_signal(block, sig), eps) for sig, eps in keys}
 
 
-def convergence_table(block: Block, split: str, conv: dict[tuple[str, float], dict]) -> pa.Table:
+def convergence_table(block: SplitArrays, split: str, conv: dict[tuple[str, float], dict]) -> pa.Table:
     """The ``convergence.parquet`` rows of one block: token × (signal, ε) × kind (first, settled).
 
     Rows are token-major (all (signal, ε, kind) of a token together), so concatenating the blocks gives
@@ -348,7 +329,7 @@ def convergence_table(block: Block, split: str, conv: dict[tuple[str, float], di
     rep = lambda a: np.repeat(a, k)  # noqa: E731 - [token] -> [token * combo]
     tile = lambda vals: np.tile(np.asarray(vals, dtype=object), block.n)  # noqa: E731
     return pa.table({
-        "split": pa.array([split] * (block.n * k), pa.string()), "token": rep(_token_index(block)),
+        "split": pa.array([split] * (block.n * k), pa.string()), "token": rep(block.token),
         "difficulty": rep(block.fields["difficulty"]), "token_type": rep(block.fields["token_type"]),
         "signal": pa.array(tile([c[0] for c in combos]), pa.string()),
         "eps": np.tile(np.array([c[1] for c in combos], dtype=np.float64), block.n),
@@ -378,11 +359,11 @@ class LoopColumns:
     def _path(self, t: int, col: str) -> Path:
         return self.root / f"loop{t + 1}.{col}.bin"
 
-    def append(self, block: Block) -> None:
+    def append(self, block: SplitArrays) -> None:
         """Append a block's values (difficulty/token_type int64, metrics float32) for every loop."""
         for t in range(self.n_loops):
             cols = {"difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"]}
-            cols.update({m: block.per_loop[m][:, t].astype(np.float32) for m in self.metrics})
+            cols.update({m: block.loop[m][:, t].astype(np.float32) for m in self.metrics})
             for col, values in cols.items():
                 key = (t, col)
                 if key not in self._files:
@@ -543,7 +524,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                 for (sig, eps), res in conv.items():
                     for kind in ("first", "settled"):
                         depths.setdefault((sig, eps, kind), []).append(res[kind].astype(np.int16))
-                for g, parts in drift_to_loop_ratio(block.per_loop["step_norm"], loop_group).items():
+                for g, parts in drift_to_loop_ratio(block.loop["step_norm"], loop_group).items():
                     for k, v in parts.items():
                         dlr_parts[g][k].append(v.astype(np.float32))
                 loop_cols.append(block)

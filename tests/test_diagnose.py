@@ -11,7 +11,7 @@ import pytest
 from looptrace import diagnose as D
 from looptrace.config import ConfigError, from_dict
 from looptrace.io.artifacts import write_outputs
-from looptrace.io.tables import SplitData
+from looptrace.io.tables import SplitArrays
 from looptrace.project import resolve_model
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
@@ -212,8 +212,8 @@ def _gate_outputs(root, model, splits, seed):
         order = np.argsort(cols["token"][:, 0])
         return {k: np.asarray(v)[order] for k, v in cols.items() if v is not None}
     val, test = frame("val"), frame("test")
-    vd = SplitData(val["correct"], -val["target_logprob"], val["token"][:, 0])
-    td = SplitData(test["correct"], -test["target_logprob"], test["token"][:, 0])
+    vd = SplitArrays(val["token"][:, 0], {"correct": val["correct"], "target_logprob": val["target_logprob"]})
+    td = SplitArrays(test["token"][:, 0], {"correct": test["correct"], "target_logprob": test["target_logprob"]})
     r = evaluate_rule(f"gate:{model}-ponder", -val["entropy"], -test["entropy"], vd, td, "ge", kind="gate")
     frames = result_frames([r])
     write_outputs(root / model, frames, {"model": model})

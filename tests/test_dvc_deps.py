@@ -33,10 +33,10 @@ from tests.import_graph import GRAPH, REPO, ImportGraph, closure, module_file, r
 OFFLINE = ("geometry", "readouts", "diagnose", "report")
 #: looptrace packages/modules each stage must never reach, and external packages likewise.
 FORBIDDEN = {
-    **{s: (("looptrace.models", "looptrace.capture", "looptrace.online", "looptrace.gates.online"),
+    **{s: (("looptrace.models", "looptrace.capture", "looptrace.online", "looptrace.online.gates"),
            ("torch", "transformers")) for s in OFFLINE},
     "gates": (("looptrace.models.looped", "looptrace.models.interface", "looptrace.models.adapters",
-               "looptrace.models.train", "looptrace.capture", "looptrace.online", "looptrace.gates.online"),
+               "looptrace.models.train", "looptrace.capture", "looptrace.online", "looptrace.online.gates"),
               ("transformers",)),
 }
 #: Stage modules that must import without torch (torch, where a stage needs it, only inside functions).

@@ -17,10 +17,10 @@ from looptrace.gates.config import SPLITS, GatesConfig, GateSpec, PonderConfig
 from looptrace.gates.features import FeaturePipeline, block_stats, transform_stats
 from looptrace.gates.fit import ModelGates, fit_model_gates, fit_sklearn_gate, predict_split
 from looptrace.gates.labels import consistent_stop, oracle_continue, stop_targets, utility_continue
-from looptrace.gates.online import load_fitted, load_online_gate
 from looptrace.gates.ponder import _ponder_module, fit_ponder, ponder_loss, ponder_prior
 from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
 from looptrace.models.regimes import halting_distribution
+from looptrace.online.gates import load_fitted, load_online_gate
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.testing import two_group_stores
 
@@ -326,9 +326,11 @@ def test_failed_run_leaves_previous_outputs(tmp_path, monkeypatch):
 
 
 def test_online_gate_matches_store_features(tmp_path):
-    """Features recomputed live from a real model's states and readouts give exactly the P(stop) of
-    the store path (rounded states, step_metrics, LoopStats formulas)."""
+    """Features recomputed live from a real model's states and readouts — the gate's statistics from the
+    engine's LiveSignals, as latency runs it — give exactly the P(stop) of the store path (rounded states,
+    step_metrics, LoopStats). (LiveSignals under compaction: tests/test_latency.py.)"""
     from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.online.engine import CallableRule
     from looptrace.testing import tiny_adapter_and_data
 
     adapter, data = tiny_adapter_and_data(n_seq=12, gate="linear", loops=4, d_model=16, unscored=False)
@@ -343,19 +345,22 @@ def test_online_gate_matches_store_features(tmp_path):
     fit = load_fitted(tmp_path / "gates" / "rs")
     mg = ModelGates("rs", fit["features"], fit["gates"], 4, 16, None, {})
     tok = torch.as_tensor(data.tokens)
+    B, S = tok.shape
     for name in ("logreg-consistent", "ponder-mlp"):
-        off = predict_split(stores["test"], [(mg, [name])], cfg)[("rs", name)]
+        off = predict_split(stores["test"], [(mg, [name])], cfg)[("rs", name)].reshape(B, S, 4)
         og = load_online_gate(tmp_path / "gates" / "rs", f"gate:{name}")
-        assert og.needs_logits
+        assert og.needs_logits and og.signals == cfg.stats
+        rule = CallableRule(f"gate:{name}", 0.5, og.stop_prob, signals=og.signals, hidden_dtype=og.hidden_dtype)
+        assert rule.needs_logits
         with torch.inference_mode():
             h0 = model.embed(tok)
-            state = og.reset(model, h0)
-            h, on = h0, []
+            rule.reset(model, h0)
+            h = h0
             for t in range(1, 5):
                 h = model.step(h, h0, model.cfg.loop_group[t - 1])
-                on.append(og.stop_prob(t, h, model.readout(h), state).numpy())
-        on = np.stack(on, -1).reshape(-1, 4)  # all positions scored: rows in (sequence, position) order
-        assert np.array_equal(on, off)
+                on = rule.signal(t, h, model.readout(h), model).numpy()
+                # all positions scored: store rows in (sequence, position) order
+                assert np.array_equal(on, off[:, :, t - 1]), (name, t)
     with pytest.raises(KeyError, match="not in the fitted gates"):
         load_online_gate(tmp_path / "gates" / "rs", "gate:mlp-oracle")
     with pytest.raises(FileNotFoundError, match="gates stage"):

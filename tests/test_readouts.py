@@ -10,7 +10,7 @@ import numpy as np
 import polars as pl
 import pytest
 from looptrace.config import ConfigError, from_dict
-from looptrace.io.tables import SplitData, load_token_loop
+from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, argmax_stable_depths, oracle_depths
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import (
@@ -180,8 +180,8 @@ def test_evaluate_rule_freezes_val_grid():
     ts = rng.random((150, 4)) * 0.5  # shifted test distribution: the grid must not move
     vc = rng.random((200, 4)) < 0.8
     tc = rng.random((150, 4)) < 0.8
-    val = SplitData(vc, rng.random((200, 4)))
-    test = SplitData(tc, rng.random((150, 4)), token=np.arange(150) + 10)
+    val = SplitArrays(None, {"correct": vc, "target_logprob": -rng.random((200, 4))})
+    test = SplitArrays(np.arange(150) + 10, {"correct": tc, "target_logprob": -rng.random((150, 4))})
     r = evaluate_rule("x", vs, ts, val, test, "le", n_quantiles=11, delta=0.5)
     np.testing.assert_allclose(r.thresholds, np.percentile(vs, np.linspace(0.5, 99.5, 11)))
     td = exit_depths(ts, r.thresholds, "le")

@@ -82,7 +82,7 @@ def probe_summary(store, block_tokens: int | None = None) -> dict[str, np.ndarra
     cols: dict[str, list] = {m: [] for m in (*DYNAMICS_METRICS, "correct")}
     for block in iter_blocks(store, block_tokens):
         for m in cols:
-            cols[m].append(block.per_loop[m])
+            cols[m].append(block.loop[m])
     out = {}
     for m in DYNAMICS_METRICS:
         x = np.concatenate(cols[m]).astype(np.float64)  # [token, loop]; the probe set is small

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from looptrace.gates.config import GEOMETRY_FEATURES, LOG_FLOOR, SIGNED_STATS
-from looptrace.io.tables import SplitData
+from looptrace.io.tables import SplitArrays
 
 
 def transform_stats(stats: np.ndarray, names: Sequence[str], log_stats: bool) -> np.ndarray:
@@ -119,34 +118,21 @@ class FeaturePipeline:
 
 
 
-@dataclass
-class SplitTargets:
-    """Per-(token, loop) quantities of one split that gates are trained or scored on.
+def read_targets(st) -> SplitArrays:
+    """ℓ, argmax and correctness of every token of a store ([token, loop] arrays are small).
 
-    Attributes:
-        loss: [token, loop] ℓ_t = −target_logprob (float64, nats).
-        argmax: [token, loop] int64.
-        correct: [token, loop] bool (argmax_t == y).
+    Returns:
+        :class:`~looptrace.io.tables.SplitArrays` with ``token`` = the store rows and ``loop`` holding
+        ``target_logprob`` (float64; ``.loss`` = ℓ_t), ``argmax`` (int64) and ``correct`` (bool).
     """
-
-    loss: np.ndarray
-    argmax: np.ndarray
-    correct: np.ndarray
-
-    @property
-    def data(self) -> SplitData:
-        """For ``looptrace.rules.scoring.evaluate_depths`` (token = store row)."""
-        return SplitData(correct=self.correct, loss=self.loss, token=np.arange(self.loss.shape[0], dtype=np.int64))
-
-
-def read_targets(st) -> SplitTargets:
-    """ℓ, argmax and correctness of every token of a store ([token, loop] arrays are small)."""
     lp = st.read("target_logprob").astype(np.float64)
     if not np.isfinite(lp).all():
         raise ValueError(f"store {st.label}: array 'target_logprob' has non-finite values; re-run the dump")
     am = st.read("argmax").astype(np.int64)
     tgt = st.read("target").astype(np.int64)
-    return SplitTargets(loss=-lp, argmax=am, correct=am == tgt[:, None])
+    return SplitArrays(token=np.arange(lp.shape[0], dtype=np.int64),
+                       loop={"target_logprob": lp, "argmax": am, "correct": am == tgt[:, None]},
+                       fields={"target": tgt})
 
 
 def check_stats_available(st, stats: Sequence[str]) -> None:

@@ -203,7 +203,7 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
     t0 = time.perf_counter()
     h, s = gather_fit_rows(st, tokens, cfg.stats, cfg.block_tokens)
     tgt = read_targets(st)
-    loss, argmax = tgt.loss[tokens], tgt.argmax[tokens]
+    loss, argmax = tgt.loss[tokens], tgt.loop["argmax"][tokens]
     feats = FeaturePipeline(T, D, cfg.pca_components, cfg.stats, cfg.log_stats, cfg.loop_feature)
     # PCA and scaler see fit rows of loops 1..T − 1 only: the rows the classifiers are trained on.
     feats.fit(h[:, :-1], None if s is None else s[:, :-1], np.arange(T - 1))

@@ -14,9 +14,10 @@ import numpy as np
 import polars as pl
 from looptrace.config import to_dict
 from looptrace.gates.config import SPLITS, GatesConfig
-from looptrace.gates.features import SplitTargets, check_stats_available, read_targets
+from looptrace.gates.features import check_stats_available, read_targets
 from looptrace.gates.fit import ModelGates, compatible, fit_model_gates, predict_split
 from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
+from looptrace.io.tables import SplitArrays
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
@@ -28,7 +29,7 @@ from looptrace.rules.scoring import (
 )
 
 
-def evaluate_gate(rule: str, p_val: np.ndarray, p_test: np.ndarray, val: SplitTargets, test: SplitTargets,
+def evaluate_gate(rule: str, p_val: np.ndarray, p_test: np.ndarray, val: SplitArrays, test: SplitArrays,
                   cal: CalibrationConfig) -> RuleResult:
     """Calibrate a gate on val and score it on test with the readouts operating-point code.
 
@@ -46,7 +47,7 @@ def evaluate_gate(rule: str, p_val: np.ndarray, p_test: np.ndarray, val: SplitTa
     """
     grid = quantile_grid(p_val[:, :-1], cal.n_quantiles)
     return evaluate_depths(rule, grid, exit_depths(p_val, grid, "ge"), exit_depths(p_test, grid, "ge"),
-                           val.data, test.data, cal.delta, kind="gate")
+                           val, test, cal.delta, kind="gate")
 
 
 def acc_at_budget(r: RuleResult, budget: float) -> float:
@@ -65,7 +66,7 @@ CROSS_SCHEMA = {"task": pl.String, "fit_model": pl.String, "eval_model": pl.Stri
                 "acc_at_budget": pl.Float64, "full_depth_accuracy": pl.Float64}
 
 
-def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], val: SplitTargets, test: SplitTargets,
+def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], val: SplitArrays, test: SplitArrays,
                    cal: CalibrationConfig, meta: dict) -> dict:
     x0 = cal.dx[0]
     rules = {}

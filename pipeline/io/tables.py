@@ -1,13 +1,14 @@
 """Reading ``token_loop.parquet`` (the geometry stage's per-(token, loop) table) into arrays.
 
-The offline rule stages (readouts, diagnose) score rules on [token] and [token, loop] numpy arrays;
-this module is the one place that turns the Parquet table into them and checks its shape.
+The offline rule stages (readouts, diagnose, gates) score rules on [token] and [token, loop] numpy arrays
+held in :class:`SplitArrays`, the one container of a split's (or a block's) per-token arrays; this module
+is the one place that turns the Parquet table into them and checks its shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -15,45 +16,28 @@ import polars as pl
 
 
 @dataclass(frozen=True)
-class SplitData:
-    """What a rule is scored against on one split.
+class SplitArrays:
+    """The arrays of one split's tokens, or of a block of them: one row per scored token.
+
+    The readouts, diagnose and gates stages score rules on it, and the geometry stage streams a store as
+    blocks of it.
 
     Attributes:
-        correct: [token, loop] bool, argmax_t == y.
-        loss: [token, loop] float, ℓ_t = −target_logprob (nats).
-        token: [token] int, the store row ids (written to chosen_exits).
+        token: [token] int64 store row ids (written to chosen_exits); None = 0..n − 1.
+        loop: per-(token, loop) name -> [token, loop] array: ``correct`` bool (argmax_t == y), ``argmax``
+            int64, ``target_logprob`` and the signals (float; ``gate_logit`` only for a natively gated model).
+        fields: per-token name -> [token] int64 (``target``, ``difficulty``, ``token_type``, ``sequence``,
+            ``position``: whichever the reader loaded).
     """
 
-    correct: np.ndarray
-    loss: np.ndarray
-    token: np.ndarray | None = None
+    token: np.ndarray | None
+    loop: dict[str, np.ndarray]
+    fields: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
-    def full_accuracy(self) -> float:
-        """Accuracy at full depth t = T (fraction)."""
-        return float(np.asarray(self.correct, dtype=bool)[:, -1].mean())
-
-
-
-#: Per-token columns read from token_loop.parquet besides the signals.
-TOKEN_COLUMNS = ("token", "difficulty", "token_type", "target")
-
-
-@dataclass(frozen=True)
-class SplitFrame:
-    """One split of ``token_loop.parquet`` as [token] and [token, loop] arrays (tokens sorted by id).
-
-    Attributes:
-        token, difficulty, token_type, target: [token] int64.
-        loop: dict column -> [token, loop] array (``correct`` bool, ``argmax`` int64, signals float64;
-            ``gate_logit`` only when the model has a gate).
-    """
-
-    token: np.ndarray
-    difficulty: np.ndarray
-    token_type: np.ndarray
-    target: np.ndarray
-    loop: dict[str, np.ndarray]
+    def n(self) -> int:
+        """Number of tokens."""
+        return next(iter(self.loop.values())).shape[0]
 
     @property
     def n_loops(self) -> int:
@@ -61,9 +45,19 @@ class SplitFrame:
         return self.loop["correct"].shape[1]
 
     @property
-    def data(self) -> SplitData:
-        """Correctness and per-depth loss ℓ_t = −target_logprob for scoring rules."""
-        return SplitData(correct=self.loop["correct"], loss=-self.loop["target_logprob"], token=self.token)
+    def correct(self) -> np.ndarray:
+        """[token, loop] bool, argmax_t == y."""
+        return self.loop["correct"]
+
+    @property
+    def loss(self) -> np.ndarray:
+        """[token, loop] ℓ_t = −target_logprob (nats)."""
+        return -self.loop["target_logprob"]
+
+    @property
+    def full_accuracy(self) -> float:
+        """Accuracy at full depth t = T (fraction)."""
+        return float(np.asarray(self.correct, dtype=bool)[:, -1].mean())
 
     @property
     def has_gate(self) -> bool:
@@ -71,8 +65,12 @@ class SplitFrame:
         return "gate_logit" in self.loop
 
 
+#: Per-token columns read from token_loop.parquet besides the signals.
+TOKEN_COLUMNS = ("token", "difficulty", "token_type", "target")
+
+
 def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
-                    columns: Sequence[str] = ("argmax", "target_logprob")) -> dict[str, SplitFrame]:
+                    columns: Sequence[str] = ("argmax", "target_logprob")) -> dict[str, SplitArrays]:
     """Read splits of ``artifacts/geometry/<model>/token_loop.parquet`` into per-token arrays.
 
     Args:
@@ -81,7 +79,7 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
         columns: per-(token, loop) columns wanted (``loop`` and ``correct`` are always read).
 
     Returns:
-        split -> SplitFrame. ``gate_logit`` is dropped when it is all null (model without a gate).
+        split -> :class:`SplitArrays` (tokens sorted by id; fields difficulty, token_type, target). ``gate_logit`` is dropped when it is all null (model without a gate).
 
     Raises:
         FileNotFoundError: the file is missing (names the stage to run).
@@ -98,7 +96,7 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
                          f"(DESIGN.md lists the token_loop columns)")
     df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
           .sort("split", "token", "loop").collect())
-    out: dict[str, SplitFrame] = {}
+    out: dict[str, SplitArrays] = {}
     for split in splits:
         sub = df.filter(pl.col("split") == split)
         if sub.height == 0:
@@ -129,8 +127,7 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
         if "target_logprob" in per_loop and not np.isfinite(per_loop["target_logprob"]).all():
             raise ValueError(f"{path}: split '{split}' has non-finite target_logprob; re-run dump/geometry")
         first = {c: sub[c].to_numpy().reshape(n, T)[:, 0].astype(np.int64) for c in TOKEN_COLUMNS}
-        out[split] = SplitFrame(token=first["token"], difficulty=first["difficulty"],
-                                token_type=first["token_type"], target=first["target"], loop=per_loop)
+        out[split] = SplitArrays(token=first.pop("token"), loop=per_loop, fields=first)
     Ts = {s: f.n_loops for s, f in out.items()}
     if len(set(Ts.values())) > 1:
         raise ValueError(f"{path}: splits have different numbers of loops {Ts}; re-run the geometry stage")

@@ -1,29 +1,27 @@
 """Real early exit in the looped model: the loops really stop (the engine of the ``latency`` stage).
 
 Each loop runs only on the sequences that still have an undecided scored token; exited sequences leave
-the batch (compaction: ``index_select`` of the active rows every loop). Exit semantics, exactness and the
-online signals are described in :mod:`looptrace.online.latency`.
+the batch (compaction: ``index_select`` of the active rows every loop). Every registered exit rule
+(:mod:`looptrace.rules.registry`, built-in or a user's) runs here as a :class:`RegistryRule`, on the live
+signals of :mod:`looptrace.online.signals`. Exit semantics and exactness are described in
+:mod:`looptrace.online.latency`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from looptrace.models.looped import LoopedTransformer
-from looptrace.rules.builtin import THRESHOLD_RULES
-from looptrace.signals.logits import kl_div
-
-ONLINE_RULES = ("top1", "entropy", "margin", "kl_prev", "kl_prev_rev", "logit_change", "accel_two_hit",
-                "q_exit", "gate")
-
-
+from looptrace.online.signals import LiveSignals, to_numpy
+from looptrace.rules.registry import HISTORY, SIGNAL, ExitRule, get_rule
+from looptrace.signals import keep_rows
 
 # ----------------------------------------------------------------------------------------------
-# Online rules: the per-loop signal of SPEC §4 computed on the live batch
+# Online rules: a rule of the registry evaluated loop by loop on the live batch
 # ----------------------------------------------------------------------------------------------
 
 
@@ -31,11 +29,11 @@ class OnlineRule:
     """An exit rule evaluated loop by loop on the active batch.
 
     A rule sees, after loop t, the state h_t [batch, seq, d_model] and the readout z_t
-    [batch, seq, vocab] of the active rows/prefix, keeps whatever history its signal needs as
-    tensors with leading [batch, seq] dims (so :meth:`compact` can follow the batch), and returns
-    which positions fire. Semantics are those of ``pipeline.readouts.exit_depths``: fire at the first
-    t ≥ ``min_loop`` where ``signal op threshold`` holds (and held at t − 1 for two-hit rules); NaN
-    never fires; the engine forces the exit at T.
+    [batch, seq, vocab] of the active rows/prefix, keeps whatever history it needs with leading
+    [batch, seq] dims (so :meth:`compact` can follow the batch), and returns which positions fire.
+    Semantics are those of ``looptrace.rules.scoring.exit_depths``: fire at the first t ≥ ``min_loop``
+    where ``signal op threshold`` holds (and held at t − 1 for two-hit rules); NaN never fires; the
+    engine forces the exit at T.
 
     Args:
         name: rule name (``top1``, ``entropy``, ...).
@@ -62,15 +60,18 @@ class OnlineRule:
 
     def signal(self, t: int, h: torch.Tensor, z: torch.Tensor | None, model: LoopedTransformer) -> torch.Tensor:
         """Signal after loop t (1-based): [batch, seq] float32 (values the store holds as float32) or
-        float64, NaN where undefined."""
+        float64 (or integer), NaN where undefined."""
         raise NotImplementedError
 
     def fires(self, t: int, h: torch.Tensor, z: torch.Tensor | None, model: LoopedTransformer) -> torch.Tensor:
         """[batch, seq] bool: the rule's condition at loop t (before the engine's undecided mask)."""
         s = self.signal(t, h, z, model)
         # A float32 signal is compared with the float32 threshold that gives the same answer as the
-        # offline float64 comparison (one op fewer per loop, identical result).
-        thr = self._thr32 if s.dtype == torch.float32 else self.threshold
+        # offline float64 comparison (one op fewer per loop, identical result); anything else in float64.
+        if s.dtype == torch.float32:
+            thr = self._thr32
+        else:
+            s, thr = s.double(), self.threshold
         hit = (s >= thr) if self.op == "ge" else (s <= thr)  # NaN compares False
         if self.two_hit:
             prev = self.state.get("hit_prev")
@@ -83,9 +84,7 @@ class OnlineRule:
     def compact(self, rows: torch.Tensor | None, seq: int) -> None:
         """Follow the engine's compaction: keep batch rows ``rows`` (None = all) and positions < ``seq``."""
         for k, v in self.state.items():
-            if rows is not None:
-                v = v.index_select(0, rows)
-            self.state[k] = v[:, :seq]
+            self.state[k] = keep_rows(v, rows, seq)
 
 
 def float32_threshold(threshold: float, op: str) -> float:
@@ -104,155 +103,108 @@ def float32_threshold(threshold: float, op: str) -> float:
     return float(t32)
 
 
-def _logp(z: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(z.float(), dim=-1)
+class HistoryScore:
+    """The online form derived from a rule's offline ``score``: at loop t, ``score`` on the history of loops
+    1..t ([batch · seq, t] arrays, token_loop dtypes), last column. Exact for causal rules (checked on val by
+    the readouts stage, :func:`looptrace.rules.registry.check_causal`)."""
+
+    def __init__(self, rule: ExitRule):
+        self.rule = rule
+        self.hist: dict[str, np.ndarray] = {}
+
+    def update(self, t: int, s: dict[str, np.ndarray]) -> np.ndarray:
+        for k in self.rule.signals:
+            v = s[k][..., None]
+            self.hist[k] = v if k not in self.hist else np.concatenate([self.hist[k], v], axis=-1)
+        lead = s[self.rule.signals[0]].shape
+        score = self.rule.score_of({k: v.reshape(-1, t) for k, v in self.hist.items()})
+        return score[:, -1].reshape(lead)
+
+    def compact(self, rows, seq: int | None) -> None:
+        self.hist = {k: keep_rows(v, rows, seq) for k, v in self.hist.items()}
 
 
-class MaxProbRule(OnlineRule):
-    """top1 (CALM softmax_max, [AD]): C_t = max p_t, as ``LoopStats`` (float32)."""
+class RegistryRule(OnlineRule):
+    """A registered exit rule (:class:`~looptrace.rules.registry.ExitRule`) run online at ``threshold``.
 
-    def signal(self, t, h, z, model):
-        return _logp(z).max(dim=-1).values.exp()
-
-
-class EntropyRule(OnlineRule):
-    """entropy ([AD]): H_t = −Σ p log p, terms with p = 0 exactly 0 (as ``LoopStats``)."""
-
-    def signal(self, t, h, z, model):
-        logp = _logp(z)
-        p = logp.exp()
-        return -torch.where(p > 0, p * logp, torch.zeros((), dtype=logp.dtype, device=logp.device)).sum(-1)
-
-
-class MarginRule(OnlineRule):
-    """margin ([AD]): z_(1) − z_(2)."""
-
-    def signal(self, t, h, z, model):
-        zf = z.float()
-        if zf.shape[-1] < 2:
-            return torch.full(zf.shape[:-1], math.nan, dtype=torch.float32, device=zf.device)
-        top2 = zf.topk(2, dim=-1).values
-        return top2[..., 0] - top2[..., 1]
-
-
-class KLPrevRule(OnlineRule):
-    """kl_prev = KL(p_t ‖ p_{t−1}) ([AD]) or kl_prev_rev = KL(p_{t−1} ‖ p_t) (Huginn); NaN at t = 1."""
-
-    def __init__(self, *args, reverse: bool = False, **kw):
-        super().__init__(*args, **kw)
-        self.reverse = reverse
-
-    def signal(self, t, h, z, model):
-        logp = _logp(z)
-        prev = self.state.get("logp_prev")
-        self.state["logp_prev"] = logp
-        if prev is None:
-            return torch.full(logp.shape[:-1], math.nan, dtype=torch.float32, device=logp.device)
-        return kl_div(prev, logp) if self.reverse else kl_div(logp, prev)
-
-
-class LogitChangeRule(OnlineRule):
-    """logit_change = ‖z_t − z_{t−1}‖₂; NaN at t = 1."""
-
-    def signal(self, t, h, z, model):
-        zf = z.float()
-        prev = self.state.get("z_prev")
-        self.state["z_prev"] = zf
-        if prev is None:
-            return torch.full(zf.shape[:-1], math.nan, dtype=torch.float32, device=zf.device)
-        return torch.linalg.vector_norm(zf - prev, dim=-1)
-
-
-class AccelRule(OnlineRule):
-    """accel_two_hit ([TS]): a_t = ‖Δ_t − Δ_{t−1}‖₂ ≤ τ at t and t − 1, t ≥ 3.
-
-    The states are rounded to the store's ``hidden`` dtype and the norms computed in float64 and
-    stored as float32, exactly as ``pipeline.geometry.step_metrics`` computed the calibrated signal.
+    The signals it reads come from :class:`~looptrace.online.signals.LiveSignals` (the offline values bit for
+    bit). ``online='signal'`` rules compare that signal directly; other rules evaluate their online form
+    (a built-in's streaming score, or :class:`HistoryScore` for a user's rule) in float64 numpy.
 
     Args:
-        state_dtype: the store's hidden dtype (``float16`` or ``float32``).
+        rule: the rule (or its name).
+        threshold: the chosen point's threshold.
+        hidden_dtype: the store's hidden dtype (step signals read rounded states).
     """
 
-    needs_logits = False
-
-    def __init__(self, *args, state_dtype: str = "float16", **kw):
-        super().__init__(*args, **kw)
-        self.state_dtype = torch.float16 if state_dtype == "float16" else torch.float32
-
-    def _round(self, h: torch.Tensor) -> torch.Tensor:
-        return h.to(self.state_dtype).double()
-
-    def reset(self, model, h0):
-        self.state = {"h_prev": self._round(h0)}
-
-    def signal(self, t, h, z, model):
-        hr = self._round(h)
-        d = hr - self.state["h_prev"]
-        prev = self.state.get("d_prev")
-        self.state["h_prev"], self.state["d_prev"] = hr, d
-        if prev is None:
-            return torch.full(h.shape[:-1], math.nan, dtype=torch.float32, device=h.device)
-        x = d - prev
-        return torch.sqrt(torch.einsum("bsd,bsd->bs", x, x)).float()  # float32 as in token_loop.parquet
-
-
-class QExitRule(OnlineRule):
-    """Native Q-exit (Ouro): 1 − Π_{j≤t}(1 − σ(gate_j)) ≥ q, in log space as ``readouts.halting_cdf``."""
-
-    needs_logits = False
+    def __init__(self, rule: ExitRule | str, threshold: float, hidden_dtype: str = "float16"):
+        rule = get_rule(rule)
+        if rule.online is None:
+            raise ValueError(f"rule '{rule.name}' cannot run online ({rule.kind}: it reads {', '.join(rule.signals)})")
+        super().__init__(rule.name, threshold, rule.op, rule.min_loop, rule.two_hit)
+        self.rule, self.hidden_dtype = rule, hidden_dtype
+        self.live = LiveSignals(rule.signals, None, hidden_dtype)
+        self.needs_logits = self.live.needs_logits
+        self.form = None
 
     def reset(self, model, h0):
-        self.state = {"log_not": torch.zeros(h0.shape[:-1], dtype=torch.float64, device=h0.device)}
+        self.state = {}
+        self.live = LiveSignals(self.rule.signals, model, self.hidden_dtype)
+        self.live.reset(h0)
+        online = self.rule.online
+        self.form = None if online == SIGNAL else HistoryScore(self.rule) if online == HISTORY else online()
 
     def signal(self, t, h, z, model):
-        g = model.gate_logit(h).float().double()  # float32 logits as stored, then float64 as offline
-        self.state["log_not"] = self.state["log_not"] - torch.logaddexp(torch.zeros((), dtype=g.dtype), g)
-        return -torch.expm1(self.state["log_not"])
+        sig = self.live.update(t, h, z)
+        if self.form is None:
+            return sig[self.rule.signals[0]]
+        score = self.form.update(t, {k: to_numpy(v) for k, v in sig.items()})
+        return torch.from_numpy(np.asarray(score, dtype=np.float64)).to(h.device)
+
+    def compact(self, rows, seq):
+        super().compact(rows, seq)
+        self.live.compact(rows, seq)
+        if self.form is not None:
+            self.form.compact(rows, seq)
 
 
 class CallableRule(OnlineRule):
-    """A rule whose per-position probability is produced by a callable on (h_t, z_t, history).
+    """A rule whose per-position probability is produced by a callable on (t, h_t, live signals).
 
-    Used for refit offline gates: ``stop_prob(t, h, z, state) -> [batch, seq] float64`` (state is the
-    rule's compactable history dict), fired when ≥ the threshold (SPEC §4 "offline gate").
+    Used for refit offline gates: ``stop_prob(t, h, signals) -> [batch, seq] float64`` with ``signals`` the
+    :class:`~looptrace.online.signals.LiveSignals` values of ``signals`` at loop t, fired when ≥ the threshold
+    (SPEC §4 "offline gate").
     """
 
-    def __init__(self, name: str, threshold: float, stop_prob: Callable, needs_logits: bool = True,
-                 reset_fn: Callable | None = None):
+    def __init__(self, name: str, threshold: float, stop_prob: Callable, signals: Sequence[str] = (),
+                 hidden_dtype: str = "float16"):
         super().__init__(name, threshold, "ge", 1, False)
-        self._stop_prob, self.needs_logits, self._reset = stop_prob, needs_logits, reset_fn
+        self._stop_prob, self._signals, self.hidden_dtype = stop_prob, tuple(signals), hidden_dtype
+        self.live = LiveSignals(self._signals, None, hidden_dtype)
+        self.needs_logits = self.live.needs_logits
 
     def reset(self, model, h0):
-        self.state = self._reset(model, h0) if self._reset is not None else {}
+        self.state = {}
+        self.live = LiveSignals(self._signals, model, self.hidden_dtype)
+        self.live.reset(h0)
 
     def signal(self, t, h, z, model):
-        return self._stop_prob(t, h, z, self.state)
+        return self._stop_prob(t, h, self.live.update(t, h, z))
+
+    def compact(self, rows, seq):
+        super().compact(rows, seq)
+        self.live.compact(rows, seq)
 
 
-def make_rule(rule: str, threshold: float, state_dtype: str = "float16") -> OnlineRule:
-    """The online version of a readouts rule at ``threshold`` (columns and ops of ``THRESHOLD_RULES``).
+def make_rule(rule: str | ExitRule, threshold: float, state_dtype: str = "float16") -> OnlineRule:
+    """The online version of a registered rule at ``threshold`` (:class:`RegistryRule`).
 
     Args:
-        rule: a rule of ``ONLINE_RULES`` except ``gate`` (gates come from :func:`load_gate_rule`).
+        rule: a rule name of the registry (built-in or user rule) or an :class:`ExitRule`.
         threshold: the chosen point's threshold.
-        state_dtype: the store's hidden dtype (geometry rules read rounded states).
+        state_dtype: the store's hidden dtype (step signals read rounded states).
     """
-    if rule == "q_exit":
-        return QExitRule(rule, threshold, "ge", 1, False)
-    if rule not in THRESHOLD_RULES:
-        raise ValueError(f"rule '{rule}' cannot run online; allowed: {', '.join(r for r in ONLINE_RULES if r != 'gate')}")
-    _, op, min_loop, two_hit = THRESHOLD_RULES[rule]
-    cls = {"top1": MaxProbRule, "entropy": EntropyRule, "margin": MarginRule, "kl_prev": KLPrevRule,
-           "kl_prev_rev": KLPrevRule, "logit_change": LogitChangeRule, "accel_two_hit": AccelRule}.get(rule)
-    if cls is None:
-        raise ValueError(f"rule '{rule}' has no online implementation; allowed: "
-                         f"{', '.join(r for r in ONLINE_RULES if r != 'gate')}")
-    kw: dict = {}
-    if rule == "kl_prev_rev":
-        kw["reverse"] = True
-    if cls is AccelRule:
-        kw["state_dtype"] = state_dtype
-    return cls(rule, threshold, op, min_loop, two_hit, **kw)
+    return RegistryRule(rule, threshold, state_dtype)
 
 
 # ----------------------------------------------------------------------------------------------

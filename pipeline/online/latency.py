@@ -28,11 +28,11 @@ token). The price of exactness is that a position runs ``max_{i ≥ j} d_i`` loo
 d_j; the stage reports that ceiling (``ideal_speedup_work``) beside the token-level ideal of SPEC §8
 (``ideal_speedup`` = T / mean exit depth).
 
-Online signals reproduce the offline ones bit for bit where the offline pipeline allows it: logit
-statistics are computed in float32 from the readout exactly as ``pipeline.stats.LoopStats`` does;
-geometry signals (acceleration) read the state rounded to the store's ``hidden`` dtype and are
-computed in float64 as ``pipeline.geometry.step_metrics`` does (the model itself keeps computing in
-float32 — only the rule sees the rounding, as the calibrated rule did).
+Every rule of the registry (:mod:`looptrace.rules.registry`: the built-ins and a user's own rules named in
+``latency.rules``) runs online, on signals that reproduce the offline ones bit for bit
+(:mod:`looptrace.online.signals`): logit signals by the dump's ``LoopStats`` on the readout, step signals by
+the geometry stage's ``StepSignals`` on the state rounded to the store's ``hidden`` dtype (the model itself
+keeps computing in float32 — only the rule sees the rounding, as the calibrated rule did).
 """
 
 from __future__ import annotations
@@ -47,17 +47,21 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
-from looptrace.gates.online import load_online_gate
 from looptrace.models.looped import LoopedTransformer
 from looptrace.online.engine import (
-    ONLINE_RULES,
     CallableRule,
     OnlineRule,
+    RegistryRule,
     early_exit,
     full_work,
-    make_rule,
     minimal_work,
 )
+from looptrace.online.gates import load_online_gate
+from looptrace.rules.registry import get_rule, resolve_rules
+from looptrace.tasks import TaskBatch
+
+#: The refit-gate entry of ``latency.rules`` (the best gate of the gates stage).
+GATE = "gate"
 
 #: ``latency.parquet`` columns (one row per model × rule × batch size).
 LATENCY_SCHEMA = {
@@ -79,9 +83,10 @@ class LatencyConfig:
     """``latency`` section of ``params.yaml``.
 
     Attributes:
-        rules: rules run online (subset of ``ONLINE_RULES``): each at the threshold of its chosen
-            point in ``artifacts/readouts/<model>/chosen.parquet``; ``q_exit`` only for models with a
-            native gate; ``gate`` = the best refit gate of ``artifacts/gates/<model>/`` (lowest val
+        rules: rules run online, named as in ``readouts.rules`` (built-ins except ``oracle``, user rules
+            ``package.module:function`` or entry-point names): each at the threshold of its chosen point in
+            ``artifacts/readouts/<model>/chosen.parquet``; rules on the native gate (``q_exit``) only for
+            models with one; ``gate`` = the best refit gate of ``artifacts/gates/<model>/`` (lowest val
             depth among chosen points within δ), when its fitted gate was saved.
         batch_sizes: batch sizes to time (1 = one sequence at a time; larger = compacted batches).
         bs1_sequences: test sequences run at batch size 1 (the first ones; every sequence is its own
@@ -106,9 +111,7 @@ class LatencyConfig:
     def __post_init__(self) -> None:
         from looptrace.config import ConfigError
 
-        unknown = [r for r in self.rules if r not in ONLINE_RULES]
-        if unknown:
-            raise ConfigError(f"latency.rules: unknown rule '{unknown[0]}'; allowed: {', '.join(ONLINE_RULES)}")
+        resolve_rules([r for r in self.rules if r != GATE], "latency.rules", online=True)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"latency.batch_sizes must be a non-empty list of sizes ≥ 1, got {list(self.batch_sizes)}")
         if self.bs1_sequences < 1:
@@ -125,32 +128,17 @@ class LatencyConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TestData:
-    """The model's test split, rebuilt from the checkpoint's task and the store's data seed.
-
-    Attributes:
-        tokens: [batch, seq] int64 token ids.
-        targets: [batch, seq] int64 (IGNORE where unscored).
-        scored: [batch, seq] bool.
-        token: [batch, seq] int64 store row id of each scored position (−1 unscored), rows ordered by
-            (sequence, position) as the dump writes them.
-        hidden_dtype: the store's hidden dtype.
-    """
-
-    tokens: np.ndarray
-    targets: np.ndarray
-    scored: np.ndarray
-    token: np.ndarray
-    hidden_dtype: str
-
-
-def load_test_data(store_path: Path | str) -> TestData:
+def load_test_data(store_path: Path | str) -> tuple[TaskBatch, np.ndarray, str]:
     """Rebuild the exact test sequences of a dump store and check them against the store.
 
     The store records its task (``task`` attrs), ``data_seed`` and ``n_sequences``; the sequences are
     regenerated with ``task.dataset`` (deterministic) and verified against the store's ``token_id``,
     ``sequence``, ``position`` and ``target`` arrays.
+
+    Returns:
+        (the test sequences as a :class:`~looptrace.tasks.TaskBatch` [batch, seq]; ``token`` [batch, seq]
+        int64, the store row of each scored position (−1 unscored), rows ordered by (sequence, position) as
+        the dump writes them; the store's hidden dtype).
 
     Raises:
         FileNotFoundError: the store is missing.
@@ -181,8 +169,9 @@ def load_test_data(store_path: Path | str) -> TestData:
     token = np.full(scored.shape, -1, dtype=np.int64)
     token[b, p] = np.arange(b.size)
     dtype = (a.get("dtypes") or {}).get("hidden", "float16")
-    return TestData(tokens=data.tokens.astype(np.int64), targets=data.targets.astype(np.int64), scored=scored,
-                    token=token, hidden_dtype=str(dtype))
+    batch = TaskBatch(tokens=data.tokens.astype(np.int64), targets=data.targets.astype(np.int64),
+                      difficulty=data.difficulty, token_type=data.token_type)
+    return batch, token, str(dtype)
 
 
 @dataclass(frozen=True)
@@ -220,7 +209,8 @@ def _chosen_exits(path: Path, rule: str, n_tokens: int) -> tuple[np.ndarray, np.
 
 def readout_rule_specs(readouts_dir: Path | str, rules: Sequence[str], n_tokens: int, has_gate: bool,
                        hidden_dtype: str) -> tuple[list[RuleSpec], dict[str, str]]:
-    """The readouts rules to run, at their chosen thresholds, with the offline exits to match.
+    """The readouts rules to run (registry names; ``gate`` is skipped here), at their chosen thresholds, with
+    the offline exits to match.
 
     Returns:
         (specs, skipped) where skipped maps rule -> reason (e.g. q_exit on a model without a gate).
@@ -232,10 +222,12 @@ def readout_rule_specs(readouts_dir: Path | str, rules: Sequence[str], n_tokens:
             raise FileNotFoundError(f"{p} not found; run the readouts stage first (dvc repro readouts)")
     chosen = pl.read_parquet(cpath)
     specs, skipped = [], {}
-    for rule in rules:
-        if rule == "gate":
+    for name in rules:
+        if name == GATE:
             continue
-        if rule == "q_exit" and not has_gate:
+        exit_rule = get_rule(name)
+        rule = exit_rule.name
+        if exit_rule.needs_gate and not has_gate:
             skipped[rule] = "model has no native halting gate"
             continue
         row = chosen.filter(pl.col("rule") == rule)
@@ -246,7 +238,7 @@ def readout_rule_specs(readouts_dir: Path | str, rules: Sequence[str], n_tokens:
         thr = float(r["threshold"])
         ex, corr = _chosen_exits(epath, rule, n_tokens)
         specs.append(RuleSpec(rule=rule, kind=str(r.get("kind") or "posthoc"), source="readouts", threshold=thr,
-                              factory=(lambda rule=rule, thr=thr: make_rule(rule, thr, hidden_dtype)),
+                              factory=(lambda r=exit_rule, thr=thr: RegistryRule(r, thr, hidden_dtype)),
                               offline_exit=ex, offline_correct=corr))
     return specs, skipped
 
@@ -289,8 +281,7 @@ def load_gate_rule(gates_dir: Path | str, n_tokens: int, hidden_dtype: str) -> t
     ex, corr = _chosen_exits(Path(gates_dir) / "chosen_exits.parquet", rule, n_tokens)
 
     def factory(gate=gate, thr=thr, rule=rule):
-        return CallableRule(rule, thr, gate.stop_prob, needs_logits=bool(getattr(gate, "needs_logits", True)),
-                            reset_fn=getattr(gate, "reset", None))
+        return CallableRule(rule, thr, gate.stop_prob, signals=gate.signals, hidden_dtype=gate.hidden_dtype)
 
     return RuleSpec(rule=rule, kind="gate", source="gates", threshold=thr, factory=factory, offline_exit=ex,
                     offline_correct=corr), None
@@ -322,8 +313,8 @@ def _median_iqr(x: list[float]) -> tuple[float, float]:
     return float(statistics.median(x)), float(q[1] - q[0])
 
 
-def latency_model(model: LoopedTransformer, data: TestData, specs: Sequence[RuleSpec], cfg: LatencyConfig,
-                  meta: dict, device: str = "cpu", progress: bool = True) -> list[dict]:
+def latency_model(model: LoopedTransformer, data: TaskBatch, token: np.ndarray, specs: Sequence[RuleSpec],
+                  cfg: LatencyConfig, meta: dict, device: str = "cpu", progress: bool = True) -> list[dict]:
     """Time full depth and every rule's real early exit at each batch size; check exactness.
 
     For each batch size, one untimed checking pass per rule (and full depth) compares the real run's
@@ -333,7 +324,7 @@ def latency_model(model: LoopedTransformer, data: TestData, specs: Sequence[Rule
 
     Args:
         model: the looped transformer (eval mode, on ``device``).
-        data: the test split (:func:`load_test_data`).
+        data: the test sequences, ``token`` the store row of each scored position (:func:`load_test_data`).
         specs: the rules (:func:`readout_rule_specs`, :func:`load_gate_rule`).
         cfg: the ``latency`` section.
         meta: model, task, regime, regime_kind (copied into every row).
@@ -350,16 +341,19 @@ def latency_model(model: LoopedTransformer, data: TestData, specs: Sequence[Rule
 
     T = model.cfg.n_loops
     causal = model.cfg.causal
+    from looptrace.tasks import IGNORE
+
+    scored_all = data.targets != IGNORE
     tok_all = torch.from_numpy(data.tokens).to(device)
-    sc_all = torch.from_numpy(data.scored).to(device)
+    sc_all = torch.from_numpy(scored_all).to(device)
     rows = []
     bar = tqdm(total=len(cfg.batch_sizes) * (cfg.warmup + cfg.repeats + 1), desc=f"latency {meta.get('model')}",
                disable=None if progress else True, leave=False)
     for bs in cfg.batch_sizes:
         n_seq = min(cfg.bs1_sequences if bs == 1 else (cfg.sequences or data.tokens.shape[0]), data.tokens.shape[0])
         tok, sc = tok_all[:n_seq], sc_all[:n_seq]
-        scored = data.scored[:n_seq]
-        ids = data.token[:n_seq][scored]  # store rows of the run's tokens, (sequence, position) order
+        scored = scored_all[:n_seq]
+        ids = token[:n_seq][scored]  # store rows of the run's tokens, (sequence, position) order
         target = data.targets[:n_seq][scored]
         # Checking pass (untimed): the real run against the offline evaluation.
         _, full_pred, full_loops, full_w = run_split(model, tok, sc, bs, None)
@@ -440,21 +434,21 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
         ckpt = Path(train_root) / name / "model.pt"
         model, _ = load_checkpoint(ckpt)
         model = model.to(device).eval()
-        data = load_test_data(Path(dump_root) / name / "test.zarr")
-        n_tokens = int(data.scored.sum())
+        data, token, hidden_dtype = load_test_data(Path(dump_root) / name / "test.zarr")
+        n_tokens = int((token >= 0).sum())
         specs, skip = readout_rule_specs(Path(readouts_root) / name, cfg.rules, n_tokens, model.gate is not None,
-                                         data.hidden_dtype)
-        if "gate" in cfg.rules:
-            spec, reason = load_gate_rule(Path(gates_root) / name, n_tokens, data.hidden_dtype)
+                                         hidden_dtype)
+        if GATE in cfg.rules:
+            spec, reason = load_gate_rule(Path(gates_root) / name, n_tokens, hidden_dtype)
             if spec is not None:
                 specs.append(spec)
             else:
-                skip["gate"] = reason
+                skip[GATE] = reason
         meta = regime_meta(name) if regime_meta is not None else {"model": name}
-        all_rows += latency_model(model, data, specs, cfg, meta, device, progress)
+        all_rows += latency_model(model, data, token, specs, cfg, meta, device, progress)
         skipped[name] = skip
         info[name] = {"causal": bool(model.cfg.causal), "n_loops": model.cfg.n_loops, "n_tokens": n_tokens,
-                      "hidden_dtype": data.hidden_dtype}
+                      "hidden_dtype": hidden_dtype}
     df = pl.DataFrame(all_rows, schema=LATENCY_SCHEMA)
     return df, latency_metrics(df, skipped, info)
 

@@ -1,50 +1,115 @@
-"""The exit rules of SPEC §4: which signal each reads, its comparison and its first loop.
+"""The built-in exit rules of SPEC §4, registered in output order (:data:`BUILTIN_RULES`).
 
-Threshold rules fire at the first loop t ≥ ``min_loop`` where ``signal op threshold`` holds (for
-two-hit rules, also at t − 1); ``argmax_stable``, ``fixed`` and ``oracle`` have their own depth
-functions here.
+Each is an :class:`~looptrace.rules.registry.ExitRule`: threshold rules score their token_loop column
+directly (``online='signal'``: the engine compares the live signal); ``fixed`` scores the loop index
+(thresholds 1..T), ``argmax_stable`` the run length of equal argmaxes (thresholds ``readouts.argmax_stable_k``),
+``q_exit`` the halting CDF of the native gate, and the ``oracle`` ceiling the correctness (no threshold,
+never run online).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+from looptrace.rules.registry import SIGNAL, ExitRule
+from looptrace.rules.scoring import exit_depths
+from looptrace.signals import keep_rows
+from looptrace.signals.halting import HaltingCDF, halting_cdf
 
-#: Threshold rules of SPEC §4: rule -> (token_loop column, op, min_loop, two_hit).
-THRESHOLD_RULES: dict[str, tuple[str, str, int, bool]] = {
-    "entropy": ("entropy", "le", 1, False),          # [AD]
-    "top1": ("max_prob", "ge", 1, False),            # [AD], CALM softmax_max
-    "margin": ("margin", "ge", 1, False),            # [AD] logit gap
-    "kl_prev": ("kl_prev", "le", 2, False),          # [AD] KL(p_t ‖ p_{t−1})
-    "kl_prev_rev": ("kl_prev_rev", "le", 2, False),  # Huginn KL(p_{t−1} ‖ p_t)
-    "logit_change": ("logit_change", "le", 2, False),
-    "hidden_change": ("hidden_change", "le", 2, False),
-    "rel_step": ("rel_step", "le", 2, False),        # Huginn latent-diff
-    "state_cosine": ("state_cos_dist", "le", 2, False),  # Huginn cosine, CALM state
-    "accel_two_hit": ("accel", "le", 3, True),       # [TS]: a_t ≤ τ and a_{t−1} ≤ τ
-}
+
+def _column(col: str):
+    def score(s: Mapping[str, np.ndarray]) -> np.ndarray:
+        return s[col]
+
+    score.__name__ = score.__qualname__ = col
+    return score
+
+
+def argmax_run(argmax: np.ndarray) -> np.ndarray:
+    """Huginn's argmax-stability counter + 1: run[t] = number of consecutive loops ending at t that share
+    argmax_t ([token, loop] int64; 1 at t = 1 and wherever the argmax changed)."""
+    a = np.asarray(argmax)
+    n, T = a.shape
+    same = np.zeros((n, T), dtype=bool)
+    same[:, 1:] = a[:, 1:] == a[:, :-1]  # same[t] : argmax_t == argmax_{t-1}
+    run = np.ones((n, T), dtype=np.int64)
+    for t in range(1, T):
+        run[:, t] = np.where(same[:, t], run[:, t - 1] + 1, 1)
+    return run
+
+
+class ArgmaxRunOnline:
+    """Online ``argmax_stable``: the run length of equal argmaxes, loop by loop ([batch, seq])."""
+
+    def __init__(self) -> None:
+        self.prev = self.run = None
+
+    def update(self, t: int, s: Mapping[str, np.ndarray]) -> np.ndarray:
+        a = s["argmax"]
+        self.run = np.ones(a.shape, dtype=np.int64) if self.prev is None else np.where(a == self.prev, self.run + 1, 1)
+        self.prev = a
+        return self.run.astype(np.float64)
+
+    def compact(self, rows, seq: int | None) -> None:
+        if self.prev is not None:
+            self.prev, self.run = keep_rows(self.prev, rows, seq), keep_rows(self.run, rows, seq)
+
+
+class QExitOnline:
+    """Online ``q_exit``: the halting CDF of the live gate logits (:class:`~looptrace.signals.halting.HaltingCDF`)."""
+
+    def __init__(self) -> None:
+        self.cdf = HaltingCDF()
+
+    def update(self, t: int, s: Mapping[str, np.ndarray]) -> np.ndarray:
+        return self.cdf.update(s["gate_logit"])
+
+    def compact(self, rows, seq: int | None) -> None:
+        self.cdf.compact(rows, seq)
+
+
+def _threshold(name: str, col: str, op: str, min_loop: int = 1, two_hit: bool = False) -> ExitRule:
+    return ExitRule(name=name, score=_column(col), signals=(col,), op=op, min_loop=min_loop, two_hit=two_hit,
+                    online=SIGNAL)
+
+
+_RULES = (
+    ExitRule(name="fixed", score=_column("loop"), signals=("loop",), op="ge", kind="fixed",
+             thresholds=lambda T, cfg: range(1, T + 1), online=SIGNAL),
+    _threshold("entropy", "entropy", "le"),                   # [AD]
+    _threshold("top1", "max_prob", "ge"),                     # [AD], CALM softmax_max
+    _threshold("margin", "margin", "ge"),                     # [AD] logit gap
+    _threshold("kl_prev", "kl_prev", "le", 2),                # [AD] KL(p_t ‖ p_{t−1})
+    _threshold("kl_prev_rev", "kl_prev_rev", "le", 2),        # Huginn KL(p_{t−1} ‖ p_t)
+    _threshold("logit_change", "logit_change", "le", 2),
+    _threshold("hidden_change", "hidden_change", "le", 2),
+    _threshold("rel_step", "rel_step", "le", 2),              # Huginn latent-diff
+    _threshold("state_cosine", "state_cos_dist", "le", 2),    # Huginn cosine, CALM state
+    _threshold("accel_two_hit", "accel", "le", 3, True),      # [TS]: a_t ≤ τ and a_{t−1} ≤ τ
+    ExitRule(name="argmax_stable", score=lambda s: argmax_run(s["argmax"]), signals=("argmax",), op="ge",
+             thresholds=lambda T, cfg: cfg.argmax_stable_k, online=ArgmaxRunOnline),  # Huginn
+    ExitRule(name="q_exit", score=lambda s: halting_cdf(s["gate_logit"]), signals=("gate_logit",), op="ge",
+             kind="native", online=QExitOnline),              # Ouro
+    ExitRule(name="oracle", score=_column("correct"), signals=("correct",), op="ge", kind="oracle",
+             thresholds=(1.0,), online=None),                 # [AD] ceiling, not a rule
+)
+
+#: Every built-in rule, by name, in output order.
+BUILTIN_RULES: dict[str, ExitRule] = {r.name: r for r in _RULES}
+#: Their names (the default ``readouts.rules``).
+ALL_RULES = tuple(BUILTIN_RULES)
 #: Confidence readouts of [AD] (claim (a) of the diagnosis).
 CONFIDENCE_RULES = ("entropy", "top1", "margin")
-#: Every rule the stage knows, in output order (``oracle`` is a ceiling, not a rule).
-ALL_RULES = ("fixed", *THRESHOLD_RULES, "argmax_stable", "q_exit", "oracle")
-#: Per-(token, loop) columns of token_loop.parquet the rules read.
+#: Per-(token, loop) columns of token_loop.parquet the readouts stage reads (every built-in's signals).
 LOOP_COLUMNS = ("loop", "argmax", "correct", "target_logprob", "gate_logit",
-                *sorted({c for c, *_ in THRESHOLD_RULES.values()}))
-
+                *sorted({s for r in _RULES for s in r.signals} - {"loop", "argmax", "correct", "gate_logit"}))
 
 
 def oracle_depths(correct: np.ndarray) -> np.ndarray:
-    """Oracle earliest-correct depth ([AD] ceiling): min{t : argmax_t = y}, else T.
-
-    Args:
-        correct: [token, loop] bool.
-
-    Returns:
-        [token] int64, 1-based.
-    """
-    c = np.asarray(correct, dtype=bool)
-    return np.where(c.any(axis=1), c.argmax(axis=1) + 1, c.shape[1]).astype(np.int64)
+    """Oracle earliest-correct depth ([AD] ceiling): min{t : argmax_t = y}, else T ([token] int64, 1-based)."""
+    r = BUILTIN_RULES["oracle"]
+    return exit_depths(r.score_of({"correct": np.asarray(correct, dtype=bool)}), r.calibration_values(0), r.op)[0]
 
 
 def argmax_stable_depths(argmax: np.ndarray, ks: Sequence[int]) -> np.ndarray:
@@ -53,29 +118,12 @@ def argmax_stable_depths(argmax: np.ndarray, ks: Sequence[int]) -> np.ndarray:
     Convention (Huginn's argmax-stability counts consecutive loops with the same argmax): the last k
     loops, t included, share one argmax, so the earliest possible exit is t = k; k = 1 exits at 1.
 
-    Args:
-        argmax: [token, loop] int.
-        ks: the k values.
-
     Returns:
         [len(ks), token] int64 1-based exit depths.
     """
-    a = np.asarray(argmax)
-    n, T = a.shape
-    same = np.zeros((n, T), dtype=bool)
-    same[:, 1:] = a[:, 1:] == a[:, :-1]  # same[t] : argmax_t == argmax_{t-1}
-    # run[t] = number of consecutive loops ending at t that share argmax_t.
-    run = np.ones((n, T), dtype=np.int64)
-    for t in range(1, T):
-        run[:, t] = np.where(same[:, t], run[:, t - 1] + 1, 1)
-    out = np.empty((len(ks), n), dtype=np.int64)
-    for i, k in enumerate(ks):
-        hit = run >= k
-        out[i] = np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, T)
-    return out
+    return exit_depths(argmax_run(argmax), np.asarray(ks, dtype=np.float64), "ge")
 
 
-
-def _grid_window(signal: np.ndarray, min_loop: int, two_hit: bool) -> np.ndarray:
-    """The loops a rule reads (t ≥ min_loop, and t − 1 for two-hit rules): the calibration values."""
-    return signal[:, max(0, min_loop - 1 - int(two_hit)):]
+def grid_window(score: np.ndarray, min_loop: int, two_hit: bool) -> np.ndarray:
+    """The loops a rule reads (t ≥ min_loop, and t − 1 for two-hit rules): its calibration values."""
+    return score[:, max(0, min_loop - 1 - int(two_hit)):]

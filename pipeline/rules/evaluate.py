@@ -16,26 +16,18 @@ import numpy as np
 import polars as pl
 from looptrace.config import ConfigError
 from looptrace.io.artifacts import write_outputs
-from looptrace.io.tables import SplitFrame, load_token_loop
-from looptrace.rules.builtin import (
-    ALL_RULES,
-    LOOP_COLUMNS,
-    THRESHOLD_RULES,
-    _grid_window,
-    argmax_stable_depths,
-    oracle_depths,
-)
+from looptrace.io.tables import SplitArrays, load_token_loop
+from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, grid_window
+from looptrace.rules.registry import ExitRule, check_causal, loop_signals, resolve_rules
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
     d_at,
     evaluate_depths,
-    evaluate_rule,
     exit_depths,
     quantile_grid,
     result_frames,
 )
-from looptrace.signals.halting import halting_cdf
 
 
 @dataclass(frozen=True)
@@ -44,8 +36,9 @@ class ReadoutsConfig:
 
     Attributes:
         argmax_stable_k: the k values of ``argmax_stable`` (each is one operating point).
-        rules: the rules to evaluate (subset of ``ALL_RULES``; ``q_exit`` is skipped for models
-            without a native gate).
+        rules: the rules to evaluate, in output order: built-in names (``ALL_RULES``), user rules
+            ``package.module:function`` or ``looptrace.rules`` entry-point names (:mod:`looptrace.rules.registry`).
+            Rules that read the native gate (``q_exit``) are skipped for models without one.
     """
 
     argmax_stable_k: tuple[int, ...] = (2, 3)
@@ -55,65 +48,74 @@ class ReadoutsConfig:
         if not self.argmax_stable_k or min(self.argmax_stable_k) < 1:
             raise ConfigError(f"readouts.argmax_stable_k must be a non-empty list of k ≥ 1, got "
                               f"{list(self.argmax_stable_k)}")
-        unknown = [r for r in self.rules if r not in ALL_RULES]
-        if unknown:
-            raise ConfigError(f"readouts.rules: unknown rule '{unknown[0]}'; allowed: {', '.join(ALL_RULES)}")
+        resolve_rules(self.rules, "readouts.rules")
 
 
-def evaluate_model_rules(val: SplitFrame, test: SplitFrame, cfg: ReadoutsConfig, cal: CalibrationConfig,
-                         progress: bool = True) -> list[RuleResult]:
+def rule_columns(rules: Sequence[ExitRule]) -> tuple[str, ...]:
+    """The token_loop.parquet columns to read for ``rules`` (the built-ins' and every rule's own signals)."""
+    return tuple(dict.fromkeys([*LOOP_COLUMNS, *(s for r in rules for s in r.signals if s != "loop")]))
+
+
+def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig,
+                     cal: CalibrationConfig) -> RuleResult | None:
+    """One registered rule calibrated on val (frozen) and applied to test; None when the model cannot run it
+    (a rule on the native gate of a model without one).
+
+    A rule with a derived online form is first checked for causality on val
+    (:func:`~looptrace.rules.registry.check_causal`). Quantile-grid rules calibrate on the finite val scores
+    of the loops they can read (t ≥ min_loop; for two-hit rules also t − 1), so that e.g. hidden_change at
+    t = 1 (where the rule may not fire) does not shift the grid.
+    """
+    if rule.needs_gate and not (val.has_gate and test.has_gate):
+        return None
+    T = val.n_loops
+    vsig, tsig = loop_signals(val.loop, T), loop_signals(test.loop, T)
+    if rule.derived_online:
+        check_causal(rule, vsig)
+    vs, ts = rule.score_of(vsig), rule.score_of(tsig)
+    grid = rule.calibration_values(T, cfg)
+    if grid is None:
+        try:
+            grid = quantile_grid(grid_window(vs, rule.min_loop, rule.two_hit), cal.n_quantiles)
+        except ValueError as exc:
+            raise ValueError(f"readouts rule '{rule.name}': {exc}") from None
+    vd = exit_depths(vs, grid, rule.op, rule.min_loop, rule.two_hit)
+    td = exit_depths(ts, grid, rule.op, rule.min_loop, rule.two_hit)
+    recorded = np.array([np.nan]) if rule.kind == "oracle" else grid  # a ceiling has no threshold
+    return evaluate_depths(rule.name, recorded, vd, td, val, test, cal.delta, kind=rule.kind)
+
+
+def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig, cal: CalibrationConfig,
+                         progress: bool = True, rules: Sequence[str | ExitRule] | None = None) -> list[RuleResult]:
     """Every configured exit rule of SPEC §4 on one model (grid on val, frozen, applied to test).
 
-    Threshold rules calibrate on the finite val values of the loops they can read (t ≥ min_loop; for
-    accel_two_hit also t − 1), so that e.g. hidden_change at t = 1 (where the rule may not fire) does
-    not shift its grid. ``fixed`` has thresholds 1..T, ``argmax_stable`` the k values, ``oracle`` a
-    single NaN threshold (kind ``oracle``).
+    ``fixed`` has thresholds 1..T, ``argmax_stable`` the k values, ``oracle`` a single NaN threshold (kind
+    ``oracle``); every other built-in and user rule the val quantile grid of its score
+    (:func:`evaluate_rule_on`).
 
     Args:
         val, test: the model's splits (same T).
         cfg: the ``readouts`` section.
         cal: the ``calibration`` section.
         progress: show a progress bar.
+        rules: rules (names or :class:`ExitRule` objects) instead of ``cfg.rules``.
 
     Returns:
-        list of RuleResult in ``ALL_RULES`` order (``q_exit`` only when the model has a gate).
+        list of RuleResult in rule order (rules on the native gate only when the model has one).
     """
     from tqdm.auto import tqdm
 
-    T = val.n_loops
-    vdat, tdat = val.data, test.data
-    nv, nt = val.token.size, test.token.size
+    todo = resolve_rules(cfg.rules if rules is None else rules, "readouts.rules")
     results: list[RuleResult] = []
-    for rule in tqdm(cfg.rules, desc="readouts", disable=None if progress else True, leave=False):
-        if rule == "fixed":
-            k = np.arange(1, T + 1)
-            results.append(evaluate_depths(rule, k, np.repeat(k[:, None], nv, 1), np.repeat(k[:, None], nt, 1),
-                                           vdat, tdat, cal.delta, kind="fixed"))
-        elif rule in THRESHOLD_RULES:
-            col, op, min_loop, two_hit = THRESHOLD_RULES[rule]
-            vs, ts = val.loop[col], test.loop[col]
-            grid = quantile_grid(_grid_window(vs, min_loop, two_hit), cal.n_quantiles)
-            results.append(evaluate_depths(rule, grid, exit_depths(vs, grid, op, min_loop, two_hit),
-                                           exit_depths(ts, grid, op, min_loop, two_hit), vdat, tdat, cal.delta))
-        elif rule == "argmax_stable":
-            ks = list(cfg.argmax_stable_k)
-            results.append(evaluate_depths(rule, np.array(ks, dtype=np.float64),
-                                           argmax_stable_depths(val.loop["argmax"], ks),
-                                           argmax_stable_depths(test.loop["argmax"], ks), vdat, tdat, cal.delta))
-        elif rule == "q_exit":
-            if not (val.has_gate and test.has_gate):
-                continue
-            vs, ts = halting_cdf(val.loop["gate_logit"]), halting_cdf(test.loop["gate_logit"])
-            results.append(evaluate_rule(rule, vs, ts, vdat, tdat, "ge", n_quantiles=cal.n_quantiles,
-                                         delta=cal.delta, kind="native"))
-        elif rule == "oracle":
-            results.append(evaluate_depths(rule, np.array([np.nan]), oracle_depths(vdat.correct)[None],
-                                           oracle_depths(tdat.correct)[None], vdat, tdat, cal.delta, kind="oracle"))
+    for rule in tqdm(todo, desc="readouts", disable=None if progress else True, leave=False):
+        r = evaluate_rule_on(rule, val, test, cfg, cal)
+        if r is not None:
+            results.append(r)
     return results
 
 
-def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFrame], val: SplitFrame,
-                     test: SplitFrame, cal: CalibrationConfig, meta: dict) -> dict:
+def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFrame], val: SplitArrays,
+                     test: SplitArrays, cal: CalibrationConfig, meta: dict) -> dict:
     """``metrics.json``: full-depth and oracle accuracy, and per rule its chosen point and D@X."""
     dx = frames["dx"]
     rules = {}
@@ -135,7 +137,7 @@ def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFra
     best = posthoc.sort("d_at", "rule").row(0, named=True) if posthoc.height else None
     return {**meta, "n_loops": val.n_loops, "has_gate": val.has_gate,
             "n_tokens": {"val": int(val.token.size), "test": int(test.token.size)},
-            "full_depth_accuracy": {"val": val.data.full_accuracy, "test": test.data.full_accuracy},
+            "full_depth_accuracy": {"val": val.full_accuracy, "test": test.full_accuracy},
             "test_accuracy_per_loop": test.loop["correct"].mean(axis=0).tolist(),
             "best_posthoc": {"x": x0, "rule": best["rule"] if best else None,
                              "d_at": best["d_at"] if best else math.nan},
@@ -157,9 +159,10 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
     Returns:
         The metrics dict (also written to ``metrics.json``).
     """
-    splits = load_token_loop(Path(geometry_dir) / "token_loop.parquet", columns=LOOP_COLUMNS)
+    rules = resolve_rules(cfg.rules, "readouts.rules")
+    splits = load_token_loop(Path(geometry_dir) / "token_loop.parquet", columns=rule_columns(rules))
     val, test = splits["val"], splits["test"]
-    results = evaluate_model_rules(val, test, cfg, cal, progress)
+    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules)
     frames = result_frames(results, cal.dx)
     metrics = readouts_metrics(results, frames, val, test, cal, meta or {})
     write_outputs(out_dir, frames, metrics)

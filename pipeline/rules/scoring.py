@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 from looptrace.config import ConfigError
-from looptrace.io.tables import SplitData
+from looptrace.io.tables import SplitArrays
 
 # Comparisons of k/N fractions against x/100: a tiny tolerance so that e.g. 57/100 ≥ 0.57 holds.
 _EPS = 1e-12
@@ -252,7 +252,7 @@ class RuleResult:
 
 
 def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, test_depths: np.ndarray,
-                    val: SplitData, test: SplitData, delta: float = 0.5, kind: str = "posthoc") -> RuleResult:
+                    val: SplitArrays, test: SplitArrays, delta: float = 0.5, kind: str = "posthoc") -> RuleResult:
     """Score precomputed exit depths of one rule on val and test and pick its chosen point.
 
     Args:
@@ -279,7 +279,7 @@ def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, t
                       full_val_accuracy=full, delta=delta)
 
 
-def evaluate_rule(rule: str, val_signal: np.ndarray, test_signal: np.ndarray, val: SplitData, test: SplitData,
+def evaluate_rule(rule: str, val_signal: np.ndarray, test_signal: np.ndarray, val: SplitArrays, test: SplitArrays,
                   op: str, min_loop: int = 1, two_hit: bool = False, n_quantiles: int = 51,
                   delta: float = 0.5, kind: str = "posthoc") -> RuleResult:
     """Evaluate one threshold rule end to end ([AD] protocol).

@@ -1,0 +1,80 @@
+"""Fitted gates run loop by loop on a live batch (the latency stage's real early exit)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+from looptrace.gates.config import STORE_FEATURES
+from looptrace.online.signals import round_states
+
+
+def load_fitted(gates_dir: Path | str) -> dict:
+    """The pickled fit of one model (``<gates_dir>/gates.pkl``): features, gates, stats, hidden dtype.
+
+    Raises:
+        FileNotFoundError: the file is missing (names the stage to run).
+    """
+    path = Path(gates_dir) / "gates.pkl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; run the gates stage (dvc repro gates)")
+    with open(path, "rb") as fh:
+        return pickle.load(fh)  # our own artifact, written by gates_stage
+
+
+class OnlineGate:
+    """A fitted gate evaluated loop by loop on a live batch (``looptrace.online.engine.CallableRule``).
+
+    The features are recomputed exactly as the offline path computed them from the store: the state is
+    rounded to the store's ``hidden`` dtype, and the statistics are the live signals of
+    :class:`looptrace.online.signals.LiveSignals` — the streaming forms of the functions that wrote the store
+    (``LoopStats``) and token_loop.parquet (``StepSignals``), so they equal the stored values bit for bit.
+
+    Args:
+        fit: the dict of :func:`load_fitted`.
+        name: gate name (``logreg-oracle`` ...).
+
+    Attributes:
+        signals: the statistics the gate reads (the engine computes them on the live batch).
+        hidden_dtype: the store's hidden dtype the gate was fit on.
+        needs_logits: whether a statistic reads the readout.
+    """
+
+    def __init__(self, fit: dict, name: str):
+        if name not in fit["gates"]:
+            raise KeyError(f"gate '{name}' is not in the fitted gates ({', '.join(fit['gates'])})")
+        self.name, self.gate, self.features = name, fit["gates"][name], fit["features"]
+        self.stats = tuple(fit["stats"])
+        self.signals = self.stats
+        self.hidden_dtype = str(fit.get("hidden_dtype") or "float16")
+        self.needs_logits = any(s in STORE_FEATURES and s != "gate_logit" for s in self.stats)
+
+    def stop_prob(self, t: int, h, signals: dict):
+        """P(stop) after loop t (1-based) from h_t [b, s, D] and the live statistics ``signals``
+        (name -> [b, s]): [b, s] float64 tensor."""
+        b, s, D = h.shape
+        hr = round_states(h, self.hidden_dtype)
+        stats = None
+        if self.stats:
+            stats = np.stack([signals[n].reshape(-1).cpu().numpy() for n in self.stats], axis=-1)[:, None, :]
+        X = self.features.transform(hr.reshape(b * s, 1, D).cpu().numpy(), stats, np.array([t - 1]))
+        p = self.gate.stop_prob(X)[:, 0]
+        return torch.as_tensor(p, dtype=torch.float64, device=h.device).reshape(b, s)
+
+
+def load_online_gate(gates_dir: Path | str, rule: str) -> OnlineGate:
+    """The fitted gate ``rule`` (``gate:<name>``) of one model as an online rule (DESIGN.md latency contract).
+
+    Args:
+        gates_dir: ``artifacts/gates/<model>``.
+        rule: the rule name as in chosen.parquet.
+
+    Returns:
+        :class:`OnlineGate` with ``stop_prob(t, h, signals)``, ``signals``, ``hidden_dtype`` and ``needs_logits``.
+
+    Raises:
+        FileNotFoundError: no ``gates.pkl``; KeyError: the gate was not fitted.
+    """
+    return OnlineGate(load_fitted(gates_dir), str(rule).removeprefix("gate:"))
