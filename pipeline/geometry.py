@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +37,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 from looptrace.config import ConfigError, to_dict
+from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.tables import SplitArrays
 from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
 from tqdm.auto import tqdm
@@ -434,23 +433,6 @@ def _median_int(x: np.ndarray) -> float:
     return float(np.median(x)) if x.size else math.nan
 
 
-def _jsonable(x: Any) -> Any:
-    """NaN/inf -> None (strict JSON for DVC), numpy scalars -> Python."""
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(_jsonable(data), indent=2, allow_nan=False))
-
-
 def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | str,
                    meta: dict | None = None, extra_tables: dict[str, pl.DataFrame] | None = None,
                    progress: bool = True) -> dict:
@@ -473,21 +455,10 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
     Returns:
         The metrics dict written to ``metrics.json``.
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        extra_tables = extra_tables or {}
-        meta = dict(meta or {})
-        metrics = _geometry_into(stores, cfg, tmp, meta, progress)
-        for name, df in extra_tables.items():
+    with atomic_dir(out_dir) as tmp:
+        metrics = _geometry_into(stores, cfg, tmp, dict(meta or {}), progress)
+        for name, df in (extra_tables or {}).items():
             df.write_parquet(tmp / name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return metrics
 
 
@@ -558,7 +529,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     # Always written (zero rows for a single looped group) so the stage's outputs are a fixed set.
     pl.DataFrame(dlr_rows, schema=DLR_SCHEMA).write_parquet(tmp / "dlr.parquet")
     metrics = _metrics(summary, split_metrics, dlr_rows, stores, cfg, meta)
-    _write_json(tmp / "metrics.json", metrics)
+    (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=False))
     return metrics
 
 

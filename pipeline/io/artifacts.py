@@ -13,8 +13,9 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -44,9 +45,13 @@ def atomic_dir(out_dir: Path | str) -> Iterator[Path]:
         raise
 
 
-def jsonable(obj):
-    """numpy scalars/arrays → Python; NaN/inf → None (JSON has no NaN; DVC metrics must parse)."""
-    if isinstance(obj, dict):
+def jsonable(obj: Any) -> Any:
+    """Plain JSON types for ``metrics.json`` and store attributes (the one converter of the project).
+
+    numpy scalars/arrays → Python, tuples → lists, NaN/±inf → None (JSON has no NaN; ``dvc metrics show``
+    must parse), anything else that JSON cannot hold (paths, dtypes, devices) → its ``str``.
+    """
+    if isinstance(obj, Mapping):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
         return [jsonable(v) for v in obj]
@@ -56,7 +61,9 @@ def jsonable(obj):
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
-    return obj
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    return str(obj)
 
 
 def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics: dict,

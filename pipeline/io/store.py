@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 import zarr
+from looptrace.io.artifacts import jsonable
 from looptrace.io.precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.sync import sync
@@ -113,23 +114,6 @@ def memory_store() -> zarr.storage.MemoryStore:
 
 def _label(target: StoreTarget) -> str:
     return "<memory>" if isinstance(target, zarr.storage.MemoryStore) else str(target)
-
-
-def _jsonable(x: Any) -> Any:
-    """Attributes as plain JSON types (numpy scalars/arrays, tuples, Paths converted)."""
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if x is None or isinstance(x, bool | int | float | str):
-        return x
-    return str(x)  # paths, dtypes, devices...: recorded by name rather than failing the JSON encoding
 
 
 #: Blosc block size: blocks of 4 MiB (instead of Blosc's automatic ~256 KiB at level 1) give zstd more
@@ -456,7 +440,7 @@ class StoreWriter:
         remove_store(target)
         n_tokens = int(attrs["n_tokens"])
         n_chunks = math.ceil(n_tokens / chunk_tokens)
-        full = dict(_jsonable(dict(attrs)))
+        full = dict(jsonable(dict(attrs)))
         full.update(schema_version=SCHEMA_VERSION, complete=False, chunk_tokens=int(chunk_tokens), nan_count=None)
         group = zarr.open_group(target if isinstance(target, zarr.storage.MemoryStore) else str(target),
                                 mode="w", zarr_format=3, attributes=full)
@@ -586,7 +570,7 @@ class StoreWriter:
         if (marks < 0).any():
             missing = int(np.flatnonzero(marks < 0)[0])
             raise StoreError(f"store {self.label}: chunk {missing} was never written; re-run `looptrace dump` to resume")
-        update = dict(_jsonable(dict(attrs or {})))
+        update = dict(jsonable(dict(attrs or {})))
         update.update(nan_count=int(marks.sum()), complete=True)
         self._group.attrs.update(update)
         with warnings.catch_warnings():
