@@ -50,3 +50,90 @@ class HaltingCDF:
         """Follow the early-exit engine's compaction (leading dims [batch, seq])."""
         if self._sum is not None:
             self._sum = keep_rows(self._sum, rows, seq)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ouro's own arithmetic, in the model dtype
+# ----------------------------------------------------------------------------------------------
+
+#: dtypes of :func:`ouro_halting_cdf` (the ``q_exit_<dtype>`` rules).
+OURO_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _torch_dtype(dtype: str):
+    import torch  # only here: the rest of looptrace.signals stays numpy-only
+
+    if dtype not in OURO_DTYPES:
+        raise ValueError(f"ouro_halting_cdf: dtype must be one of {', '.join(OURO_DTYPES)}, got {dtype!r}")
+    return torch, getattr(torch, dtype)
+
+
+def _ouro_pdf_step(torch, g, rem, last: bool):
+    """One step of Ouro's exit pdf: (p_t, remaining probability after t)."""
+    lam = torch.sigmoid(g)
+    if last:
+        return rem, rem
+    return lam * rem, rem * (1.0 - lam)
+
+
+def ouro_halting_cdf(gate_logit: np.ndarray, dtype: str) -> np.ndarray:
+    """The exit CDF Ouro's own ``OuroForCausalLM.forward`` computes for its Q-exit, in the model's ``dtype``.
+
+    λ_t = σ(g_t); p_t = λ_t · r_t and r_{t+1} = r_t · (1 − λ_t) for t < T (r_1 = 1); p_T = r_T (the last step
+    takes the remainder); CDF = cumsum(p). Every operation runs in ``dtype`` with torch (on the CPU), as the model
+    runs it, so the values — and the steps where CDF reaches q — are the checkpoint's own: in bf16 σ rounds to 1
+    for g ≳ 6.3 and the CDF can reach q (or 1.0) earlier than exact arithmetic says. :func:`halting_cdf` is the
+    exact (float64, log-space) signal of the same gate; the two differ wherever the model dtype rounds.
+
+    Ouro compares ``CDF ≥ q`` in ``dtype`` too, i.e. against q rounded to it: its ``forward(exit_threshold=q)``
+    exits where this CDF ≥ :func:`ouro_threshold` (q, dtype) (and at T where it never is).
+
+    Args:
+        gate_logit: [token, loop] gate logits (the store's float32 ``gate_logit`` holds bf16 / fp16 values exactly).
+        dtype: ``bfloat16`` | ``float16`` | ``float32`` (the model's, ``dump.adapter.dtype``).
+
+    Returns:
+        [token, loop] float64 (values of ``dtype``).
+    """
+    torch, dt = _torch_dtype(dtype)
+    g = torch.from_numpy(np.ascontiguousarray(gate_logit)).to(dt)
+    T = g.shape[-1]
+    rem = torch.ones_like(g[..., 0])
+    pdf = []
+    for t in range(T):
+        p, rem = _ouro_pdf_step(torch, g[..., t], rem, t == T - 1)
+        pdf.append(p)
+    return torch.cumsum(torch.stack(pdf, dim=-1), dim=-1).double().numpy()
+
+
+def ouro_threshold(q: float, dtype: str) -> float:
+    """``q`` rounded to ``dtype``, as Ouro's ``CDF ≥ q`` comparison in the model dtype sees it (float64 value)."""
+    torch, dt = _torch_dtype(dtype)
+    return float(torch.tensor(float(q), dtype=torch.float64).to(dt).double())
+
+
+class OuroHaltingCDF:
+    """Streaming :func:`ouro_halting_cdf` for loops t < T (the last loop's remainder is never needed online:
+    every position exits at T). The values equal the offline ones bit for bit (same torch operations; the CPU
+    cumsum is sequential)."""
+
+    def __init__(self, dtype: str) -> None:
+        self.torch, self.dt = _torch_dtype(dtype)
+        self.rem = None
+        self.pdf: list = []
+
+    def update(self, gate_logit: np.ndarray) -> np.ndarray:
+        torch = self.torch
+        g = torch.from_numpy(np.ascontiguousarray(gate_logit)).to(self.dt)
+        if self.rem is None:
+            self.rem = torch.ones_like(g)
+        p, self.rem = _ouro_pdf_step(torch, g, self.rem, last=False)
+        self.pdf.append(p)
+        return torch.cumsum(torch.stack(self.pdf, dim=-1), dim=-1)[..., -1].double().numpy()
+
+    def compact(self, rows, seq: int | None) -> None:
+        """Follow the early-exit engine's compaction (leading dims [batch, seq])."""
+        if self.rem is not None:
+            rows = rows.cpu() if hasattr(rows, "cpu") else rows  # these tensors live on the CPU
+            self.rem = keep_rows(self.rem, rows, seq)
+            self.pdf = [keep_rows(p, rows, seq) for p in self.pdf]
