@@ -68,9 +68,30 @@ def _torch_dtype(dtype: str):
     return torch, getattr(torch, dtype)
 
 
+_SIGMOID_BLOCK = 8192  # elements per call: one thread, a multiple of every CPU vector width
+
+
+def _sigmoid(torch, g):
+    """σ(g) in g's dtype through torch's vectorised CPU kernel for every element, whatever g's shape.
+
+    torch computes the last (n mod 2·vector width) elements of a call, and the ends of the chunks it splits a
+    large call into across threads, with a scalar σ that can differ from the vectorised one in the last ulp; so
+    the same value could round differently depending on where it sits. Padding each call to a multiple of
+    :data:`_SIGMOID_BLOCK` makes the result a function of the value alone (offline = online, bit for bit). The
+    model itself evaluates σ on its own [batch, seq] gate, whose tail elements take the scalar path: there a
+    value can differ by one ulp of the dtype (a decision moves only if the CDF is that close to q).
+    """
+    flat = g.reshape(-1)
+    n = flat.numel()
+    pad = (-n) % _SIGMOID_BLOCK
+    x = torch.cat([flat, flat.new_zeros(pad)]) if pad else flat
+    out = torch.cat([torch.sigmoid(b) for b in x.split(_SIGMOID_BLOCK)]) if n else x
+    return out[:n].reshape(g.shape)
+
+
 def _ouro_pdf_step(torch, g, rem, last: bool):
     """One step of Ouro's exit pdf: (p_t, remaining probability after t)."""
-    lam = torch.sigmoid(g)
+    lam = _sigmoid(torch, g)
     if last:
         return rem, rem
     return lam * rem, rem * (1.0 - lam)
@@ -81,8 +102,9 @@ def ouro_halting_cdf(gate_logit: np.ndarray, dtype: str) -> np.ndarray:
 
     λ_t = σ(g_t); p_t = λ_t · r_t and r_{t+1} = r_t · (1 − λ_t) for t < T (r_1 = 1); p_T = r_T (the last step
     takes the remainder); CDF = cumsum(p). Every operation runs in ``dtype`` with torch (on the CPU), as the model
-    runs it, so the values — and the steps where CDF reaches q — are the checkpoint's own: in bf16 σ rounds to 1
-    for g ≳ 6.3 and the CDF can reach q (or 1.0) earlier than exact arithmetic says. :func:`halting_cdf` is the
+    runs it, so the values — and the steps where CDF reaches q — are the checkpoint's own (up to one ulp of σ on
+    the model's own tail elements, :func:`_sigmoid`): in bf16 σ rounds to 1 for g ≳ 6.3 and the CDF can reach q
+    (or 1.0) earlier than exact arithmetic says. :func:`halting_cdf` is the
     exact (float64, log-space) signal of the same gate; the two differ wherever the model dtype rounds.
 
     Ouro compares ``CDF ≥ q`` in ``dtype`` too, i.e. against q rounded to it: its ``forward(exit_threshold=q)``

@@ -612,17 +612,23 @@ def _frames(exc: BaseException) -> list[traceback.FrameSummary]:
     return traceback.extract_tb(exc.__traceback__)
 
 
-def is_incompatibility(exc: BaseException) -> bool:
-    """Whether ``exc`` (raised while loading) has a known cause: an :data:`INCOMPATIBLE` type raised outside
-    looptrace's own modules (in the remote code, transformers, safetensors, json...)."""
+def is_incompatibility(exc: BaseException, remote_only: bool = False) -> bool:
+    """Whether ``exc`` has a known cause: an :data:`INCOMPATIBLE` type raised outside looptrace's own modules —
+    while loading: in the remote code, transformers, safetensors, json...; with ``remote_only`` (while running):
+    in the remote code or transformers only."""
     if not isinstance(exc, INCOMPATIBLE):
         return False
     frames = _frames(exc)
-    return not frames or not str(Path(frames[-1].filename).resolve()).startswith(_OWN_DIR)
+    if not frames:
+        return not remote_only
+    last = str(Path(frames[-1].filename).resolve())
+    if remote_only:
+        return "transformers_modules" in last or f"{os.sep}transformers{os.sep}" in last
+    return not last.startswith(_OWN_DIR)
 
 
-def describe_failure(path: Path | str, kind: str, exc: BaseException) -> str:
-    """One line: the checkpoint, what failed (type, where, message) and the fix."""
+def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str = "load") -> str:
+    """One line: the checkpoint, what failed (type, where, message) and the fix (``verb``: load | run)."""
     import transformers
 
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -638,7 +644,7 @@ def describe_failure(path: Path | str, kind: str, exc: BaseException) -> str:
         fix = (f"the shim (looptrace.models.adapters.compat) covers the published {kind} code "
                f"({FAMILY_CLASSES[kind].split('.')[0]}.py, docs/adapters.md 'Remote code'); compare the directory's "
                f"code with it, or set {DISABLE_ENV} to narrow down which patch no longer fits")
-    return (f"dump.adapter.path '{path}': cannot load the {kind} checkpoint under transformers "
+    return (f"dump.adapter.path '{path}': cannot {verb} the {kind} checkpoint under transformers "
             f"{transformers.__version__} ({what}); {fix}")
 
 

@@ -343,14 +343,27 @@ class HFAdapter(LoopedModelAdapter):
     def states(self, input_ids: torch.Tensor) -> States:
         """Run every loop on [batch, seq] token ids: hidden [batch, seq, loop, d_model] in the model dtype."""
         ids = input_ids.to(self._device)
-        st = self._states(ids)
-        T = self.info.n_loops
-        if st.hidden.shape[2] != T:
-            raise ValueError(f"adapter '{self.info.name}' ({self.kind}): the model ran {st.hidden.shape[2]} loops, "
-                             f"expected {T}")
-        if not self._verified:
-            self._verify(ids, st)
+        with self._remote_code_errors():
+            st = self._states(ids)
+            T = self.info.n_loops
+            if st.hidden.shape[2] != T:
+                raise ValueError(f"adapter '{self.info.name}' ({self.kind}): the model ran {st.hidden.shape[2]} "
+                                 f"loops, expected {T}")
+            if not self._verified:
+                self._verify(ids, st)
         return st
+
+    @contextlib.contextmanager
+    def _remote_code_errors(self):
+        """Remote code that fails inside itself or transformers with an interface error (a revision the shim does
+        not cover) is a one-line :class:`CheckpointLoadError`; anything else keeps its traceback."""
+        try:
+            yield
+        except Exception as exc:
+            if self.cfg.kind in compat.FAMILY_CLASSES and compat.is_incompatibility(exc, remote_only=True):
+                raise CheckpointLoadError(compat.describe_failure(self.cfg.path, self.cfg.kind, exc,
+                                                                  "run")) from exc
+            raise
 
     @torch.inference_mode()
     def readout(self, h: torch.Tensor, loop: int) -> torch.Tensor:
