@@ -17,12 +17,18 @@ Five kinds of checkpoint, each loaded from a local directory only (``local_files
   ``model.model.norm``, ``model.lm_head``) with the contiguous block of layers ``[start, end)`` run
   ``n_loops`` times (RecurTrace's setup, [RT]); h_t = block output after pass t, h_0 = the block's input.
   Exit = layers ``[end, L)`` + final norm + head. Loop 1 is the unmodified model.
-- ``ouro`` — Ouro (remote code, ``trust_remote_code``): ``model.model(...)`` returns the per-step hidden
-  states and per-step exit-gate logits; the gate is stored (``gate_logit``) so Ouro's own Q-exit
-  (SPEC §4) is evaluated. Exit = ``lm_head`` (the per-step states are already normed; see ``verify_exit``).
-- ``huginn`` — Huginn / Raven (remote code): step-by-step latent iteration with its documented methods
-  ``embed_inputs`` → ``initialize_state`` → ``iterate_one_step`` × T → ``predict_from_latents`` (coda +
-  norm + head). h_0 is the (seeded, random) initial latent state.
+- ``ouro`` — Ouro (remote code ``modeling_ouro.py``, ``trust_remote_code``): ``model.model(...)`` returns the
+  per-step hidden states (normed; each feeds the next step) and per-step exit-gate logits; the gate is stored
+  (``gate_logit``) so Ouro's Q-exit (SPEC §4) is evaluated. Exit at loop t = ``lm_head(h_t)``, the model's own
+  ``forward(exit_at_step=t−1)``.
+- ``huginn`` — Huginn / Raven (remote code ``raven_modeling_minimal.py``): ``embed_inputs`` →
+  ``initialize_state`` → ``iterate_one_step(current_step=t)`` × T; h_t is the raw core-block output, the exit
+  ``predict_from_latents(h_t)`` (ln_f → coda → ln_f → head) = the model's ``forward(num_steps=t)``. h_0 and the
+  test-time noise come from a stream seeded per sequence (:func:`sequence_seed`).
+
+Both remote-code kinds load through :mod:`looptrace.models.adapters.compat`, which runs the published code under
+the installed transformers (5.x) without touching the checkpoint; load failures with a known cause are one-line
+:class:`~looptrace.models.adapters.compat.CheckpointLoadError` s.
 
 How states are captured without re-implementing a model: the model's *own* forward runs with forward
 hooks on the layer whose output is the loop state, while the layers after the loop (the coda) are
@@ -32,8 +38,8 @@ and each per-loop readout replays the real coda layers with the recorded argumen
 the block layers the same way for passes 2..k.
 
 ``verify_exit`` (default on): on the first batch the adapter checks that its exit path reproduces the
-model's own forward logits (at the last loop; at loop 1 for ``retrofit``) and fails with a one-line error
-otherwise — the guard for the remote-code kinds, whose code is not on this machine (docs/adapters.md).
+model's own logits (at the last loop; at loop 1 for ``retrofit``) and fails with a one-line error otherwise
+(docs/adapters.md).
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ class AdapterConfig:
             the code is read from the local directory only).
         attn_implementation: transformers attention backend (``eager``, ``sdpa``...); null = the default.
         verify_exit: check the exit path against the model's own forward logits on the first batch.
-        seed: seed of Huginn's random initial state (other kinds are deterministic).
+        seed: base seed of Huginn's random streams (initial state, test-time noise): each sequence draws from its
+            own stream, :func:`sequence_seed` (seed, its token ids); other kinds are deterministic.
     """
 
     kind: str
