@@ -214,13 +214,24 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     ``auto_map`` (Ouro, Huginn) is remote code to transformers even for the tokenizer: without it, transformers asks
     "Do you wish to run the custom code? [y/N]" on a terminal.
     """
-    from transformers import AutoTokenizer
+    import warnings
 
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+        if trust_remote_code:  # its 4.x-era config code makes transformers 5 print deprecation notices: known, harmless
+            hf_logging.set_verbosity_error()
+        with warnings.catch_warnings():
+            if trust_remote_code:
+                warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(_modules)?(\.|$)")
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"tokenizer directory '{path}': cannot load a tokenizer ({msg}); set dump.text.tokenizer") from None
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _stream(tokenizer, docs: Sequence[str], cfg: TextConfig) -> np.ndarray:

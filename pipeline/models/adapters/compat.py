@@ -72,11 +72,13 @@ code the shim does not cover); anything else (a bug) propagates with its traceba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -582,6 +584,11 @@ def load_remote_model(path: Path | str, kind: str, dtype: torch.dtype | str, att
     if fam is not None and fam != kind:
         raise CheckpointLoadError(f"dump.adapter.path '{path}': kind is {kind} but config.json's auto_map names "
                                   f"{FAMILY_CLASSES[fam]} ({fam}); set dump.adapter.kind: {fam}")
+    with quiet_transformers():
+        return _load(path, kind, am, dtype, attn_implementation, config_overrides)
+
+
+def _load(path, kind, am, dtype, attn_implementation, config_overrides):
     try:
         rc = remote_code(path, kind, am)
         config = rc.config_cls.from_pretrained(str(path), local_files_only=True)
@@ -627,14 +634,49 @@ def is_incompatibility(exc: BaseException, remote_only: bool = False) -> bool:
     return not last.startswith(_OWN_DIR)
 
 
+def _short(filename: str) -> str:
+    """``modeling_ouro.py`` for remote code, ``transformers/modeling_utils.py`` for a package file."""
+    p = Path(filename)
+    if "transformers_modules" in filename:
+        return p.name
+    parts = p.parts
+    for top in ("transformers", "safetensors", "torch", "huggingface_hub"):
+        if top in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(top):])
+    return p.name
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """Hide the deprecation notices transformers 5 prints for the 4.x-era remote code (``check_model_inputs``,
+    ``rope_scaling``, ``past_key_values``... — known and harmless; docs/adapters.md): its logger at ERROR and its
+    FutureWarning / DeprecationWarning ignored while the model loads and runs."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            for cat in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=cat, module=r"transformers(_modules)?(\.|$)")
+            yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str = "load") -> str:
     """One line: the checkpoint, what failed (type, where, message) and the fix (``verb``: load | run)."""
     import transformers
 
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     frames = _frames(exc)
-    where = next((f for f in reversed(frames) if "transformers_modules" in f.filename), frames[-1] if frames else None)
-    at = f" at {Path(where.filename).name}:{where.lineno}" if where is not None else ""
+    remote = next((f for f in reversed(frames) if "transformers_modules" in f.filename), None)
+    at = ""
+    if frames:
+        last = frames[-1]
+        at = f" at {_short(last.filename)}:{last.lineno}"
+        if remote is not None and remote is not last:
+            at += f", called from {Path(remote.filename).name}:{remote.lineno}"
     what = f"{type(exc).__name__}{at}: {msg}" if msg else f"{type(exc).__name__}{at}"
     if isinstance(exc, OSError) and not isinstance(exc, ImportError):
         fix = "it must be a save_pretrained directory with config.json, its weights and the model's .py files"
@@ -650,4 +692,5 @@ def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str 
 
 __all__ = ["DISABLE_ENV", "FAMILY_CLASSES", "PATCHES", "SUPPORTED_TRANSFORMERS", "CheckpointLoadError", "Patch",
            "RemoteCode", "active_patches", "apply_patches", "check_transformers", "describe_failure", "family_of",
-           "is_incompatibility", "load_remote_model", "read_auto_map", "remote_code", "transformers_version"]
+           "is_incompatibility", "load_remote_model", "quiet_transformers", "read_auto_map", "remote_code",
+           "transformers_version"]

@@ -212,10 +212,11 @@ def load_adapter(spec: AdapterConfig | dict, device: str = "cpu") -> LoopedModel
         from looptrace.config import from_dict
 
         spec = from_dict(AdapterConfig, spec, "dump.adapter")
-    model = load_hf_model(spec, device)
     cls = {"dory": DoryAdapter, "inkling2loop": Inkling2LoopAdapter, "retrofit": RetrofitAdapter,
            "ouro": OuroAdapter, "huginn": HuginnAdapter}[spec.kind]
-    return cls(model, spec, device)
+    remote = spec.kind in compat.FAMILY_CLASSES
+    with compat.quiet_transformers() if remote else contextlib.nullcontext():
+        return cls(load_hf_model(spec, device), spec, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,10 +365,14 @@ class HFAdapter(LoopedModelAdapter):
     def _remote_code_errors(self):
         """Remote code that fails inside itself or transformers with an interface error (a revision the shim does
         not cover) is a one-line :class:`CheckpointLoadError`; anything else keeps its traceback."""
-        try:
+        if self.cfg.kind not in compat.FAMILY_CLASSES:
             yield
+            return
+        try:
+            with compat.quiet_transformers():
+                yield
         except Exception as exc:
-            if self.cfg.kind in compat.FAMILY_CLASSES and compat.is_incompatibility(exc, remote_only=True):
+            if compat.is_incompatibility(exc, remote_only=True):
                 raise CheckpointLoadError(compat.describe_failure(self.cfg.path, self.cfg.kind, exc,
                                                                   "run")) from exc
             raise
