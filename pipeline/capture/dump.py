@@ -569,7 +569,8 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
         raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size)
+    trust = bool(cfg.adapter is not None and cfg.adapter.trust_remote_code)
+    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size, trust)
     stores = {}
     for split, batch in data.items():
         attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed}

@@ -207,15 +207,31 @@ def token_type_table(tokenizer, ids: np.ndarray) -> dict[int, int]:
 # Packing
 # ---------------------------------------------------------------------------------------------
 
-def load_tokenizer(path: Path | str):
-    """``AutoTokenizer`` of a local directory (no download)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+    """``AutoTokenizer`` of a local directory (no download).
 
+    ``trust_remote_code``: the adapter's (``dump.adapter.trust_remote_code``). A directory whose config.json has an
+    ``auto_map`` (Ouro, Huginn) is remote code to transformers even for the tokenizer: without it, transformers asks
+    "Do you wish to run the custom code? [y/N]" on a terminal.
+    """
+    import warnings
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if trust_remote_code:  # its 4.x-era config code makes transformers 5 print deprecation notices: known, harmless
+            hf_logging.set_verbosity_error()
+        with warnings.catch_warnings():
+            if trust_remote_code:
+                warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(_modules)?(\.|$)")
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"tokenizer directory '{path}': cannot load a tokenizer ({msg}); set dump.text.tokenizer") from None
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _stream(tokenizer, docs: Sequence[str], cfg: TextConfig) -> np.ndarray:
@@ -269,14 +285,15 @@ def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = 
 
 
 def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: Path | str,
-                vocab_size: int | None = None) -> dict[str, TaskBatch]:
-    """Every split of ``sequences`` (split → at most that many sequences) from the corpus of ``cfg``.
+                vocab_size: int | None = None, trust_remote_code: bool = False) -> dict[str, TaskBatch]:
+    """Every split of ``sequences`` (split → at most that many sequences) from the corpus of ``cfg``
+    (``trust_remote_code``: :func:`load_tokenizer`'s).
 
     Raises:
         ValueError: a split gets no full window (names the file, split and the fix).
     """
     docs = read_documents(cfg.path, cfg.format, cfg.field, cfg.max_documents)
-    tok = load_tokenizer(cfg.tokenizer or tokenizer_path)
+    tok = load_tokenizer(cfg.tokenizer or tokenizer_path, trust_remote_code)
     by_split: dict[int, list[str]] = {0: [], 1: [], 2: []}
     for d in docs:
         by_split[document_split(d)].append(d)
