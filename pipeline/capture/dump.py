@@ -82,6 +82,10 @@ class DumpConfig:
         adapter: a real checkpoint to dump instead of a trained looptrace model (``pipeline.adapters.hf``;
             the run name is ``adapter.name``); null = the default pipeline's checkpoints.
         text: the corpus of an adapter dump (:class:`pipeline.text.TextConfig`); required with ``adapter``.
+        allow_prefix_overlap: write a test store even when some of its scored tokens have a context (the prefix
+            they condition on, :meth:`looptrace.tasks.Task.context_split`) that is also scored in fit or val;
+            false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
+            store's ``prefix_overlap`` attribute either way.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -95,6 +99,7 @@ class DumpConfig:
     clevel: int = 1
     adapter: AdapterConfig | None = None
     text: TextConfig | None = None
+    allow_prefix_overlap: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
@@ -513,6 +518,44 @@ def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore
     return st
 
 
+class PrefixOverlapError(ValueError):
+    """The test split shares scored contexts with fit or val and ``dump.allow_prefix_overlap`` is false."""
+
+
+def check_prefix_overlap(report: Mapping[str, Any], allow: bool, name: str) -> None:
+    """Refuse a test store that shares a scored prefix with fit or val (SPEC §6), unless ``allow``.
+
+    Args:
+        report: :func:`looptrace.tasks.base.shared_prefixes` of the splits being dumped together.
+        allow: ``dump.allow_prefix_overlap``.
+        name: the model / run name (for the message).
+
+    Raises:
+        PrefixOverlapError: one line naming the split, the count and the parameter that overrides it.
+    """
+    shared = report.get("shared_with", {}).get("test", {})
+    n = sum(int(v) for k, v in shared.items() if k in ("fit", "val"))
+    if n and not allow:
+        total = int(report.get("n_scored", {}).get("test", 0))
+        where = ", ".join(f"{k} {int(v)}" for k, v in shared.items() if k in ("fit", "val"))
+        raise PrefixOverlapError(
+            f"dump of '{name}': split 'test' has {n} of {total} scored tokens whose prefix is also scored in fit or "
+            f"val ({where}); the test store would repeat their trajectories; set dump.allow_prefix_overlap: true "
+            "to write it anyway")
+
+
+def overlap_line(report: Mapping[str, Any]) -> str:
+    """One line for the log: scored tokens of test and val whose context is scored in another split."""
+    n, sh = report["n_scored"], report["shared_with"]
+    parts = []
+    if "test" in n:
+        k = sum(v for o, v in sh["test"].items() if o in ("fit", "val"))
+        parts.append(f"test tokens with a prefix scored in fit/val: {k} of {n['test']}")
+    if "val" in n:
+        parts.append(f"val tokens with a prefix scored in fit: {sh['val'].get('fit', 0)} of {n['val']}")
+    return "; ".join(parts)
+
+
 def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str, int], out_dir: Path | str,
                cfg: DumpConfig, base: BaseConfig | None = None, progress: bool = True) -> dict[str, TrajectoryStore]:
     """Dump every split of ``cfg.sequences`` for one model: ``<out_dir>/<split>.zarr``.
@@ -528,20 +571,40 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     Returns:
         split -> completed store.
     """
+    from looptrace.tasks.base import split_overlap
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stores = {}
+    data = {}
     for split, n in cfg.sequences.items():
         if split not in data_seeds:
             raise ValueError(f"checkpoint records no data seed for split '{split}'; retrain with the current "
                              "train stage or remove the split from dump.sequences")
+        data[split] = task.dataset(split, int(n), int(data_seeds[split]))
+    overlap = split_overlap(task, data)  # before writing anything: a refused test store costs no forward pass
+    check_prefix_overlap(overlap, cfg.allow_prefix_overlap, adapter.info.name)
+    _say(f"{adapter.info.name}: {overlap_line(overlap)}")
+    stores = {}
+    for split, batch in data.items():
         seed = int(data_seeds[split])
-        data = task.dataset(split, int(n), seed)
         attrs = {"split": split, "difficulty_name": task.difficulty_name,
                  "difficulty_levels": list(task.difficulty_levels), "token_types": list(task.token_types),
-                 "data_seed": seed, "base_seed": None if base is None else base.seed}
-        stores[split] = dump_split(adapter, data, out_dir / f"{split}.zarr", cfg, attrs, progress)
+                 "data_seed": seed, "base_seed": None if base is None else base.seed,
+                 "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
+        stores[split] = dump_split(adapter, batch, out_dir / f"{split}.zarr", cfg, attrs, progress)
     return stores
 
 
-__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "reuse_freed_memory"]
+def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[str, Any]:
+    """The ``prefix_overlap`` store attribute: this split's shared-token counts plus the whole report.
+
+    ``shared_with[other]`` = this split's scored tokens whose exact context is scored in ``other``; ``splits`` = the
+    splits measured together (those dumped in one run); ``allowed`` = ``dump.allow_prefix_overlap``.
+    """
+    return {"n_scored": int(report["n_scored"][split]), "shared_with": dict(report["shared_with"][split]),
+            "shared_any": int(report["shared_any"][split]), "splits": list(report["n_scored"]),
+            "report": report, "allowed": bool(allowed)}
+
+
+__all__ = ["DIMS", "DumpConfig", "PrefixOverlapError", "check_prefix_overlap", "dump_model", "dump_split",
+           "overlap_attrs", "reuse_freed_memory"]

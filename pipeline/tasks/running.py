@@ -4,6 +4,11 @@
 - running sum mod m: digits in [0, m), target at position i is (x_1 + ... + x_i) mod m.
 
 Difficulty = prefix length i (1..L): the number of inputs the answer depends on.
+
+The label and (causal attention, learned positions) the trajectory of position i are functions of the prefix
+x_1..x_i alone, so the prefix is the context that assigns the position to a split (:meth:`Task.context_split`);
+the m^i prefixes of a short length are enumerated and split by rank so that test has every length (running
+parity: both prefixes of length 1 cannot be in three splits — test and fit get one each, val none).
 Token type: ``keep`` when the running answer equals the previous position's, ``change`` otherwise
 (the first position counts as ``change`` iff its answer is non-zero).
 """
@@ -50,6 +55,15 @@ class RunningTask(Task):
         ttype = (y != prev).astype(np.int64)
         diff = np.broadcast_to(np.arange(1, self.length + 1), (n, self.length)).copy()
         return TaskBatch(x.astype(np.int64), y.astype(np.int64), diff.astype(np.int64), ttype)
+
+    def small_context_groups(self) -> list[np.ndarray]:
+        """All modulus^i prefixes of each length i with modulus^i ≤ :attr:`small_context_max`."""
+        out, i = [], 1
+        while i <= self.length and self.modulus ** i <= self.small_context_max:
+            n = self.modulus ** i
+            out.append(np.stack(np.unravel_index(np.arange(n), (self.modulus,) * i), axis=1).astype(np.int64))
+            i += 1
+        return out
 
     def spec(self) -> dict:
         kind = "running_parity" if self.modulus == 2 else "running_sum"
