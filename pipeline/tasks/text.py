@@ -389,8 +389,8 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     Returns:
         split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
     """
-    from looptrace.capture.dump import check_prefix_overlap, dump_split, overlap_attrs, overlap_line
     from looptrace.capture.dump import _say as say
+    from looptrace.capture.dump import check_prefix_overlap, dump_split, overlap_attrs, overlap_line
 
     if cfg.text is None:
         raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
