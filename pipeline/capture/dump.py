@@ -544,6 +544,25 @@ def check_prefix_overlap(report: Mapping[str, Any], allow: bool, name: str) -> N
             "to write it anyway")
 
 
+def check_training_split(spec: Mapping[str, Any] | None, allow: bool, name: str) -> None:
+    """Refuse a checkpoint whose training data was split by rows (its task spec has no ``split_rule: context``).
+
+    Such a model was trained on every prefix of its fit rows, most short ones also test's (SPEC §6), so its test
+    trajectories are not held out whatever the dump's own splits are. Checkpoints written before token-level
+    splits have no ``split_rule`` and count as ``sequence``. No task spec (an external model): nothing to check.
+
+    Raises:
+        PrefixOverlapError: one line naming the checkpoint, the rule and ``dump.allow_prefix_overlap``.
+    """
+    if not isinstance(spec, Mapping):
+        return
+    rule = spec.get("split_rule", "sequence")
+    if rule != "context" and not allow:
+        raise PrefixOverlapError(
+            f"dump of '{name}': the checkpoint was trained on split_rule '{rule}' data (rows split by content, "
+            "short prefixes shared with test); retrain it, or set dump.allow_prefix_overlap: true to dump it anyway")
+
+
 def overlap_line(report: Mapping[str, Any]) -> str:
     """One line for the log: scored tokens of test and val whose context is scored in another split."""
     n, sh = report["n_scored"], report["shared_with"]
@@ -581,6 +600,7 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
             raise ValueError(f"checkpoint records no data seed for split '{split}'; retrain with the current "
                              "train stage or remove the split from dump.sequences")
         data[split] = task.dataset(split, int(n), int(data_seeds[split]))
+    check_training_split(adapter.info.extra.get("task"), cfg.allow_prefix_overlap, adapter.info.name)
     overlap = split_overlap(task, data)  # before writing anything: a refused test store costs no forward pass
     check_prefix_overlap(overlap, cfg.allow_prefix_overlap, adapter.info.name)
     _say(f"{adapter.info.name}: {overlap_line(overlap)}")
@@ -606,5 +626,5 @@ def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[
             "report": report, "allowed": bool(allowed)}
 
 
-__all__ = ["DIMS", "DumpConfig", "PrefixOverlapError", "check_prefix_overlap", "dump_model", "dump_split",
-           "overlap_attrs", "reuse_freed_memory"]
+__all__ = ["DIMS", "DumpConfig", "PrefixOverlapError", "check_prefix_overlap", "check_training_split", "dump_model",
+           "dump_split", "overlap_attrs", "reuse_freed_memory"]

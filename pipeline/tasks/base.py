@@ -131,7 +131,9 @@ class Task(ABC):
     label are functions of that prefix and nothing else) and the whole row under bidirectional attention. Each
     context belongs to exactly one split (:meth:`context_split`), and a sequence drawn for split s is scored only
     at the positions whose context belongs to s (the others keep their tokens, as unscored input). So no scored
-    context occurs in two splits, while every split sees the same input distribution.
+    context occurs in two splits, while every split sees the same input distribution. Difficulty levels with few
+    distinct contexts are split by rank (:meth:`small_context_groups`), or belong to fit whole when they have at
+    most :attr:`fit_only_max` contexts (too few to both learn and hold out).
     """
 
     name: str
@@ -139,6 +141,11 @@ class Task(ABC):
 
     #: Context groups (:meth:`small_context_groups`) of at most this many contexts are split by rank, not by hash.
     small_context_max: int = 1024
+
+    #: Context groups of at most this many contexts belong to fit entirely (0: none): a level that small cannot be
+    #: both learnt and held out, so it is training material only and val/test do not score it (running tasks:
+    #: :data:`looptrace.tasks.running.FIT_ONLY_MAX`).
+    fit_only_max: int = 0
 
     @property
     @abstractmethod
@@ -181,11 +188,17 @@ class Task(ABC):
 
         A level with few distinct contexts (running parity: 2 prefixes of length 1) split by a hash mod 3 would often
         leave a split without that level; such a level is split by rank instead (:func:`balanced_split_table`), so
-        test has every level with ≥ 1 context, fit every level with ≥ 2, val every level with ≥ 3. Each array holds
+        test has every level with ≥ 1 context, fit every level with ≥ 2, val every level with ≥ 3 — or, with at most
+        :attr:`fit_only_max` contexts, goes to fit whole. Each array holds
         complete contexts (for a causal task a prefix, for a bidirectional one a whole row), at most
         :attr:`small_context_max` of them. Default: none (every context is split by its hash).
         """
         return []
+
+    #: ``context`` (the rule above) or ``sequence``: the rule before token-level splits — a row's split by its whole
+    #: content, every position of a drawn row scored. ``sequence`` shares most short prefixes between splits
+    #: (77 % of running-parity test tokens with fit); kept to reproduce old results, refused by the dump.
+    split_rule: str = "context"
 
     def context_hashes(self, tokens: np.ndarray) -> np.ndarray:
         """64-bit hash of each position's context: [batch, seq] -> [batch, seq] uint64."""
@@ -201,7 +214,11 @@ class Task(ABC):
     def _split_table(self) -> tuple[np.ndarray, np.ndarray]:
         cache = self.__dict__.get("_split_table_cache")
         if cache is None:
-            cache = balanced_split_table(self.small_context_groups())
+            groups = self.small_context_groups()
+            fit_only = [len(g) <= self.fit_only_max for g in groups]
+            if fit_only and all(fit_only) and len(groups) == len(self.difficulty_levels):
+                fit_only[-1] = False  # every level is small: the last one is still split, or val/test would be empty
+            cache = balanced_split_table(groups, fit_only)
             self.__dict__["_split_table_cache"] = cache
         return cache
 
@@ -227,6 +244,8 @@ class Task(ABC):
         (difficulty and token type −1).
         """
         want = SPLITS.index(split) if isinstance(split, str) else int(split)
+        if self.split_rule == "sequence":
+            return batch.take(np.flatnonzero(split_of(batch.tokens) == want))
         mine = (batch.targets != IGNORE) & (self.context_split(batch.tokens) == want)
         keep = np.flatnonzero(mine.any(axis=1))
         mine = mine[keep]
@@ -260,21 +279,24 @@ class Task(ABC):
         return self.sample(split, n, np.random.default_rng([seed, SPLITS.index(split)]))
 
 
-def balanced_split_table(groups: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def balanced_split_table(groups: list[np.ndarray], fit_only: list[bool] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Rank-balanced split of small context groups: (sorted context hashes [n] uint64, split [n] int64).
 
     Within each group (all contexts of one small difficulty level) contexts are ordered by hash and the r-th
     gets split ``BALANCED_ORDER[r % 3]`` (test, fit, val, test, ...): a deterministic function of the context
-    (given the task), as balanced as the group size allows.
+    (given the task), as balanced as the group size allows. A group flagged in ``fit_only`` goes to fit whole.
     """
     keys, vals = [], []
-    for g in groups:
+    for gi, g in enumerate(groups):
         g = np.asarray(g)
         if g.ndim != 2 or len(g) == 0:
             continue
         h = np.unique(row_hash(g))  # distinct contexts, sorted by hash
         keys.append(h)
-        vals.append(np.asarray(BALANCED_ORDER, dtype=np.int64)[np.arange(len(h)) % 3])
+        if fit_only is not None and fit_only[gi]:
+            vals.append(np.zeros(len(h), dtype=np.int64))
+        else:
+            vals.append(np.asarray(BALANCED_ORDER, dtype=np.int64)[np.arange(len(h)) % 3])
     if not keys:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
     k, v = np.concatenate(keys), np.concatenate(vals)

@@ -25,6 +25,7 @@ class ManoTask(Task):
     min_ops: int = 1
     ops: tuple[str, ...] = ("+", "*")
     causal: bool = True
+    split_rule: str = "context"
 
     @property
     def vocab(self) -> list[str]:
@@ -103,4 +104,4 @@ class ManoTask(Task):
 
     def spec(self) -> dict:
         return {"kind": "mano", "modulus": self.modulus, "max_ops": self.max_ops, "min_ops": self.min_ops,
-                "ops": list(self.ops), "causal": self.causal}
+                "ops": list(self.ops), "causal": self.causal, "split_rule": self.split_rule}

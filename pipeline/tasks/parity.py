@@ -19,6 +19,7 @@ class ParityTask(Task):
     max_length: int = 16
     min_length: int = 1
     causal: bool = False
+    split_rule: str = "context"
 
     PAD, EQ = 2, 3
 
@@ -73,4 +74,4 @@ class ParityTask(Task):
 
     def spec(self) -> dict:
         return {"kind": "parity", "max_length": self.max_length, "min_length": self.min_length,
-                "causal": self.causal}
+                "causal": self.causal, "split_rule": self.split_rule}
