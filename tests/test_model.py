@@ -76,6 +76,11 @@ def _rms(x, w, eps=1e-5):
     return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def _l2(x, w, eps=1e-6):
+    """Dory's unit-sphere projection with a gain: x / sqrt(sum(x^2) + eps) * w."""
+    return x / torch.sqrt(x.pow(2).sum(-1, keepdim=True) + eps) * w
+
+
 def _randomise_gains(m):
     """Non-trivial norm gains, so that a test would see N_h and N_e swapped or a gain skipped."""
     g = torch.Generator().manual_seed(0)
@@ -86,7 +91,8 @@ def _randomise_gains(m):
 
 
 def test_norm_add_form_is_dory_formula():
-    """loop_form norm_add: h_t = R(N_h(h_{t-1}) + N_e(h_0)), the norms and the layer applied by hand."""
+    """loop_form norm_add: h_t = R(N_h(h_{t-1}) + N_e(h_0)), N = unit-sphere projection with a gain (Dory),
+    the norms and the layer applied by hand."""
     torch.manual_seed(4)
     cfg = _cfg(groups=(GroupConfig(1, 2), GroupConfig(2, 2)), loop_form="norm_add", n_prelude=1)
     m = LoopedTransformer(cfg).eval()
@@ -97,7 +103,7 @@ def test_norm_add_form_is_dory_formula():
         e = m.prelude[0](m.wte(idx) + m.wpe(torch.arange(10)))
         h = e
         for t, g in enumerate(cfg.loop_group):
-            x = _rms(h, m.norm_h.weight) + _rms(e, m.norm_e.weight)
+            x = _l2(h, m.norm_h.weight) + _l2(e, m.norm_e.weight)
             for layer in m.blocks[g]:  # pre-norm layers: x + attn(ln_1 x), then + mlp(ln_2 x)
                 x = x + layer.attn(layer.ln_1(x))
                 x = x + layer.mlp(layer.ln_2(x))
@@ -109,7 +115,7 @@ def test_norm_add_form_is_dory_formula():
     assert m2.norm_e is None
     with torch.no_grad():
         o = m2(idx)
-        x = m2.blocks[0][0](_rms(o.hidden[:, :, 0], m2.norm_h.weight))
+        x = m2.blocks[0][0](_l2(o.hidden[:, :, 0], m2.norm_h.weight))
         torch.testing.assert_close(o.hidden[:, :, 1], x, atol=1e-5, rtol=1e-5)
 
 
