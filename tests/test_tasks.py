@@ -123,9 +123,9 @@ def test_token_level_disjointness_on_every_task(name):
     assert rep["shared_any"] == {"fit": 0, "val": 0, "test": 0}
     assert rep["n_scored"] == {s: int((b.targets != IGNORE).sum()) for s, b in data.items()}
     assert set(difficulty_counts(data["fit"])) == set(task.difficulty_levels)
-    # running tasks: lengths with <= 64 prefixes are fit's only (parity 1..6, sum mod 5 1..2); whole-row tasks keep
-    # every level in test, and val lacks parity's 1-bit rows (2 rows: one to test, one to fit)
-    short = {"running_parity": set(range(1, 7)), "running_sum": {1, 2}}.get(name, set())
+    # running tasks: short prefix lengths are fit's only (parity 1..6: <= 64 prefixes, sum mod 5 1..4: <= 1024);
+    # whole-row tasks keep every level in test, and val lacks parity's 1-bit rows (2 rows: one to test, one to fit)
+    short = {"running_parity": set(range(1, 7)), "running_sum": {1, 2, 3, 4}}.get(name, set())
     assert set(difficulty_counts(data["test"])) == set(task.difficulty_levels) - short
     missing_val = set(task.difficulty_levels) - set(difficulty_counts(data["val"]))
     assert missing_val == short | ({1} if name == "parity" else set())
@@ -147,7 +147,7 @@ def test_fit_only_short_levels():
     """Prefix lengths with at most fit_only_max prefixes are fit's only: fit scores all of them, val/test none;
     longer prefixes are split three ways. 0 turns it off (every level split by rank / hash)."""
     task = make_task("rp", TASKS["running_parity"])
-    assert task.fit_only_max == 64 and make_task("rs", TASKS["running_sum"]).fit_only_max == 64
+    assert task.fit_only_max == 64 and make_task("rs", TASKS["running_sum"]).fit_only_max == 1024
     fit = task.dataset("fit", 300, seed=0)
     assert (fit.targets[:, :6] != IGNORE).all()  # lengths 1..6: 2..64 prefixes
     assert 0.25 < (fit.targets[:, 6:] != IGNORE).mean() < 0.42  # a third of the longer ones

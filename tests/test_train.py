@@ -34,7 +34,7 @@ def test_train_is_deterministic_and_writes_artifacts(tmp_path, tiny_base):
     saved = json.loads((tmp_path / "a" / "metrics.json").read_text())
     assert saved["val"]["acc_per_loop"] == m1["val"]["acc_per_loop"]
     assert len(saved["val"]["acc_per_loop"]) == 4
-    # val has no prefix of length 1..6: at most 64 of each, training-only (tasks.running.FIT_ONLY_MAX)
+    # val has no prefix of length 1..6: at most 64 of each, training-only (tasks.FIT_ONLY_MAX)
     assert set(saved["val_acc_by_difficulty"]) == {"7", "8"}
     ckpts = sorted((tmp_path / "a" / "checkpoints").glob("*.pt"))
     assert [p.name for p in ckpts] == ["step_000010.pt"]

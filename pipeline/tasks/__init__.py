@@ -30,8 +30,8 @@ class TaskConfig:
     Every kind: ``split_rule`` — ``context`` (default: a scored position's split is its context's, so no scored
     prefix is in two splits; :class:`~looptrace.tasks.base.Task`) or ``sequence`` (the old rule, a row's split by
     its content: leaks prefixes; for reproducing old results only). ``fit_only_max`` (running tasks): prefix
-    lengths with at most this many distinct prefixes are fit's only (null = the task default
-    :data:`~looptrace.tasks.running.FIT_ONLY_MAX`; 0 = none).
+    lengths with at most this many distinct prefixes are fit's only (null = the kind's default
+    :data:`FIT_ONLY_MAX`: running parity 64, running sum 1024; 0 = none).
     """
 
     kind: str
@@ -55,6 +55,13 @@ class TaskConfig:
 
 SPLIT_RULES = ("context", "sequence")
 
+#: Default ``fit_only_max`` by kind (running tasks: prefix lengths with at most this many prefixes are fit's only).
+#: Measured on the default experiment (12 tokens, d_model 64, 6 loops, uniform regime, add form; docs/train.md):
+#: running parity learns with lengths 1–6 (≤ 64 prefixes) training-only (test 96.5 %, levels 7–12 held out);
+#: running sum mod 5 does not with lengths 1–2 (≤ 64: val 19 %, chance) but does with 1–4 (≤ 1024: test 96.7 %,
+#: levels 5–12 held out). 1024 for parity would leave test two levels.
+FIT_ONLY_MAX = {"running_parity": 64, "running_sum": 1024}
+
 
 def make_task(name: str, cfg: TaskConfig | dict) -> Task:
     """Build a task from its config (a :class:`TaskConfig` or a checkpoint's ``spec()`` dict)."""
@@ -64,7 +71,7 @@ def make_task(name: str, cfg: TaskConfig | dict) -> Task:
             d["ops"] = tuple(d["ops"])
         cfg = TaskConfig(**d)
     rule = cfg.split_rule
-    fo = {} if cfg.fit_only_max is None else {"fit_only_max": cfg.fit_only_max}
+    fo = {"fit_only_max": FIT_ONLY_MAX.get(cfg.kind, 0) if cfg.fit_only_max is None else cfg.fit_only_max}
     if cfg.kind == "running_parity":
         return RunningTask(name, length=cfg.length, modulus=2, split_rule=rule, **fo)
     if cfg.kind == "running_sum":

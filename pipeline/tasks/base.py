@@ -143,8 +143,8 @@ class Task(ABC):
     small_context_max: int = 1024
 
     #: Context groups of at most this many contexts belong to fit entirely (0: none): a level that small cannot be
-    #: both learnt and held out, so it is training material only and val/test do not score it (running tasks:
-    #: :data:`looptrace.tasks.running.FIT_ONLY_MAX`).
+    #: both learnt and held out, so it is training material only and val/test do not score it (defaults by kind:
+    #: :data:`looptrace.tasks.FIT_ONLY_MAX`).
     fit_only_max: int = 0
 
     @property

@@ -7,8 +7,9 @@ Difficulty = prefix length i (1..L): the number of inputs the answer depends on.
 
 The label and (causal attention, learned positions) the trajectory of position i are functions of the prefix
 x_1..x_i alone, so the prefix is the context that assigns the position to a split (:meth:`Task.context_split`);
-the prefixes of a short length are enumerated: lengths with at most ``fit_only_max`` prefixes (running parity
-1–6: 2–64 prefixes; running sum mod 5: 1–2) belong to fit whole — a level that small cannot be both learnt and
+the prefixes of a short length are enumerated: lengths with at most ``fit_only_max`` prefixes (defaults by kind,
+:data:`looptrace.tasks.FIT_ONLY_MAX`: running parity 1–6, ≤ 64 prefixes; running sum mod 5 1–4, ≤ 1024) belong to
+fit whole — a level that small cannot be both learnt and
 held out, and with such levels split three ways the default models learnt nothing that generalised (val accuracy
 at chance, below on test: a model that memorises its fit prefixes answers an unseen short prefix with a seen
 one's label) — so val and test have no such levels; longer enumerable lengths (≤ 1024 prefixes) are split by
@@ -32,7 +33,7 @@ class RunningTask(Task):
     length: int = 12
     modulus: int = 2
     causal: bool = True
-    fit_only_max: int = 64  # FIT_ONLY_MAX
+    fit_only_max: int = 64  # make_task uses looptrace.tasks.FIT_ONLY_MAX by kind
     split_rule: str = "context"
 
     @property
@@ -76,8 +77,3 @@ class RunningTask(Task):
                 "fit_only_max": self.fit_only_max, "split_rule": self.split_rule}
 
 
-#: Default :attr:`RunningTask.fit_only_max`: prefix lengths with at most this many prefixes (running parity 1–6,
-#: running sum mod 5: 1–2) are fit's only. Measured (train module docstring): held out by rank, the default models
-#: learnt neither task (val accuracy at chance); with these levels training-only they generalise to held-out
-#: longer prefixes.
-FIT_ONLY_MAX = 64
