@@ -20,7 +20,7 @@ Loop forms (``ModelConfig.loop_form``; R_g = the group's layers):
   parameter-free ``DoryL2Norm``) is this form with g = 1; the gains let the model weigh state against injection.
   Unit norm, not RMS 1: with RMS-1 norms (‖x‖ = sqrt(d_model)) the loop's own update starts ~50× smaller than the
   carried state and the default models learnt far less (running parity, old splits: 81 % val accuracy vs 100 % for
-  ``add``; with unit norms 99.6 % on token-level splits, train module docstring).
+  ``add``; with unit norms 99.6 % on token-level splits; docs/train.md).
 - ``adapter`` (Huginn, Geiping et al. 2025; seal-rg/recurrent-pretraining ``recpre/raven_modeling_minimal.py``,
   ``core_block_forward`` and ``SandwichBlock``): h <- R_g(A [N_h(h); N_e(e)]), A a Linear 2·d_model -> d_model
   (no bias) over the concatenation, and every layer a sandwich layer x <- n_2(x + attn(n_1(x))),
