@@ -85,7 +85,8 @@ def test_seed_axis_models_equal_lone_training(tmp_path, tiny_base):
     count), named <task>-<regime>-s<seed>, carrying its seed; different seeds give different models."""
     import dataclasses
 
-    from looptrace.models.train import model_name, train_seeds
+    from looptrace.models.train import train_seeds
+    from looptrace.project import model_name
 
     cfg = dataclasses.replace(tiny_train_config(steps=12), seeds=(3, 5), workers=2, checkpoint_fractions=())
     assert cfg.model_threads(tiny_base) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"

@@ -20,7 +20,7 @@ import torch
 from looptrace.config import BaseConfig, ConfigError, to_dict
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
 from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
-from looptrace.project import versions
+from looptrace.project import model_name, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 from tqdm.auto import tqdm
 
@@ -132,11 +132,6 @@ class TrainConfig:
             raise ValueError(f"regime '{name}' is not defined in params section 'train.regime_defs' "
                              f"(defined: {', '.join(self.regime_defs) or 'none'})")
         return self.regime_defs[name]
-
-
-def model_name(task: str, regime: str, seed: int | None = None) -> str:
-    """``<task>-<regime>`` (one seed) or ``<task>-<regime>-s<seed>`` (a seed axis): the artifact name of every stage."""
-    return f"{task}-{regime}" if seed is None else f"{task}-{regime}-s{seed}"
 
 
 def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> ModelConfig:
