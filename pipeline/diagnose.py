@@ -42,6 +42,7 @@ import polars as pl
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
+from looptrace.project import split_seed
 from looptrace.rules.builtin import CONFIDENCE_RULES
 
 #: Failure classes in output order (SPEC §7); codes are their indices.
@@ -368,7 +369,10 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
     res, sent, det = [], [], []
     for m in joint.iter_rows(named=True):
         nat, _ = best(m["model"], ["native"])
-        peers = fixed_prior.filter(pl.col("task") == m["task"])["model"].to_list()
+        # peers: fixed-prior models of the same task and training seed (<task>-<regime>-s<seed>), so the
+        # comparison is between regimes, not between initialisations
+        peers = [p for p in fixed_prior.filter(pl.col("task") == m["task"])["model"].to_list()
+                 if split_seed(p)[1] == split_seed(m["model"])[1]]
         cands = [(*best(p, ["posthoc"]), p) for p in peers]
         cands = [c for c in cands if not math.isnan(c[0])]
         post, rule, peer = min(cands) if cands else (math.nan, None, None)

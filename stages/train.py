@@ -1,11 +1,11 @@
-"""DVC stage ``train``: train one looped model (task × regime) -> artifacts/train/<task>-<regime>/."""
+"""DVC stage ``train``: train one looped model (task × regime × seed) -> artifacts/train/<task>-<regime>[-s<seed>]/."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
-from looptrace.config import PARAMS_HELP, load_base, load_section
+from looptrace.config import PARAMS_HELP, ConfigError, load_base, load_section
 from looptrace.errors import run, user_errors
 from looptrace.models.train import TrainConfig, train_model
 from looptrace.project import model_name
@@ -14,6 +14,7 @@ from looptrace.project import model_name
 def main(
     task: str = typer.Option(..., help="task name (a key of train.task_defs)"),
     regime: str = typer.Option(..., help="regime name (a key of train.regime_defs)"),
+    seed: int | None = typer.Option(None, help="training seed (one of train.seeds); none = base.seed, unsuffixed name"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     out: Path = typer.Option(Path("artifacts/train"), help="output root"),
 ) -> None:
@@ -22,7 +23,10 @@ def main(
         base = load_base(params)
         cfg = load_section(TrainConfig, "train", params)
         cfg.task(task), cfg.regime(regime)
-        metrics = train_model(base, cfg, task, regime, out / model_name(task, regime))
+        if seed is not None and cfg.seeds and seed not in cfg.seeds:
+            raise ConfigError(f"--seed {seed} is not in train.seeds {list(cfg.seeds)}: add it there or pick one of them")
+        # One model per DVC stage: DVC runs stages one at a time, so each uses base.threads (docs/train.md "Seeds").
+        metrics = train_model(base, cfg, task, regime, out / model_name(task, regime, seed), seed=seed)
     acc = " ".join(f"{a:.3f}" for a in metrics["val"]["acc_per_loop"])
     typer.echo(f"{metrics['model']}: val accuracy per loop {acc} ({metrics['train_seconds']:.0f} s)")
 

@@ -174,6 +174,17 @@ def test_ad_claims_disagreement_and_untestable():
     assert claims["b"]["status"] == "untestable" and "no jointly trained model" in claims["b"]["sentences"][0]
 
 
+def test_ad_claim_b_compares_a_joint_model_with_fixed_prior_models_of_its_own_seed():
+    """Seeded names: t-joint-s1's peers are t-uniform-s1 only, even though t-uniform-s0 has the lower depth."""
+    meta = pl.DataFrame({"model": ["t-uniform-s0", "t-uniform-s1", "t-joint-s1"], "task": ["t"] * 3,
+                         "regime": ["uniform", "uniform", "joint"], "regime_kind": ["uniform", "uniform", "joint"]})
+    dx = _dx([("t-uniform-s0", "top1", "posthoc", 95, 1.1), ("t-uniform-s1", "top1", "posthoc", 95, 1.7),
+              ("t-joint-s1", "q_exit", "native", 95, 2.0)])
+    claims = {c["claim"]: c for c in D.ad_claims(meta, dx, D.DiagnoseConfig(), gates_present=False)}
+    (det,) = claims["b"]["details"]
+    assert det["fixed_prior_model"] == "t-uniform-s1" and det["fixed_prior_posthoc_dx"] == pytest.approx(1.7)
+
+
 def test_summary_markdown_from_numbers():
     chosen, dx, oracle, fails = _tables(fixed=4.0, posthoc=2.25, native=3.75, oracle=(1.5, 0.97))
     v = D.verdict({"model": "t-joint", "regime_kind": "joint", "n_loops": 6}, chosen, dx, oracle,

@@ -42,7 +42,7 @@ FORBIDDEN = {
 #: Stage modules that must import without torch (torch, where a stage needs it, only inside functions).
 TORCH_FREE_IMPORT = (*OFFLINE, "gates")
 #: params keys that the project.py helpers read.
-PROJECT_READS = {"model_names": ("train.tasks", "train.regimes"), "model_meta": ("train.task_defs", "train.regime_defs")}
+PROJECT_READS = {"model_names": ("train.tasks", "train.regimes", "train.seeds"), "model_meta": ("train.task_defs", "train.regime_defs")}
 
 
 def dvc_files() -> list[Path]:

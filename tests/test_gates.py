@@ -421,3 +421,19 @@ def test_stage_cli(tmp_path, repo_root):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     res = CliRunner().invoke(app, [*args, "--models", "rp-uniform"])
     assert res.exit_code == 2 and "no native gate" in res.output
+
+
+def test_cross_regime_transfer_pairs_models_within_a_seed(tmp_path):
+    """<task>-<regime>-s<seed> models: a gate crosses regimes of its own task and training seed only (across seeds
+    the difference would mix regime with initialisation)."""
+    names = [f"rp-{r}-s{s}" for s in (0, 1) for r in ("uniform", "joint")]
+    stores = {m: two_group_stores(tmp_path / "dump", m, seed=i) for i, m in enumerate(names)}
+    cfg = small_cfg(gates=("logreg-oracle",), cross_gates=("logreg-oracle",))
+    out = tmp_path / "gates"
+    gates_stage(stores, cfg, CalibrationConfig(), out, base_seed=0, tasks=dict.fromkeys(names, "rp"),
+                progress=False, threads=1)
+    cr = pl.read_parquet(out / "cross_regime.parquet")
+    pairs = set(zip(cr["fit_model"], cr["eval_model"], strict=True))
+    want = {(a, b) for a in names for b in names if a.rsplit("-", 1)[1] == b.rsplit("-", 1)[1]}
+    assert pairs == want and len(want) == 8
+    assert cr.height == 8 * 2  # transfer + refit

@@ -90,6 +90,31 @@ def _randomise_gains(m):
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
 
 
+def test_add_form_is_the_plain_formula():
+    """loop_form add: h_t = R(h_{t-1} + e) with re-injection, h_t = R(h_{t-1}) without, applied by hand."""
+    torch.manual_seed(3)
+    cfg = _cfg(groups=(GroupConfig(1, 2), GroupConfig(2, 2)), loop_form="add", n_prelude=1)
+    m = LoopedTransformer(cfg).eval()
+    idx = torch.randint(0, 7, (3, 10))
+    with torch.no_grad():
+        out = m(idx)
+        e = m.prelude[0](m.wte(idx) + m.wpe(torch.arange(10)))
+        h = e
+        for t, g in enumerate(cfg.loop_group):
+            x = h + e
+            for layer in m.blocks[g]:
+                x = x + layer.attn(layer.ln_1(x))
+                x = x + layer.mlp(layer.ln_2(x))
+            h = x
+            torch.testing.assert_close(out.hidden[:, :, t], h, atol=1e-5, rtol=1e-5)
+        # the readout of each loop is the shared final norm and head of h_t (no coda here)
+        torch.testing.assert_close(out.logits[:, :, -1], m.head(m.ln_f(h)), atol=1e-5, rtol=1e-5)
+    m2 = LoopedTransformer(_cfg(loop_form="add", reinject=False)).eval()
+    with torch.no_grad():
+        o = m2(idx)
+        torch.testing.assert_close(o.hidden[:, :, 1], m2.blocks[0][0](o.hidden[:, :, 0]), atol=1e-5, rtol=1e-5)
+
+
 def test_norm_add_form_is_dory_formula():
     """loop_form norm_add: h_t = R(N_h(h_{t-1}) + N_e(h_0)), N = unit-sphere projection with a gain (Dory),
     the norms and the layer applied by hand."""

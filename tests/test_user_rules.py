@@ -97,6 +97,7 @@ def pipeline_run(tmp_path_factory):
 
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["train"]["tasks"], params["train"]["regimes"] = ["running_sum"], ["joint"]
+    params["train"]["seeds"] = []  # one unsuffixed model, MODEL
     params["readouts"]["rules"] = ["fixed", "top1", RULE, "q_exit", "oracle"]
     params["latency"].update(rules=["top1", RULE], batch_sizes=[1, 16], bs1_sequences=8, repeats=1)
     pfile = root.parent / "params.yaml"

@@ -19,6 +19,7 @@ from looptrace.gates.fit import ModelGates, analysis_threads, compatible, fit_mo
 from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
 from looptrace.io.parallel import DaskRunner
 from looptrace.io.tables import SplitArrays
+from looptrace.project import split_seed
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
@@ -142,7 +143,9 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
             check_stats_available(sp["val"], cfg.stats)
             appliers = [(fitted[b], [s.name for s in specs])]
             for a in stores:
-                if a == b or tasks[a] != tasks[b] or not cross:
+                # Cross-regime transfer pairs models of one task *and one training seed*: across seeds the
+                # difference would mix regime with initialisation (names <task>-<regime>-s<seed>, project.split_seed).
+                if a == b or tasks[a] != tasks[b] or split_seed(a)[1] != split_seed(b)[1] or not cross:
                     continue
                 why = compatible(fitted[a], sp["val"], cfg.stats)
                 if why:
