@@ -420,11 +420,11 @@ def test_decode_signals_equal_the_offline_functions(standins, kind):
         h0 = [h for nn, t, _, h, _ in trace if nn == n and t == -1][0][:, 0]  # [B, D]
         hs = torch.stack([h[:, 0] for nn, t, _, h, _ in trace if nn == n and t >= 0], 1)  # [B, T, D]
         zs = torch.stack([z[:, 0] for nn, t, _, _, z in trace if nn == n and t >= 0], 1)  # [B, T, V]
-        off = {k: v.numpy() for k, v in logit_stats(zs, torch.zeros(zs.shape[0], dtype=torch.int64)).items()}
+        off = dict(logit_stats(zs, torch.zeros(zs.shape[0], dtype=torch.int64)))
         off.update(step_metrics(hs.to(torch.float16).numpy(), h0.to(torch.float16).numpy()))
-        with torch.inference_mode():
-            off["gate_logit"] = dec.gate_logit(hs).numpy()
-        for t in range(1, T + 1):
+        with torch.inference_mode():  # a model output, not a signal function: same GEMM shape as at decode time
+            off["gate_logit"] = torch.cat([dec.gate_logit(hs[:, t:t + 1]) for t in range(T)], 1).numpy()
+        for t in range(1, T):  # the rule is asked after loops 1..T−1 (loop T always exits)
             for k, v in rec[(n, t)].items():
                 got, want = v.reshape(-1).numpy(), off[k][:, t - 1]
                 assert got.dtype == want.dtype, k
@@ -449,12 +449,15 @@ def test_online_exit_equals_offline_exit_depths_on_the_decode_signals():
                 d = int(r.exit_depth[b, n])
                 h0 = [h[rows == b] for nn, t, rows, h, _ in trace if nn == n and t == -1][0][:, 0]
                 hs = torch.cat([h[rows == b] for nn, t, rows, h, _ in trace if nn == n and t >= 0], 0)[:, 0]
-                zs = torch.cat([z[rows == b] for nn, t, rows, _, z in trace if nn == n and t >= 0], 0)[:, 0]
+                zl = [z for nn, t, _, _, z in trace if nn == n and t >= 0]
                 assert hs.shape[0] == d
-                sig = {k: v.numpy() for k, v in logit_stats(zs[None], torch.zeros(1, dtype=torch.int64)).items()}
+                sig = {}
+                if all(z is not None for z in zl[:d]):  # rules on the state only read no logits before loop T
+                    zs = torch.cat([z[rows == b] for nn, t, rows, _, z in trace if nn == n and t >= 0], 0)[:, 0]
+                    sig = dict(logit_stats(zs[None], torch.zeros(1, dtype=torch.int64)))
                 sig.update(step_metrics(hs[None].to(torch.float16).numpy(), h0.to(torch.float16).numpy()))
                 with torch.inference_mode():
-                    sig["gate_logit"] = m.gate_logit(hs[None]).numpy()
+                    sig["gate_logit"] = torch.cat([m.gate_logit(hs[None, t:t + 1]) for t in range(d)], 1).numpy()
                 pad = {k: np.concatenate([v.astype(np.float64), np.full((1, T - d), np.nan)], 1) for k, v in sig.items()}
                 score = rule.score_of(loop_signals({k: pad[k] for k in rule.signals}, T))
                 want = exit_depths(score, np.array([thr]), rule.op, rule.min_loop, rule.two_hit)[0]

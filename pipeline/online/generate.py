@@ -127,7 +127,9 @@ def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule
             rule.reset(dec, h)
         active, rows = all_rows, None
         und = torch.ones(B, dtype=torch.bool, device=dev)
-        h_exit = torch.empty_like(h) if policy == "recompute" else None
+        # The exit states: recompute continues from them; masking (compact=False) re-reads them out after the
+        # position, because the exited rows' later readouts overwrote their coda keys/values.
+        h_exit = torch.empty_like(h) if (policy == "recompute" or not compact) else None
         for t in range(T):
             h = dec.step(t, h, inj, rows)
             work += h.shape[0]
@@ -137,7 +139,7 @@ def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule
             z = dec.readout(h, t, rows) if (last or rule.needs_logits) else None
             if trace is not None:
                 trace.append((n, t, active.clone(), h.clone(), None if z is None else z.clone()))
-            fire = und.clone() if last else (rule.fires(t + 1, h, z, dec) & und)
+            fire = und.clone() if last else (rule.fires(t + 1, h, z, dec).reshape(-1) & und)  # [b, 1] -> [b]
             if bool(fire.any()):
                 loc = fire.nonzero().squeeze(1)
                 r = active[loc]
@@ -176,7 +178,10 @@ def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule
         if bool(early.any()):
             if policy == "share" or (policy == "native" and mode == "compact"):
                 for dd in torch.unique(d[early]).tolist():  # rows that exited after loop dd share its KV
-                    dec.share(_subset((d == dd).nonzero().squeeze(1), B), dd - 1)
+                    rs = (d == dd).nonzero().squeeze(1)
+                    dec.share(_subset(rs, B), dd - 1)
+                    if not compact and mode == "compact":  # restore the coda slot to the exit loop's readout
+                        dec.readout(h_exit[rs], dd - 1, _subset(rs, B))
             elif policy == "recompute":  # the skipped loops, for the KV only; then the coda at loop T
                 for t in range(int(d.min()), T):
                     rs = (d <= t).nonzero().squeeze(1)
