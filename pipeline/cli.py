@@ -8,7 +8,18 @@ same entry DVC runs, so the CLI and ``dvc repro`` execute exactly the same code.
 from __future__ import annotations
 
 import typer
-from looptrace.stages import diagnose, dump, dynamics, gates, geometry, latency, readouts, report, train
+from looptrace.stages import (
+    diagnose,
+    dump,
+    dynamics,
+    gates,
+    generate,
+    geometry,
+    latency,
+    readouts,
+    report,
+    train,
+)
 
 app = typer.Typer(name="looptrace", help=__doc__.splitlines()[0], no_args_is_help=True,
                   pretty_exceptions_enable=False, add_completion=False)
@@ -32,4 +43,5 @@ app.command("readouts", help=_help(readouts))(readouts.main)
 app.command("gates", help=_help(gates))(gates.main)
 app.command("diagnose", help=_help(diagnose))(diagnose.main)
 app.command("latency", help=_help(latency))(latency.main)
+app.command("generate", help=_help(generate))(generate.main)
 app.command("report", help=_help(report))(report.main)

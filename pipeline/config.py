@@ -38,7 +38,7 @@ PARAMS_HELP = ("params file; repeat to layer override files over it, later ones 
 
 #: The params sections, in params.yaml order (docs/DESIGN.md: which stage reads which).
 SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "readouts", "gates", "diagnose",
-            "latency", "report")
+            "latency", "generate", "report")
 
 
 class ConfigError(ValueError):

@@ -88,6 +88,7 @@ def test_profile_overrides_name_only_known_sections_and_load():
     from looptrace.gates.config import GatesConfig
     from looptrace.geometry import GeometryConfig
     from looptrace.models.train import TrainConfig
+    from looptrace.online.generate import GenerateConfig
     from looptrace.online.latency import LatencyConfig
     from looptrace.report import ReportConfig
     from looptrace.rules.evaluate import ReadoutsConfig
@@ -95,7 +96,8 @@ def test_profile_overrides_name_only_known_sections_and_load():
 
     classes = {"base": BaseConfig, "train": TrainConfig, "dump": DumpConfig, "geometry": GeometryConfig,
                "dynamics": DynamicsConfig, "calibration": CalibrationConfig, "readouts": ReadoutsConfig,
-               "gates": GatesConfig, "diagnose": DiagnoseConfig, "latency": LatencyConfig, "report": ReportConfig}
+               "gates": GatesConfig, "diagnose": DiagnoseConfig, "latency": LatencyConfig,
+               "generate": GenerateConfig, "report": ReportConfig}
     assert tuple(classes) == SECTIONS
     assert list(yaml.safe_load((REPO / "params.yaml").read_text())) == list(SECTIONS)
     for name in PROFILES:

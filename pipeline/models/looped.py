@@ -33,6 +33,11 @@ All loops of all groups are flattened onto one ``loop`` axis (t = 1..T, T = sum 
 loop counts); ``loop_group`` maps each loop index to its group. The coda is applied to every h_t
 because that is exactly what an early exit at t would run (and what the last loop runs anyway).
 
+Token-by-token decoding (``looptrace.models.decode``, the ``generate`` stage) passes a cache to ``embed`` /
+``step`` / ``readout``: every attention layer then stores the new positions' keys/values in it and attends to
+the cached ones (one slot per prelude layer, per (loop, layer) of the looped block, per coda layer). Without a
+cache the code path, and so every number of the full-sequence forward, is unchanged.
+
 Dimension vocabulary used throughout looptrace: ``batch``, ``seq`` (positions), ``loop``,
 ``d_model``, ``vocab``. A checkpoint carries its own :class:`ModelConfig`.
 """
@@ -41,7 +46,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -67,6 +74,19 @@ class L2Norm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + self.eps) * self.weight
+
+
+#: One attention layer's view of a decoding cache: ``kv(k, v)`` stores the keys/values of the positions being
+#: decoded ([batch, heads, seq, head_dim]) and returns every key/value they attend to.
+KV = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class KVCache(Protocol):
+    """What :meth:`LoopedTransformer.embed` / :meth:`~LoopedTransformer.step` / :meth:`~LoopedTransformer.readout`
+    need from a decoding cache (``looptrace.models.kv.LoopKVCache``): the :data:`KV` of one layer,
+    ``layer("prelude", i)``, ``layer("loop", t, j)`` or ``layer("coda", i)``."""
+
+    def layer(self, kind: str, *index: int) -> KV: ...
 
 
 @dataclass(frozen=True)
@@ -154,13 +174,19 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
         B, S, D = x.shape
         q, k, v = self.qkv(x).split(D, dim=2)  # 3 x [B, S, D]
         q = q.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)  # [B, H, S, D/H]
         k = k.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)
         v = v.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [B, H, S, D/H]
+        if kv is None:  # the full-sequence forward
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [B, H, S, D/H]
+        else:  # decoding: the cache stores this call's keys/values and returns every visible one
+            k, v = kv(k, v)  # [B, H, S_k, D/H]
+            if S > 1 and k.shape[2] != S:
+                raise ValueError("a multi-token chunk is only decoded into an empty cache")
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and S > 1)
         y = y.transpose(1, 2).contiguous().view(B, S, D)  # [B, S, D]
         return self.proj(y)
 
@@ -185,8 +211,8 @@ class Layer(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -200,8 +226,8 @@ class SandwichLayer(nn.Module):
         self.attn = SelfAttention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm_2(x + self.attn(self.norm_1(x)))
+    def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
+        x = self.norm_2(x + self.attn(self.norm_1(x), kv))
         return self.norm_4(x + self.mlp(self.norm_3(x)))
 
 
@@ -280,19 +306,26 @@ class LoopedTransformer(nn.Module):
     def n_loops(self) -> int:
         return self.cfg.n_loops
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """h_0: [batch, seq] token ids -> [batch, seq, d_model] (embedding, positions, prelude)."""
+    def embed(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
+        """h_0: [batch, seq] token ids -> [batch, seq, d_model] (embedding, positions, prelude).
+
+        Decoding (``looptrace.models.decode``): ``idx`` holds positions ``start..start+seq−1`` and the prelude's
+        attention reads and extends ``cache`` (layer ``("prelude", i)``)."""
         S = idx.shape[1]
-        if S > self.cfg.block_size:
-            raise ValueError(f"sequence length {S} exceeds model.block_size={self.cfg.block_size}")
-        pos = torch.arange(S, device=idx.device)
+        if start + S > self.cfg.block_size:
+            raise ValueError(f"sequence length {start + S} exceeds model.block_size={self.cfg.block_size}")
+        pos = torch.arange(start, start + S, device=idx.device)
         h = self.wte(idx) + self.wpe(pos)  # [B, S, D]
-        for layer in self.prelude:
-            h = layer(h)
+        for i, layer in enumerate(self.prelude):
+            h = layer(h, None if cache is None else cache.layer("prelude", i))
         return h
 
-    def step(self, h: torch.Tensor, h0: torch.Tensor, group: int) -> torch.Tensor:
-        """One loop of group ``group`` (``cfg.loop_form``): [batch, seq, d_model] -> [batch, seq, d_model]."""
+    def step(self, h: torch.Tensor, h0: torch.Tensor, group: int, cache: KVCache | None = None,
+             loop: int = 0) -> torch.Tensor:
+        """One loop of group ``group`` (``cfg.loop_form``): [batch, seq, d_model] -> [batch, seq, d_model].
+
+        Decoding: loop ``loop`` (0-based over all groups) of the new positions, its layer j's attention reading
+        and extending ``cache`` layer ``("loop", loop, j)``."""
         form = self.cfg.loop_form
         if form == "add":
             x = h + h0 if self.cfg.reinject else h
@@ -300,14 +333,16 @@ class LoopedTransformer(nn.Module):
             x = self.norm_h(h) + self.norm_e(h0) if self.cfg.reinject else self.norm_h(h)
         else:
             x = self.adapter(torch.cat([self.norm_h(h), self.norm_e(h0)], dim=-1))
-        for layer in self.blocks[group]:
-            x = layer(x)
+        for j, layer in enumerate(self.blocks[group]):
+            x = layer(x, None if cache is None else cache.layer("loop", loop, j))
         return x
 
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Exit path at any loop: coda -> shared norm -> head. [..., seq, d_model] -> [..., seq, vocab]."""
-        for layer in self.coda:
-            h = layer(h)
+    def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Exit path at any loop: coda -> shared norm -> head. [..., seq, d_model] -> [..., seq, vocab].
+
+        Decoding: the coda's attention reads and extends ``cache`` layer ``("coda", i)``."""
+        for i, layer in enumerate(self.coda):
+            h = layer(h, None if cache is None else cache.layer("coda", i))
         return self.head(self.ln_f(h))
 
     def gate_logit(self, h: torch.Tensor) -> torch.Tensor:
