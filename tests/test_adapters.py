@@ -261,12 +261,13 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path, monk
     st = open_store(art / "ouro" / "dump" / "tiny" / "val.zarr")
     assert st.has_gate
     a = load_adapter(AdapterConfig(kind="ouro", path=str(ckpts["ouro"]), trust_remote_code=True))
-    seq = st.read("sequence")
+    seq, pos = st.read("sequence"), st.read("position")
     from looptrace.tasks.text import TextConfig, text_splits
 
     b = text_splits(TextConfig(path=str(text), seq_len=16), {"val": 4}, ckpts["ouro"], H.VOCAB, True)["val"]
-    g = a.states(torch.from_numpy(b.tokens)).gate_logits.reshape(-1, 4).numpy()
-    np.testing.assert_allclose(st.read("gate_logit"), g[np.arange(len(seq))], rtol=1e-6, atol=1e-6)
+    g = a.states(torch.from_numpy(b.tokens)).gate_logits.numpy()  # (sequence, position, loop)
+    assert g.shape[:2] == b.tokens.shape and len(seq) > 0  # rows whose prefix is scored in fit/test are unscored
+    np.testing.assert_allclose(st.read("gate_logit"), g[seq, pos], rtol=1e-6, atol=1e-6)
     d = tmp_path / "ouro"
     for cmd in (["geometry", "--model", "tiny", "--dump-root", str(art / "ouro" / "dump"), "--out",
                  str(art / "ouro" / "geometry")],
