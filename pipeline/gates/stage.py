@@ -16,8 +16,8 @@ from looptrace.config import to_dict
 from looptrace.gates.config import SPLITS, GatesConfig, gate_rule_form
 from looptrace.gates.features import check_stats_available, read_targets
 from looptrace.gates.fit import ModelGates, compatible, fit_model_gates, predict_split
-from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
 from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_resampler
+from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
 from looptrace.io.tables import SplitArrays
 from looptrace.rules.scoring import (
     CalibrationConfig,

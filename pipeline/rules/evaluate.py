@@ -7,7 +7,6 @@ returns the output tables.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +25,8 @@ from looptrace.rules.scoring import (
     best_chosen,
     evaluate_depths,
     exit_depths,
-    quantile_grid,
     headline_entry,
+    quantile_grid,
     result_frames,
 )
 
