@@ -84,6 +84,7 @@ def test_profile_overrides_name_only_known_sections_and_load():
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig
     from looptrace.config import SECTIONS, BaseConfig
+    from looptrace.intervals import IntervalsConfig
     from looptrace.diagnose import DiagnoseConfig
     from looptrace.gates.config import GatesConfig
     from looptrace.geometry import GeometryConfig
@@ -94,7 +95,7 @@ def test_profile_overrides_name_only_known_sections_and_load():
     from looptrace.rules.scoring import CalibrationConfig
 
     classes = {"base": BaseConfig, "train": TrainConfig, "dump": DumpConfig, "geometry": GeometryConfig,
-               "dynamics": DynamicsConfig, "calibration": CalibrationConfig, "readouts": ReadoutsConfig,
+               "dynamics": DynamicsConfig, "calibration": CalibrationConfig, "intervals": IntervalsConfig, "readouts": ReadoutsConfig,
                "gates": GatesConfig, "diagnose": DiagnoseConfig, "latency": LatencyConfig, "report": ReportConfig}
     assert tuple(classes) == SECTIONS
     assert list(yaml.safe_load((REPO / "params.yaml").read_text())) == list(SECTIONS)
