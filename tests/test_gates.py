@@ -289,7 +289,7 @@ def test_separable_problem_reaches_the_obvious_operating_point(tmp_path):
             assert ex["exit_depth"].to_list() == brute
         met = json.loads((out / m / "metrics.json").read_text())
         assert met["n_tokens"] == {"fit_used": 240, "fit": 240, "val": 160, "test": 160}
-        assert met["rules"]["gate:logreg-oracle"]["d_at"]["100"] == pytest.approx(want, abs=1e-12)
+        assert met["rules"]["gate:logreg-oracle"]["d_at_oracle_threshold"]["100"]["estimate"] == pytest.approx(want, abs=1e-12)
         for name in ("operating_points", "pareto", "dx"):  # readouts' schema
             df = pl.read_parquet(out / m / f"{name}.parquet")
             assert {"rule", "kind"} <= set(df.columns)

@@ -84,10 +84,10 @@ def test_profile_overrides_name_only_known_sections_and_load():
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig
     from looptrace.config import SECTIONS, BaseConfig
-    from looptrace.intervals import IntervalsConfig
     from looptrace.diagnose import DiagnoseConfig
     from looptrace.gates.config import GatesConfig
     from looptrace.geometry import GeometryConfig
+    from looptrace.intervals import IntervalsConfig
     from looptrace.models.train import TrainConfig
     from looptrace.online.latency import LatencyConfig
     from looptrace.report import ReportConfig
