@@ -37,8 +37,8 @@ PARAMS_HELP = ("params file; repeat to layer override files over it, later ones 
                "(--params params.yaml --params profiles/ad/params.yaml)")
 
 #: The params sections, in params.yaml order (docs/DESIGN.md: which stage reads which).
-SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "readouts", "gates", "diagnose",
-            "latency", "generate", "report")
+SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "intervals", "readouts", "gates",
+            "diagnose", "latency", "generate", "report")
 
 
 class ConfigError(ValueError):

@@ -9,6 +9,7 @@ from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.gates.config import SPLITS, GatesConfig
 from looptrace.gates.stage import gates_stage
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store import open_store
 from looptrace.project import model_meta, model_names, versions
@@ -26,6 +27,7 @@ def main(
         base = load_base(params)
         cfg = load_section(GatesConfig, "gates", params)
         cal = load_section(CalibrationConfig, "calibration", params)
+        ivc = load_section(IntervalsConfig, "intervals", params)
         names = model_names(params, models)
         stores, meta, tasks = {}, {}, {}
         vers = versions()
@@ -34,13 +36,16 @@ def main(
             info = model_meta(m, params)
             task_attr = stores[m]["fit"].attrs.get("task")
             tasks[m] = info["task"] or (task_attr.get("name") if isinstance(task_attr, dict) else None)
-            meta[m] = {**info, "seed": base.seed, "params": {"gates": to_dict(cfg), "calibration": to_dict(cal)},
+            meta[m] = {**info, "seed": base.seed,
+                       "params": {"gates": to_dict(cfg), "calibration": to_dict(cal), "intervals": to_dict(ivc)},
                        "versions": vers, "store_seeds": {s: st.attrs.get("seeds") for s, st in stores[m].items()}}
         with dask_runner(base.dask) as runner:
             metrics = gates_stage(stores, cfg, cal, out, base_seed=base.seed, meta=meta, tasks=tasks,
-                                  threads=base.analysis_threads, runner=runner)
+                                  threads=base.analysis_threads, runner=runner, intervals=ivc)
     for m, best in metrics["best_gate"].items():
-        typer.echo(f"{m}: best gate D@{best['x']:g} = {best['d_at']} ({best['rule']})")
+        if best:
+            typer.echo(f"{m}: best gate (chosen on val) {best['rule']}: test depth {best['test_depth']['text']}, "
+                       f"accuracy {best['test_accuracy']['text']}")
     typer.echo(f"gates: {len(names)} models × {len(metrics['gates'])} gates in {metrics['seconds']:.1f} s")
 
 

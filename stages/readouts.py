@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.parallel import dask_runner
 from looptrace.project import model_meta, versions
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
@@ -14,7 +15,7 @@ from looptrace.rules.scoring import CalibrationConfig
 
 
 def main(
-    model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/geometry/<model>)"),
+    model: str = typer.Option(..., help="model name <task>-<regime>[-s<seed>] (artifacts/geometry/<model>)"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     geometry_root: Path = typer.Option(Path("artifacts/geometry"), help="root of the geometry stage's outputs"),
     out: Path = typer.Option(Path("artifacts/readouts"), help="output root"),
@@ -24,15 +25,22 @@ def main(
         base = load_base(params)
         cfg = load_section(ReadoutsConfig, "readouts", params)
         cal = load_section(CalibrationConfig, "calibration", params)
+        ivc = load_section(IntervalsConfig, "intervals", params)
         meta = {**model_meta(model, params), "seed": base.seed,
-                "params": {"readouts": to_dict(cfg), "calibration": to_dict(cal)}, "versions": versions()}
+                "params": {"readouts": to_dict(cfg), "calibration": to_dict(cal), "intervals": to_dict(ivc)},
+                "versions": versions()}
         with dask_runner(base.dask) as runner:
-            metrics = readouts_model(geometry_root / model, cfg, cal, out / model, meta=meta, runner=runner)
+            metrics = readouts_model(geometry_root / model, cfg, cal, out / model, meta=meta, runner=runner,
+                                     intervals=ivc, seed=base.seed)
     best = metrics["best_posthoc"]
-    fixed = metrics["rules"]["fixed"]["d_at"] if "fixed" in metrics["rules"] else {}
-    x = str(int(best["x"]) if float(best["x"]).is_integer() else best["x"])
-    typer.echo(f"{model}: full-depth test accuracy {metrics['full_depth_accuracy']['test']:.3f}; "
-               f"D@{x} best post-hoc {best['rule']} = {best['d_at']}, fixed = {fixed.get(x)}")
+    fixed = (metrics["rules"].get("fixed") or {}).get("chosen")
+    line = f"{model}: full-depth test accuracy {metrics['full_depth_accuracy']['test']:.3f}"
+    if best:
+        line += (f"; best post-hoc (chosen on val) {best['rule']}: test depth {best['test_depth']['text']}, "
+                 f"accuracy {best['test_accuracy']['text']}")
+    if fixed:
+        line += f"; fixed depth {fixed['test_depth']['text']}"
+    typer.echo(line)
 
 
 if __name__ == "__main__":

@@ -87,6 +87,7 @@ def test_profile_overrides_name_only_known_sections_and_load():
     from looptrace.diagnose import DiagnoseConfig
     from looptrace.gates.config import GatesConfig
     from looptrace.geometry import GeometryConfig
+    from looptrace.intervals import IntervalsConfig
     from looptrace.models.train import TrainConfig
     from looptrace.online.generate import GenerateConfig
     from looptrace.online.latency import LatencyConfig
@@ -95,8 +96,8 @@ def test_profile_overrides_name_only_known_sections_and_load():
     from looptrace.rules.scoring import CalibrationConfig
 
     classes = {"base": BaseConfig, "train": TrainConfig, "dump": DumpConfig, "geometry": GeometryConfig,
-               "dynamics": DynamicsConfig, "calibration": CalibrationConfig, "readouts": ReadoutsConfig,
-               "gates": GatesConfig, "diagnose": DiagnoseConfig, "latency": LatencyConfig,
+               "dynamics": DynamicsConfig, "calibration": CalibrationConfig, "intervals": IntervalsConfig,
+               "readouts": ReadoutsConfig, "gates": GatesConfig, "diagnose": DiagnoseConfig, "latency": LatencyConfig,
                "generate": GenerateConfig, "report": ReportConfig}
     assert tuple(classes) == SECTIONS
     assert list(yaml.safe_load((REPO / "params.yaml").read_text())) == list(SECTIONS)

@@ -359,4 +359,4 @@ def test_builtins_are_registered_in_output_order():
     assert spec["q_exit"] == (("gate_logit",), "ge", 1, False, "native")
     assert spec["fixed"][4] == "fixed" and spec["oracle"][4] == "oracle"
     assert get_rule("fixed").calibration_values(5).tolist() == [1, 2, 3, 4, 5]
-    assert get_rule("argmax_stable").calibration_values(5, ReadoutsConfig(argmax_stable_k=(2, 4))).tolist() == [2, 4]
+    assert get_rule("argmax_stable").calibration_values(5, ReadoutsConfig(argmax_stable_n=(2, 4))).tolist() == [2, 4]

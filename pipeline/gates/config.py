@@ -32,6 +32,20 @@ UTILITY_ALIGN = ("ouro", "next")
 LOG_FLOOR = 1e-10
 #: Floor of q inside log q of KL(q ‖ π) (as ``looptrace.models.regimes.regime_loss``).
 Q_FLOOR = 1e-12
+#: Suffix of a PonderNet gate's second rule, the per-loop λ_t ≥ γ exit (:attr:`GateSpec.forms`).
+LAMBDA_SUFFIX = "-lambda"
+
+
+def gate_rule_form(rule: str) -> tuple[str, str]:
+    """(gate name, exit form) of a gates rule name: ``gate:ponder-linear`` -> (``ponder-linear``, ``q_exit``),
+    ``gate:ponder-linear-lambda`` -> (``ponder-linear``, ``lambda``), ``gate:logreg-oracle`` -> (``logreg-oracle``,
+    ``stop``)."""
+    name = str(rule).removeprefix("gate:")
+    if name.startswith("ponder-"):
+        if name.endswith(LAMBDA_SUFFIX):
+            return name[: -len(LAMBDA_SUFFIX)], "lambda"
+        return name, "q_exit"
+    return name, "stop"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -61,6 +75,19 @@ class GateSpec:
     def rule(self) -> str:
         """Rule name in the outputs: ``gate:<name>`` (e.g. ``gate:logreg-oracle``, ``gate:ponder-linear``)."""
         return f"gate:{self.name}"
+
+    @property
+    def forms(self) -> tuple[tuple[str, str], ...]:
+        """(rule name, exit form) of every rule this gate is scored as.
+
+        A scikit-learn gate: ``stop`` (d = min{t : P(stop)_t ≥ γ}). A PonderNet gate: ``q_exit`` first — the
+        native gate's rule, d = min{t : 1 − Π_{j≤t}(1 − λ_j) ≥ q} (Ouro's Q-exit CDF,
+        :func:`looptrace.signals.halting.halting_cdf`, the one implementation both use), rule ``gate:ponder-<arch>``
+        — then ``lambda``, the per-loop d = min{t : λ_t ≥ γ}, rule ``gate:ponder-<arch>-lambda``.
+        """
+        if self.labels == "ponder":
+            return ((self.rule, "q_exit"), (f"{self.rule}{LAMBDA_SUFFIX}", "lambda"))
+        return ((self.rule, "stop"),)
 
     @classmethod
     def parse(cls, text: str, where: str = "gates.gates") -> GateSpec:

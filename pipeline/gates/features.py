@@ -123,17 +123,21 @@ def read_targets(st) -> SplitArrays:
     """ℓ, argmax and correctness of every token of a store ([token, loop] arrays are small).
 
     Returns:
-        :class:`~looptrace.io.tables.SplitArrays` with ``token`` = the store rows and ``loop`` holding
-        ``target_logprob`` (float64; ``.loss`` = ℓ_t), ``argmax`` (int64) and ``correct`` (bool).
+        :class:`~looptrace.io.tables.SplitArrays` with ``token`` = the store rows, ``loop`` holding
+        ``target_logprob`` (float64; ``.loss`` = ℓ_t), ``argmax`` (int64) and ``correct`` (bool), and ``fields``
+        ``target`` and ``sequence`` (the bootstrap's resampling unit).
     """
     lp = st.read("target_logprob").astype(np.float64)
     if not np.isfinite(lp).all():
         raise ValueError(f"store {st.label}: array 'target_logprob' has non-finite values; re-run the dump")
     am = st.read("argmax").astype(np.int64)
     tgt = st.read("target").astype(np.int64)
+    fields = {"target": tgt}
+    if "sequence" in st:
+        fields["sequence"] = st.read("sequence").astype(np.int64)  # the bootstrap's resampling unit
     return SplitArrays(token=np.arange(lp.shape[0], dtype=np.int64),
                        loop={"target_logprob": lp, "argmax": am, "correct": am == tgt[:, None]},
-                       fields={"target": tgt})
+                       fields=fields)
 
 
 def check_stats_available(st, stats: Sequence[str]) -> None:

@@ -21,6 +21,7 @@ from looptrace.gates.features import (
 from looptrace.gates.labels import stop_targets
 from looptrace.gates.ponder import _ponder_module, fit_ponder
 from looptrace.io.parallel import DaskRunner, map_chunks
+from looptrace.signals.halting import halting_cdf
 
 
 class FittedGate:
@@ -56,17 +57,32 @@ class FittedGate:
             d["model"] = mod.eval()
         self.__dict__.update(d)
 
-    def stop_prob(self, X: np.ndarray) -> np.ndarray:
-        """P(stop) [token, L] float64 from features X [token, L, F]."""
+    def gate_logit(self, X: np.ndarray) -> np.ndarray:
+        """A PonderNet gate's logits g_t [token, L] float64 (λ_t = σ(g_t)) from features X [token, L, F]."""
+        import torch
+
+        if self.spec.labels != "ponder":
+            raise ValueError(f"gate {self.spec.name}: only PonderNet gates have halting logits")
+        with torch.no_grad():
+            return self.model(torch.as_tensor(X, dtype=torch.float32)).double().numpy()
+
+    def stop_prob(self, X: np.ndarray, form: str = "stop") -> np.ndarray:
+        """The gate's exit score [token, L] float64 from features X [token, L, F] (all loops 1..L in order).
+
+        ``form`` (:attr:`GateSpec.forms`): ``stop`` P(stop) of a scikit-learn gate; for a PonderNet gate
+        ``q_exit`` (also what ``stop`` means for it) the Q-exit CDF 1 − Π_{j≤t}(1 − λ_j) — the native gate's rule,
+        by the same function (:func:`looptrace.signals.halting.halting_cdf`) — or ``lambda``, λ_t = σ(g_t).
+        """
         n, L, F = X.shape
         if self.constant is not None:
             return np.full((n, L), float(self.constant))
         if self.spec.labels == "ponder":
-            import torch
+            g = self.gate_logit(X)
+            if form == "lambda":
+                import torch
 
-            with torch.no_grad():
-                g = self.model(torch.as_tensor(X, dtype=torch.float32)).double()
-            return torch.sigmoid(g).numpy()  # λ_t
+                return torch.sigmoid(torch.as_tensor(g)).numpy()  # λ_t
+            return halting_cdf(g)
         proba = self.model.predict_proba(X.reshape(n * L, F))
         col = int(np.flatnonzero(self.model.classes_ == 1)[0])  # class 1 = stop
         return proba[:, col].reshape(n, L)
@@ -258,14 +274,16 @@ def analysis_threads(threads: int | None) -> Iterator[None]:
 
 def predict_chunk(st, tokens: slice, appliers: Sequence[tuple[ModelGates, Sequence[str]]], stats: Sequence[str],
                   threads: int | None = None) -> dict[tuple[str, str], np.ndarray]:
-    """P(stop) [n, T] of every (fit model, gate) of ``appliers`` on one block (in-process or as a Dask task)."""
+    """Exit score [n, T] of every (fit model, rule) of ``appliers``' gates on one block (in-process or as a Dask
+    task): P(stop), or a PonderNet gate's Q-exit CDF and its λ_t (:attr:`GateSpec.forms`)."""
     with analysis_threads(threads):
         h, s = read_block(st, tokens, stats)
         out = {}
         for mg, names in appliers:
             X = mg.features.transform(h, s)
             for g in names:
-                out[(mg.model, g)] = mg.gates[g].stop_prob(X)
+                for rule, form in mg.gates[g].spec.forms:
+                    out[(mg.model, rule)] = mg.gates[g].stop_prob(X, form)
         return out
 
 
@@ -282,10 +300,12 @@ def predict_split(st, appliers: Sequence[tuple[ModelGates, Sequence[str]]], cfg:
             limited by :func:`gates_stage`).
 
     Returns:
-        (fit model, gate name) -> P(stop) [token, loop] float64.
+        (fit model, rule name) -> exit score [token, loop] float64 for every rule of each gate
+        (:attr:`GateSpec.forms`: P(stop), or a PonderNet gate's Q-exit CDF and its λ_t).
     """
     T = st.n_loops
-    out = {(mg.model, g): np.empty((st.n_tokens, T)) for mg, names in appliers for g in names}
+    out = {(mg.model, rule): np.empty((st.n_tokens, T)) for mg, names in appliers for g in names
+           for rule, _ in mg.gates[g].spec.forms}
     blocks = list(st.blocks(cfg.block_tokens))
     args = (tuple(appliers), tuple(cfg.stats), threads if runner is not None else None)
     for sl, probs in zip(blocks, map_chunks(predict_chunk, st, blocks, args, runner), strict=True):

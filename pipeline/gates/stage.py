@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 from looptrace.config import to_dict
-from looptrace.gates.config import SPLITS, GatesConfig
+from looptrace.gates.config import SPLITS, GatesConfig, gate_rule_form
 from looptrace.gates.features import check_stats_available, read_targets
 from looptrace.gates.fit import ModelGates, analysis_threads, compatible, fit_model_gates, predict_split
+from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_resampler
 from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
 from looptrace.io.parallel import DaskRunner
 from looptrace.io.tables import SplitArrays
@@ -23,33 +24,43 @@ from looptrace.project import split_seed
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
+    best_chosen,
     d_at,
     evaluate_depths,
+    evaluate_rule,
     exit_depths,
+    headline_entry,
     quantile_grid,
     result_frames,
 )
 
 
 def evaluate_gate(rule: str, p_val: np.ndarray, p_test: np.ndarray, val: SplitArrays, test: SplitArrays,
-                  cal: CalibrationConfig) -> RuleResult:
+                  cal: CalibrationConfig, resampler: Resampler | None = None) -> RuleResult:
     """Calibrate a gate on val and score it on test with the readouts operating-point code.
 
-    The grid is ``quantile_grid`` of val P(stop) at loops 1..T − 1 (the loops where the gate can move
-    an exit), frozen and applied to both splits with d = min{t : P(stop)_t ≥ γ} (T when never met).
+    A PonderNet gate's Q-exit rule (``gate:ponder-<arch>``; its score is the halting CDF) is scored exactly as
+    the readouts stage scores the native gate's ``q_exit``: :func:`~looptrace.rules.scoring.evaluate_rule` with
+    the grid of val CDF values at every loop and d = min{t : CDF_t ≥ q}. Every other gate rule (P(stop), or a
+    PonderNet gate's λ_t): the grid is ``quantile_grid`` of val values at loops 1..T − 1 (the loops where the
+    gate can move an exit), frozen and applied to both splits with d = min{t : P(stop)_t ≥ γ} (T when never met).
 
     Args:
-        rule: ``gate:<name>``.
-        p_val, p_test: [token, loop] P(stop).
+        rule: ``gate:<name>`` (:func:`~looptrace.gates.config.gate_rule_form` tells its form).
+        p_val, p_test: [token, loop] exit scores.
         val, test: the splits' targets.
         cal: the ``calibration`` section (grid size and δ).
+        resampler: bootstrap over the test split's sequences (None = no intervals).
 
     Returns:
         RuleResult of kind ``gate``.
     """
+    if gate_rule_form(rule)[1] == "q_exit":
+        return evaluate_rule(rule, p_val, p_test, val, test, op="ge", min_loop=1, n_quantiles=cal.n_quantiles,
+                             delta=cal.delta, kind="gate", resampler=resampler)
     grid = quantile_grid(p_val[:, :-1], cal.n_quantiles)
     return evaluate_depths(rule, grid, exit_depths(p_val, grid, "ge"), exit_depths(p_test, grid, "ge"),
-                           val, test, cal.delta, kind="gate")
+                           val, test, cal.delta, kind="gate", resampler=resampler)
 
 
 def acc_at_budget(r: RuleResult, budget: float) -> float:
@@ -68,35 +79,35 @@ CROSS_SCHEMA = {"task": pl.String, "fit_model": pl.String, "eval_model": pl.Stri
                 "acc_at_budget": pl.Float64, "full_depth_accuracy": pl.Float64}
 
 
-def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], val: SplitArrays, test: SplitArrays,
-                   cal: CalibrationConfig, meta: dict) -> dict:
-    x0 = cal.dx[0]
+def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], frames: dict[str, pl.DataFrame],
+                   val: SplitArrays, test: SplitArrays, cal: CalibrationConfig, meta: dict) -> dict:
     rules = {}
     for r in results:
-        g = mg.gates[r.rule.removeprefix("gate:")]
-        k = r.chosen
-        rules[r.rule] = {
-            "gate": g.spec.gate, "labels": g.spec.labels, "kind": r.kind, "fit": g.info,
-            "d_at": {f"{x:g}": d_at(r.test.mean_depth, r.test.accuracy, x) for x in cal.dx},
-            "chosen": {"threshold": float(r.thresholds[k]), "val_depth": float(r.val.mean_depth[k]),
-                       "val_accuracy": float(r.val.accuracy[k]), "test_depth": float(r.test.mean_depth[k]),
-                       "test_accuracy": float(r.test.accuracy[k])}}
-    reach = [(rules[r.rule]["d_at"][f"{x0:g}"], r.rule) for r in results
-             if not math.isnan(rules[r.rule]["d_at"][f"{x0:g}"])]
-    best = min(reach) if reach else (math.nan, None)
+        name, form = gate_rule_form(r.rule)
+        g = mg.gates[name]
+        rules[r.rule] = {"gate": g.spec.gate, "labels": g.spec.labels, "exit_form": form, "fit": g.info,
+                         **headline_entry(r, cal)}
+    b = best_chosen(frames["chosen"])
+    best = None
+    if b is not None:
+        e = rules[b["rule"]]
+        best = {"rule": b["rule"], "picked_on": "val (lowest val depth within delta)",
+                "test_depth": e["chosen"]["test_depth"], "test_accuracy": e["chosen"]["test_accuracy"],
+                "d_at_oracle_threshold": e["d_at_oracle_threshold"]}
     return {**meta, "n_loops": mg.n_loops, "d_model": mg.d_model,
             "n_tokens": {"fit_used": mg.info["fit_tokens"], "fit": mg.info["fit_tokens_available"],
                          "val": int(val.loss.shape[0]), "test": int(test.loss.shape[0])},
             "features": {"names": mg.features.feature_names, **{k: v for k, v in mg.info.items()
                                                                  if k.startswith(("n_features", "pca"))}},
             "full_depth_accuracy": {"val": float(val.correct[:, -1].mean()), "test": float(test.correct[:, -1].mean())},
-            "best_gate": {"x": x0, "rule": best[1], "d_at": best[0]}, "rules": rules}
+            "best_gate": best, "rules": rules}
 
 
 def gates_stage(stores: dict[str, dict[str, Any]], cfg: GatesConfig, cal: CalibrationConfig, out_root: Path | str,
                 base_seed: int = 0,
                 meta: dict[str, dict] | None = None, tasks: dict[str, str | None] | None = None,
-                progress: bool = True, threads: int | None = None, runner: DaskRunner | None = None) -> dict:
+                progress: bool = True, threads: int | None = None, runner: DaskRunner | None = None,
+                intervals: IntervalsConfig | None = None) -> dict:
     """The ``gates`` stage over several models: fit, calibrate, report, cross-regime transfer.
 
     Writes, atomically (a temporary sibling directory replaces ``out_root`` at the end):
@@ -117,15 +128,18 @@ def gates_stage(stores: dict[str, dict[str, Any]], cfg: GatesConfig, cal: Calibr
             scoring tasks on Dask workers.
         runner: run the per-block work (reading the fit subsample, scoring val and test) as Dask tasks
             (:mod:`looptrace.io.parallel`); None = in this process. Fitting stays here, on the gathered subsample.
+        intervals: the ``intervals`` section (None = no intervals); the resamples of a model's test split are
+            the readouts stage's (same seed: ``base.seed`` and the model name), so gate and readout intervals pair.
 
     Returns:
         The stage metrics dict (also ``metrics.json``).
     """
     with analysis_threads(threads):
-        return _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, runner, threads)
+        return _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, runner, threads, intervals)
 
 
-def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, runner=None, threads=None) -> dict:
+def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, runner=None, threads=None,
+                 intervals=None) -> dict:
     t_start = time.perf_counter()
     out_root = Path(out_root)
     meta = meta or {}
@@ -153,12 +167,15 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
                     continue
                 appliers.append((fitted[a], cross))
             val, test = read_targets(sp["val"]), read_targets(sp["test"])
+            rs = split_resampler(test.fields, test.n, intervals, boot_seed(base_seed, b, "test"))
             pv = predict_split(sp["val"], appliers, cfg, runner, threads)
             pt = predict_split(sp["test"], appliers, cfg, runner, threads)
-            own = {s.name: evaluate_gate(s.rule, pv[(b, s.name)], pt[(b, s.name)], val, test, cal) for s in specs}
-            results = list(own.values())
+            every = {rule: evaluate_gate(rule, pv[(b, rule)], pt[(b, rule)], val, test, cal, rs)
+                     for s in specs for rule, _ in s.forms}
+            own = {s.name: every[s.rule] for s in specs}
+            results = list(every.values())
             frames = result_frames(results, cal.dx)
-            metrics = _model_metrics(fitted[b], results, val, test, cal, meta.get(b, {}))
+            metrics = _model_metrics(fitted[b], results, frames, val, test, cal, meta.get(b, {}))
             write_outputs(tmp / b, frames, metrics)
             (tmp / b).chmod(0o755)
             with open(tmp / b / "gates.pkl", "wb") as fh:
@@ -173,7 +190,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
                         continue
                     spec = fitted[a.model].gates[g].spec
                     tr = (own[g] if a.model == b else
-                          evaluate_gate(spec.rule, pv[(a.model, g)], pt[(a.model, g)], val, test, cal))
+                          evaluate_gate(spec.rule, pv[(a.model, spec.rule)], pt[(a.model, spec.rule)], val, test, cal))
                     for mode, r in (("transfer", tr), ("refit", own[g])):
                         k = r.chosen
                         cross_rows.append({
@@ -186,7 +203,9 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
         cross_df = pl.DataFrame(cross_rows, schema=CROSS_SCHEMA).sort("task", "rule", "fit_model", "eval_model", "mode")
         cross_df.write_parquet(tmp / "cross_regime.parquet")
         stage = {"models": list(stores), "gates": [s.name for s in specs], "cross_gates": cross,
-                 "seed": base_seed, "params": to_dict(cfg), "calibration": to_dict(cal), "best_gate": summary, "cross_skipped": skipped,
+                 "seed": base_seed, "params": to_dict(cfg), "calibration": to_dict(cal),
+                 "intervals": to_dict(intervals) if intervals is not None else None,
+                 "best_gate": summary, "cross_skipped": skipped,
                  "seconds": time.perf_counter() - t_start}
         (tmp / "metrics.json").write_text(json.dumps(jsonable(stage), indent=2) + "\n")
     return stage

@@ -67,6 +67,9 @@ class SplitArrays:
 
 #: Per-token columns read from token_loop.parquet besides the signals.
 TOKEN_COLUMNS = ("token", "difficulty", "token_type", "target")
+#: Per-token columns read when present: ``sequence`` is the bootstrap's resampling unit (tokens of one sequence
+#: share a prefix; :mod:`looptrace.intervals`); a table without it resamples tokens.
+OPTIONAL_TOKEN_COLUMNS = ("sequence",)
 
 
 def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
@@ -79,7 +82,8 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
         columns: per-(token, loop) columns wanted (``loop`` and ``correct`` are always read).
 
     Returns:
-        split -> :class:`SplitArrays` (tokens sorted by id; fields difficulty, token_type, target). ``gate_logit`` is dropped when it is all null (model without a gate).
+        split -> :class:`SplitArrays` (tokens sorted by id; fields difficulty, token_type, target, and
+        sequence when the table has it). ``gate_logit`` is dropped when it is all null (model without a gate).
 
     Raises:
         FileNotFoundError: the file is missing (names the stage to run).
@@ -89,7 +93,8 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; run the geometry stage first (dvc repro geometry)")
     schema = pl.read_parquet_schema(path)
-    want = list(dict.fromkeys(["split", *TOKEN_COLUMNS, "loop", "correct", *columns]))
+    extra = [c for c in OPTIONAL_TOKEN_COLUMNS if c in schema]
+    want = list(dict.fromkeys(["split", *TOKEN_COLUMNS, *extra, "loop", "correct", *columns]))
     missing = [c for c in want if c not in schema]
     if missing:
         raise ValueError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
@@ -126,7 +131,7 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
                 per_loop[c] = col.cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(n, T)
         if "target_logprob" in per_loop and not np.isfinite(per_loop["target_logprob"]).all():
             raise ValueError(f"{path}: split '{split}' has non-finite target_logprob; re-run dump/geometry")
-        first = {c: sub[c].to_numpy().reshape(n, T)[:, 0].astype(np.int64) for c in TOKEN_COLUMNS}
+        first = {c: sub[c].to_numpy().reshape(n, T)[:, 0].astype(np.int64) for c in (*TOKEN_COLUMNS, *extra)}
         out[split] = SplitArrays(token=first.pop("token"), loop=per_loop, fields=first)
     Ts = {s: f.n_loops for s, f in out.items()}
     if len(set(Ts.values())) > 1:

@@ -173,13 +173,15 @@ class CallableRule(OnlineRule):
 
     Used for refit offline gates: ``stop_prob(t, h, signals) -> [batch, seq] float64`` with ``signals`` the
     :class:`~looptrace.online.signals.LiveSignals` values of ``signals`` at loop t, fired when ≥ the threshold
-    (SPEC §4 "offline gate").
+    (SPEC §4 "offline gate"). ``state``: the gate's own running state (a PonderNet gate's halting CDF), reset
+    with the rule and compacted with the batch.
     """
 
     def __init__(self, name: str, threshold: float, stop_prob: Callable, signals: Sequence[str] = (),
-                 hidden_dtype: str = "float16"):
+                 hidden_dtype: str = "float16", state=None):
         super().__init__(name, threshold, "ge", 1, False)
         self._stop_prob, self._signals, self.hidden_dtype = stop_prob, tuple(signals), hidden_dtype
+        self._gate_state = state  # an object with reset() and compact(rows, seq) (a stateful gate), or None
         self.live = LiveSignals(self._signals, None, hidden_dtype)
         self.needs_logits = self.live.needs_logits
 
@@ -187,6 +189,8 @@ class CallableRule(OnlineRule):
         self.state = {}
         self.live = LiveSignals(self._signals, model, self.hidden_dtype)
         self.live.reset(h0)
+        if self._gate_state is not None:
+            self._gate_state.reset()
 
     def signal(self, t, h, z, model):
         return self._stop_prob(t, h, self.live.update(t, h, z))
@@ -194,6 +198,8 @@ class CallableRule(OnlineRule):
     def compact(self, rows, seq):
         super().compact(rows, seq)
         self.live.compact(rows, seq)
+        if self._gate_state is not None:
+            self._gate_state.compact(rows, seq)
 
 
 def make_rule(rule: str | ExitRule, threshold: float, state_dtype: str = "float16") -> OnlineRule:

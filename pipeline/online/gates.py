@@ -7,8 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from looptrace.gates.config import STORE_FEATURES
+from looptrace.gates.config import STORE_FEATURES, gate_rule_form
 from looptrace.online.signals import round_states
+from looptrace.signals.halting import HaltingCDF
 
 
 def load_fitted(gates_dir: Path | str) -> dict:
@@ -32,9 +33,13 @@ class OnlineGate:
     :class:`looptrace.online.signals.LiveSignals` — the streaming forms of the functions that wrote the store
     (``LoopStats``) and token_loop.parquet (``StepSignals``), so they equal the stored values bit for bit.
 
+    A PonderNet gate's Q-exit rule (``ponder-<arch>``) keeps the running halting CDF of its logits
+    (:class:`~looptrace.signals.halting.HaltingCDF`, the native ``q_exit``'s online form, bit for bit the offline
+    :func:`~looptrace.signals.halting.halting_cdf`): :meth:`reset` starts it, :meth:`compact` follows the batch.
+
     Args:
         fit: the dict of :func:`load_fitted`.
-        name: gate name (``logreg-oracle`` ...).
+        name: gate name (``logreg-oracle`` ...) or its rule name (``ponder-linear-lambda``: the λ_t form).
 
     Attributes:
         signals: the statistics the gate reads (the engine computes them on the live batch).
@@ -43,9 +48,11 @@ class OnlineGate:
     """
 
     def __init__(self, fit: dict, name: str):
+        name, self.form = gate_rule_form(name)
         if name not in fit["gates"]:
             raise KeyError(f"gate '{name}' is not in the fitted gates ({', '.join(fit['gates'])})")
         self.name, self.gate, self.features = name, fit["gates"][name], fit["features"]
+        self.cdf = None
         self.stats = tuple(fit["stats"])
         self.signals = self.stats
         self.hidden_dtype = str(fit.get("hidden_dtype") or "float16")
@@ -60,8 +67,22 @@ class OnlineGate:
         if self.stats:
             stats = np.stack([signals[n].reshape(-1).cpu().numpy() for n in self.stats], axis=-1)[:, None, :]
         X = self.features.transform(hr.reshape(b * s, 1, D).cpu().numpy(), stats, np.array([t - 1]))
-        p = self.gate.stop_prob(X)[:, 0]
-        return torch.as_tensor(p, dtype=torch.float64, device=h.device).reshape(b, s)
+        if self.form == "q_exit" and self.gate.constant is None:
+            if self.cdf is None:
+                self.cdf = HaltingCDF()
+            p = self.cdf.update(self.gate.gate_logit(X)[:, 0].reshape(b, s))
+        else:
+            p = self.gate.stop_prob(X, self.form)[:, 0].reshape(b, s)
+        return torch.as_tensor(np.asarray(p, dtype=np.float64), device=h.device).reshape(b, s)
+
+    def reset(self) -> None:
+        """Start a new pass (the Q-exit CDF of a PonderNet gate restarts at loop 1)."""
+        self.cdf = None
+
+    def compact(self, rows, seq: int | None) -> None:
+        """Follow the engine's compaction (leading dims [batch, seq])."""
+        if self.cdf is not None:
+            self.cdf.compact(rows, seq)
 
 
 def load_online_gate(gates_dir: Path | str, rule: str) -> OnlineGate:

@@ -281,7 +281,8 @@ def load_gate_rule(gates_dir: Path | str, n_tokens: int, hidden_dtype: str) -> t
     ex, corr = _chosen_exits(Path(gates_dir) / "chosen_exits.parquet", rule, n_tokens)
 
     def factory(gate=gate, thr=thr, rule=rule):
-        return CallableRule(rule, thr, gate.stop_prob, signals=gate.signals, hidden_dtype=gate.hidden_dtype)
+        return CallableRule(rule, thr, gate.stop_prob, signals=gate.signals, hidden_dtype=gate.hidden_dtype,
+                            state=gate)
 
     return RuleSpec(rule=rule, kind="gate", source="gates", threshold=thr, factory=factory, offline_exit=ex,
                     offline_correct=corr), None

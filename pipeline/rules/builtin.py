@@ -2,7 +2,7 @@
 
 Each is an :class:`~looptrace.rules.registry.ExitRule`: threshold rules score their token_loop column
 directly (``online='signal'``: the engine compares the live signal); ``fixed`` scores the loop index
-(thresholds 1..T), ``argmax_stable`` the run length of equal argmaxes (thresholds ``readouts.argmax_stable_k``),
+(thresholds 1..T), ``argmax_stable`` Huginn's counter of consecutive equal-argmax transitions (thresholds ``readouts.argmax_stable_n``),
 ``q_exit`` the halting CDF of the native gate, and the ``oracle`` ceiling the correctness (no threshold,
 never run online).
 
@@ -32,34 +32,38 @@ def _column(col: str):
     return score
 
 
-def argmax_run(argmax: np.ndarray) -> np.ndarray:
-    """Huginn's argmax-stability counter + 1: run[t] = number of consecutive loops ending at t that share
-    argmax_t ([token, loop] int64; 1 at t = 1 and wherever the argmax changed)."""
+def argmax_stable_count(argmax: np.ndarray) -> np.ndarray:
+    """Huginn's argmax-stability counter ([token, loop] int64): c_1 = 0; c_t = c_{t−1} + 1 when
+    argmax_t = argmax_{t−1}, else 0 — the number of consecutive loops, ending at t, whose argmax equals the
+    previous loop's (``ArgmaxStabilityExitEvaluator.stable_for_n_steps`` of seal-rg/recurrent-pretraining; its
+    previous argmax starts at −1, which no argmax equals, so the first loop counts 0). Huginn exits when
+    c_t ≥ ``exit_threshold`` (default 5: six equal loops)."""
     a = np.asarray(argmax)
     n, T = a.shape
     same = np.zeros((n, T), dtype=bool)
     same[:, 1:] = a[:, 1:] == a[:, :-1]  # same[t] : argmax_t == argmax_{t-1}
-    run = np.ones((n, T), dtype=np.int64)
+    count = np.zeros((n, T), dtype=np.int64)
     for t in range(1, T):
-        run[:, t] = np.where(same[:, t], run[:, t - 1] + 1, 1)
-    return run
+        count[:, t] = np.where(same[:, t], count[:, t - 1] + 1, 0)
+    return count
 
 
-class ArgmaxRunOnline:
-    """Online ``argmax_stable``: the run length of equal argmaxes, loop by loop ([batch, seq])."""
+class ArgmaxStableOnline:
+    """Online ``argmax_stable``: Huginn's counter of consecutive equal-argmax transitions, loop by loop ([batch, seq])."""
 
     def __init__(self) -> None:
-        self.prev = self.run = None
+        self.prev = self.count = None
 
     def update(self, t: int, s: Mapping[str, np.ndarray]) -> np.ndarray:
         a = s["argmax"]
-        self.run = np.ones(a.shape, dtype=np.int64) if self.prev is None else np.where(a == self.prev, self.run + 1, 1)
+        self.count = (np.zeros(a.shape, dtype=np.int64) if self.prev is None
+                      else np.where(a == self.prev, self.count + 1, 0))
         self.prev = a
-        return self.run.astype(np.float64)
+        return self.count.astype(np.float64)
 
     def compact(self, rows, seq: int | None) -> None:
         if self.prev is not None:
-            self.prev, self.run = keep_rows(self.prev, rows, seq), keep_rows(self.run, rows, seq)
+            self.prev, self.count = keep_rows(self.prev, rows, seq), keep_rows(self.count, rows, seq)
 
 
 class QExitOnline:
@@ -114,8 +118,8 @@ _RULES = (
     _threshold("rel_step", "rel_step", "le", 2),              # Huginn latent-diff
     _threshold("state_cosine", "state_cos_dist", "le", 2),    # Huginn cosine, CALM state
     _threshold("accel_two_hit", "accel", "le", 3, True),      # [TS]: a_t ≤ τ and a_{t−1} ≤ τ
-    ExitRule(name="argmax_stable", score=lambda s: argmax_run(s["argmax"]), signals=("argmax",), op="ge",
-             thresholds=lambda T, cfg: cfg.argmax_stable_k, online=ArgmaxRunOnline),  # Huginn
+    ExitRule(name="argmax_stable", score=lambda s: argmax_stable_count(s["argmax"]), signals=("argmax",), op="ge",
+             thresholds=lambda T, cfg: cfg.argmax_stable_n, online=ArgmaxStableOnline),  # Huginn
     ExitRule(name="q_exit", score=lambda s: halting_cdf(s["gate_logit"]), signals=("gate_logit",), op="ge",
              kind="native", online=QExitOnline),              # Ouro
     ExitRule(name="oracle", score=_column("correct"), signals=("correct",), op="ge", kind="oracle",
@@ -141,16 +145,16 @@ def oracle_depths(correct: np.ndarray) -> np.ndarray:
     return exit_depths(r.score_of({"correct": np.asarray(correct, dtype=bool)}), r.calibration_values(0), r.op)[0]
 
 
-def argmax_stable_depths(argmax: np.ndarray, ks: Sequence[int]) -> np.ndarray:
-    """``argmax_stable k``: min{t ≥ k : argmax_t = argmax_{t−1} = … = argmax_{t−k+1}}, else T.
+def argmax_stable_depths(argmax: np.ndarray, ns: Sequence[int]) -> np.ndarray:
+    """``argmax_stable n`` as Huginn's evaluator counts it: min{t : c_t ≥ n} (:func:`argmax_stable_count`), else T.
 
-    Convention (Huginn's argmax-stability counts consecutive loops with the same argmax): the last k
-    loops, t included, share one argmax, so the earliest possible exit is t = k; k = 1 exits at 1.
+    n counts *transitions*: the exit needs n + 1 consecutive equal argmaxes, so the earliest exit is t = n + 1
+    (n = 0 exits at 1; Huginn's default n = 5 needs six equal loops).
 
     Returns:
-        [len(ks), token] int64 1-based exit depths.
+        [len(ns), token] int64 1-based exit depths.
     """
-    return exit_depths(argmax_run(argmax), np.asarray(ks, dtype=np.float64), "ge")
+    return exit_depths(argmax_stable_count(argmax), np.asarray(ns, dtype=np.float64), "ge")
 
 
 def grid_window(score: np.ndarray, min_loop: int, two_hit: bool) -> np.ndarray:

@@ -7,7 +7,6 @@ returns the output tables.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 from looptrace.config import ConfigError
+from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_resampler
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
@@ -23,9 +23,10 @@ from looptrace.rules.registry import ExitRule, check_causal, loop_signals, resol
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
-    d_at,
+    best_chosen,
     evaluate_depths,
     exit_depths,
+    headline_entry,
     quantile_grid,
     result_frames,
 )
@@ -36,19 +37,22 @@ class ReadoutsConfig:
     """``readouts`` section of ``params.yaml`` (the calibration protocol is the ``calibration`` section).
 
     Attributes:
-        argmax_stable_k: the k values of ``argmax_stable`` (each is one operating point).
+        argmax_stable_n: the thresholds n of ``argmax_stable``, each one operating point, in Huginn's units
+            (``ArgmaxStabilityExitEvaluator``'s ``exit_threshold``): exit at the first loop where the number of
+            consecutive loops whose argmax equals the previous loop's reaches n, i.e. n + 1 equal loops (Huginn's
+            default 5 = six equal loops).
         rules: the rules to evaluate, in output order: built-in names (``ALL_RULES``), user rules
             ``package.module:function`` or ``looptrace.rules`` entry-point names (:mod:`looptrace.rules.registry`).
             Rules that read the native gate (``q_exit``) are skipped for models without one.
     """
 
-    argmax_stable_k: tuple[int, ...] = (2, 3)
+    argmax_stable_n: tuple[int, ...] = (1, 2, 3)
     rules: tuple[str, ...] = ALL_RULES
 
     def __post_init__(self) -> None:
-        if not self.argmax_stable_k or min(self.argmax_stable_k) < 1:
-            raise ConfigError(f"readouts.argmax_stable_k must be a non-empty list of k ≥ 1, got "
-                              f"{list(self.argmax_stable_k)}")
+        if not self.argmax_stable_n or min(self.argmax_stable_n) < 0:
+            raise ConfigError(f"readouts.argmax_stable_n must be a non-empty list of n ≥ 0 (Huginn's count of "
+                              f"consecutive equal-argmax transitions), got {list(self.argmax_stable_n)}")
         resolve_rules(self.rules, "readouts.rules")
 
 
@@ -58,7 +62,7 @@ def rule_columns(rules: Sequence[ExitRule]) -> tuple[str, ...]:
 
 
 def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig,
-                     cal: CalibrationConfig) -> RuleResult | None:
+                     cal: CalibrationConfig, resampler: Resampler | None = None) -> RuleResult | None:
     """One registered rule calibrated on val (frozen) and applied to test; None when the model cannot run it
     (a rule on the native gate of a model without one).
 
@@ -83,15 +87,15 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
     vd = exit_depths(vs, grid, rule.op, rule.min_loop, rule.two_hit)
     td = exit_depths(ts, grid, rule.op, rule.min_loop, rule.two_hit)
     recorded = np.array([np.nan]) if rule.kind == "oracle" else grid  # a ceiling has no threshold
-    return evaluate_depths(rule.name, recorded, vd, td, val, test, cal.delta, kind=rule.kind)
+    return evaluate_depths(rule.name, recorded, vd, td, val, test, cal.delta, kind=rule.kind, resampler=resampler)
 
 
 def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig, cal: CalibrationConfig,
                          progress: bool = True, rules: Sequence[str | ExitRule] | None = None,
-                         runner: DaskRunner | None = None) -> list[RuleResult]:
+                         runner: DaskRunner | None = None, resampler: Resampler | None = None) -> list[RuleResult]:
     """Every configured exit rule of SPEC §4 on one model (grid on val, frozen, applied to test).
 
-    ``fixed`` has thresholds 1..T, ``argmax_stable`` the k values, ``oracle`` a single NaN threshold (kind
+    ``fixed`` has thresholds 1..T, ``argmax_stable`` the n values, ``oracle`` a single NaN threshold (kind
     ``oracle``); every other built-in and user rule the val quantile grid of its score
     (:func:`evaluate_rule_on`).
 
@@ -103,6 +107,7 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
         rules: rules (names or :class:`ExitRule` objects) instead of ``cfg.rules``.
         runner: one Dask task per rule (val and test are sent to the cluster once); None = in this process.
             A rule's result is the same either way: the same function on the same arrays.
+        resampler: bootstrap over the test split's sequences (every rule on the same resamples; None = none).
 
     Returns:
         list of RuleResult in rule order (rules on the native gate only when the model has one).
@@ -111,7 +116,7 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
 
     todo = resolve_rules(cfg.rules if rules is None else rules, "readouts.rules")
     results: list[RuleResult] = []
-    done = map_tasks(evaluate_rule_on, todo, (val, test, cfg, cal), runner)
+    done = map_tasks(evaluate_rule_on, todo, (val, test, cfg, cal, resampler), runner)
     for r in tqdm(done, total=len(todo), desc="readouts", disable=None if progress else True, leave=False):
         if r is not None:
             results.append(r)
@@ -120,36 +125,30 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
 
 def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFrame], val: SplitArrays,
                      test: SplitArrays, cal: CalibrationConfig, meta: dict) -> dict:
-    """``metrics.json``: full-depth and oracle accuracy, and per rule its chosen point and D@X."""
-    dx = frames["dx"]
-    rules = {}
-    for r in results:
-        entry = {"kind": r.kind,
-                 "d_at": {str(int(x) if float(x).is_integer() else x): d_at(r.test.mean_depth, r.test.accuracy, x)
-                          for x in cal.dx}}
-        if r.kind != "oracle":
-            k = r.chosen
-            entry["chosen"] = {"threshold": float(r.thresholds[k]), "val_depth": float(r.val.mean_depth[k]),
-                               "val_accuracy": float(r.val.accuracy[k]), "test_depth": float(r.test.mean_depth[k]),
-                               "test_accuracy": float(r.test.accuracy[k])}
-        else:
-            entry["test_depth"] = float(r.test.mean_depth[0])
-            entry["test_accuracy"] = float(r.test.accuracy[0])
-        rules[r.rule] = entry
-    x0 = cal.dx[0]
-    posthoc = dx.filter((pl.col("kind") == "posthoc") & (pl.col("x") == float(x0)) & pl.col("d_at").is_not_nan())
-    best = posthoc.sort("d_at", "rule").row(0, named=True) if posthoc.height else None
+    """``metrics.json``: full-depth and oracle accuracy, and per rule its val-chosen point on test and its
+    oracle-threshold D@X, each with a 95 % interval (bootstrap over test sequences) and the seed count (1: one
+    model). ``best_posthoc`` is chosen on val (:func:`~looptrace.rules.scoring.best_chosen`), never on test."""
+    rules = {r.rule: headline_entry(r, cal) for r in results}
+    best = best_chosen(frames["chosen"], ["posthoc"])
+    best_entry = None
+    if best is not None:
+        e = rules[best["rule"]]
+        best_entry = {"rule": best["rule"], "picked_on": "val (lowest val depth within delta)",
+                      "test_depth": e["chosen"]["test_depth"], "test_accuracy": e["chosen"]["test_accuracy"],
+                      "d_at_oracle_threshold": e["d_at_oracle_threshold"]}
+    boot = next((r.boot.info for r in results if r.boot is not None), {"n_boot": 0, "n_sequences": 0})
     return {**meta, "n_loops": val.n_loops, "has_gate": val.has_gate,
             "n_tokens": {"val": int(val.token.size), "test": int(test.token.size)},
+            "intervals": {"n_boot": boot["n_boot"], "n_sequences": boot["n_sequences"],
+                          "unit": boot.get("unit"), "level": boot.get("level"), "n_seeds": 1},
             "full_depth_accuracy": {"val": val.full_accuracy, "test": test.full_accuracy},
             "test_accuracy_per_loop": test.loop["correct"].mean(axis=0).tolist(),
-            "best_posthoc": {"x": x0, "rule": best["rule"] if best else None,
-                             "d_at": best["d_at"] if best else math.nan},
-            "rules": rules}
+            "best_posthoc": best_entry, "rules": rules}
 
 
 def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: CalibrationConfig, out_dir: Path | str,
-                   meta: dict | None = None, progress: bool = True, runner: DaskRunner | None = None) -> dict:
+                   meta: dict | None = None, progress: bool = True, runner: DaskRunner | None = None,
+                   intervals: IntervalsConfig | None = None, seed: int = 0) -> dict:
     """The ``readouts`` stage for one model: read token_loop.parquet, evaluate every rule, write outputs.
 
     Args:
@@ -160,6 +159,8 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
         meta: extra ``metrics.json`` entries (model, task, regime, regime_kind, versions, params).
         progress: progress bars.
         runner: evaluate the rules as Dask tasks, one per rule (:func:`evaluate_model_rules`); None = here.
+        intervals: the ``intervals`` section (None = no intervals).
+        seed: ``base.seed``; the bootstrap's seed is derived from it and the model name (``meta["model"]``).
 
     Returns:
         The metrics dict (also written to ``metrics.json``).
@@ -167,7 +168,9 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
     rules = resolve_rules(cfg.rules, "readouts.rules")
     splits = load_token_loop(Path(geometry_dir) / "token_loop.parquet", columns=rule_columns(rules))
     val, test = splits["val"], splits["test"]
-    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules, runner=runner)
+    model = (meta or {}).get("model") or Path(geometry_dir).name
+    rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
+    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules, resampler=rs, runner=runner)
     frames = result_frames(results, cal.dx)
     metrics = readouts_metrics(results, frames, val, test, cal, meta or {})
     write_outputs(out_dir, frames, metrics)

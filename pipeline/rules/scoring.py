@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import polars as pl
 from looptrace.config import ConfigError
+from looptrace.intervals import Interval, Resampler, dx_samples, percentile_interval
 from looptrace.io.tables import SplitArrays
 
 # Comparisons of k/N fractions against x/100: a tiny tolerance so that e.g. 57/100 ≥ 0.57 holds.
@@ -222,6 +223,24 @@ class Points:
 
 
 @dataclass(frozen=True)
+class BootPoints:
+    """Bootstrap resamples (over test sequences, :class:`~looptrace.intervals.Resampler`) of a rule's test points.
+
+    Attributes:
+        mean_depth, accuracy: [B, K] the K frozen thresholds' test mean depth and accuracy in each resample.
+        info: ``n_boot``, ``n_sequences``, ``unit``, ``level``.
+    """
+
+    mean_depth: np.ndarray
+    accuracy: np.ndarray
+    info: dict
+
+    @property
+    def level(self) -> float:
+        return float(self.info.get("level", 0.95))
+
+
+@dataclass(frozen=True)
 class RuleResult:
     """One rule evaluated end to end: frozen val grid, points on val and test, the chosen point.
 
@@ -236,6 +255,7 @@ class RuleResult:
         kind: ``fixed`` | ``posthoc`` | ``native`` | ``oracle`` | ``gate`` (for summaries).
         full_val_accuracy: full-depth val accuracy the choice was measured against.
         delta: the chosen-point tolerance used (points).
+        boot: bootstrap resamples of the test points (None = no intervals).
     """
 
     rule: str
@@ -249,10 +269,29 @@ class RuleResult:
     kind: str = "posthoc"
     full_val_accuracy: float = math.nan
     delta: float = 0.5
+    boot: BootPoints | None = None
+
+
+def boot_points(test_depths: np.ndarray, correct: np.ndarray, rs: Resampler | None) -> BootPoints | None:
+    """Resampled test mean depth and accuracy of every threshold: two [B, U] × [U, K] products.
+
+    Args:
+        test_depths: [K, token] 1-based exit depths on test.
+        correct: [token, loop] bool.
+        rs: the model's test resampler (None or B = 0: no intervals).
+    """
+    if rs is None or rs.n_boot == 0:
+        return None
+    d = np.asarray(test_depths)
+    if d.ndim == 1:
+        d = d[None]
+    corr = np.asarray(correct, dtype=bool)[np.arange(d.shape[1])[None, :], d - 1]
+    return BootPoints(mean_depth=rs.ratio(d), accuracy=rs.ratio(corr), info=rs.describe())
 
 
 def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, test_depths: np.ndarray,
-                    val: SplitArrays, test: SplitArrays, delta: float = 0.5, kind: str = "posthoc") -> RuleResult:
+                    val: SplitArrays, test: SplitArrays, delta: float = 0.5, kind: str = "posthoc",
+                    resampler: Resampler | None = None) -> RuleResult:
     """Score precomputed exit depths of one rule on val and test and pick its chosen point.
 
     Args:
@@ -263,6 +302,7 @@ def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, t
         val, test: correctness / loss of each split.
         delta: chosen-point tolerance in accuracy points.
         kind: rule family label.
+        resampler: bootstrap over the test split's sequences (None = no intervals).
 
     Returns:
         RuleResult.
@@ -276,12 +316,12 @@ def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, t
     tok = np.arange(exits.size) if test.token is None else np.asarray(test.token)
     return RuleResult(rule=rule, thresholds=np.asarray(thresholds, dtype=np.float64).ravel(), val=vp, test=tp,
                       chosen=k, test_exits=exits, test_correct=corr, test_token=tok, kind=kind,
-                      full_val_accuracy=full, delta=delta)
+                      full_val_accuracy=full, delta=delta, boot=boot_points(test_depths, test.correct, resampler))
 
 
 def evaluate_rule(rule: str, val_signal: np.ndarray, test_signal: np.ndarray, val: SplitArrays, test: SplitArrays,
                   op: str, min_loop: int = 1, two_hit: bool = False, n_quantiles: int = 51,
-                  delta: float = 0.5, kind: str = "posthoc") -> RuleResult:
+                  delta: float = 0.5, kind: str = "posthoc", resampler: Resampler | None = None) -> RuleResult:
     """Evaluate one threshold rule end to end ([AD] protocol).
 
     The grid is ``quantile_grid`` of the val signal (finite values, all loops), frozen and applied
@@ -298,6 +338,7 @@ def evaluate_rule(rule: str, val_signal: np.ndarray, test_signal: np.ndarray, va
         n_quantiles: grid size (51).
         delta: chosen-point tolerance in points.
         kind: rule family label.
+        resampler: bootstrap over the test split's sequences (None = no intervals).
 
     Returns:
         RuleResult.
@@ -305,32 +346,141 @@ def evaluate_rule(rule: str, val_signal: np.ndarray, test_signal: np.ndarray, va
     grid = quantile_grid(val_signal, n_quantiles)
     vd = exit_depths(val_signal, grid, op, min_loop, two_hit)
     td = exit_depths(test_signal, grid, op, min_loop, two_hit)
-    return evaluate_depths(rule, grid, vd, td, val, test, delta, kind)
+    return evaluate_depths(rule, grid, vd, td, val, test, delta, kind, resampler)
+
+
+#: Column of ``dx.parquet`` that says where D@X's threshold comes from (SPEC §4: an oracle-threshold figure).
+DX_THRESHOLD_FROM = "test labels (oracle threshold)"
+
+
+def rule_intervals(r: RuleResult, dx: Sequence[float] = (95, 98, 99)) -> dict:
+    """Every interval of one rule from its bootstrap resamples (NaN bounds when it has none).
+
+    Returns:
+        dict: ``points`` {mean_depth_lo/hi, accuracy_lo/hi: [K]}, ``chosen`` {test_depth_lo/hi,
+        test_accuracy_lo/hi}, ``dx`` {x: (lo, hi, reach_share)} (+inf bound = unreachable in those resamples),
+        ``info`` (n_boot, n_sequences, unit, level).
+    """
+    K = r.thresholds.size
+    nan = np.full(K, np.nan)
+    if r.boot is None:
+        return {"points": {"mean_depth_lo": nan, "mean_depth_hi": nan, "accuracy_lo": nan, "accuracy_hi": nan},
+                "chosen": {"test_depth_lo": math.nan, "test_depth_hi": math.nan, "test_accuracy_lo": math.nan,
+                           "test_accuracy_hi": math.nan},
+                "dx": {float(x): (math.nan, math.nan, math.nan) for x in dx},
+                "info": {"n_boot": 0, "n_sequences": 0, "unit": None, "level": math.nan}}
+    b, lvl = r.boot, r.boot.level
+    dlo, dhi = percentile_interval(b.mean_depth, lvl)
+    alo, ahi = percentile_interval(b.accuracy, lvl)
+    k = r.chosen
+    out_dx = {}
+    for x in dx:
+        s = dx_samples(b.mean_depth, b.accuracy, x)
+        lo, hi = percentile_interval(s, lvl)
+        out_dx[float(x)] = (float(lo), float(hi), float(np.isfinite(s).mean()))
+    return {"points": {"mean_depth_lo": dlo, "mean_depth_hi": dhi, "accuracy_lo": alo, "accuracy_hi": ahi},
+            "chosen": {"test_depth_lo": float(dlo[k]), "test_depth_hi": float(dhi[k]),
+                       "test_accuracy_lo": float(alo[k]), "test_accuracy_hi": float(ahi[k])},
+            "dx": out_dx, "info": dict(b.info)}
+
+
+def _xkey(x: float) -> str:
+    return str(int(x) if float(x).is_integer() else x)
+
+
+def headline_entry(r: RuleResult, cal: CalibrationConfig) -> dict:
+    """One rule's metrics.json entry: its val-chosen point on test with intervals (the honest headline) and,
+    labelled as such, its oracle-threshold D@X with intervals."""
+    iv = rule_intervals(r, cal.dx)
+    info = iv["info"]
+    common = {"n_boot": info["n_boot"], "n_sequences": info["n_sequences"]}
+    entry: dict = {"kind": r.kind}
+    k = r.chosen
+    if r.kind != "oracle":
+        c = iv["chosen"]
+        entry["chosen"] = {
+            "threshold": float(r.thresholds[k]), "picked_on": "val", "val_depth": float(r.val.mean_depth[k]),
+            "val_accuracy": float(r.val.accuracy[k]),
+            "test_depth": Interval(float(r.test.mean_depth[k]), c["test_depth_lo"], c["test_depth_hi"], **common).to_dict(),
+            "test_accuracy": Interval(float(r.test.accuracy[k]), c["test_accuracy_lo"], c["test_accuracy_hi"],
+                                      **common).to_dict()}
+    else:
+        p = iv["points"]
+        entry["ceiling"] = {
+            "test_depth": Interval(float(r.test.mean_depth[0]), float(p["mean_depth_lo"][0]),
+                                   float(p["mean_depth_hi"][0]), **common).to_dict(),
+            "test_accuracy": Interval(float(r.test.accuracy[0]), float(p["accuracy_lo"][0]),
+                                      float(p["accuracy_hi"][0]), **common).to_dict()}
+    dxs = {}
+    for x in cal.dx:
+        v = d_at(r.test.mean_depth, r.test.accuracy, x)
+        lo, hi, reach = iv["dx"][float(x)]
+        dxs[_xkey(x)] = {**Interval(math.inf if math.isnan(v) else v, lo, hi, **common).to_dict(),
+                         "reach_share": reach}
+    entry["d_at_oracle_threshold"] = dxs
+    return entry
+
+
+def best_chosen(chosen: pl.DataFrame, kinds: Sequence[str] | None = None) -> dict | None:
+    """The best rule chosen on validation only: among chosen points (of ``kinds``) whose val accuracy is within
+    δ of full depth (all of them when none is), the lowest *val* depth (ties: higher val accuracy, then rule
+    name). Test labels never enter the choice (SPEC §4 "Headlines").
+
+    Returns:
+        The ``chosen`` row as a dict, or None when there is none.
+    """
+    c = chosen
+    if c is None or c.height == 0:
+        return None
+    if kinds is not None:
+        c = c.filter(pl.col("kind").is_in(list(kinds)))
+    c = c.filter(pl.col("val_depth").is_not_null() & pl.col("val_depth").is_not_nan())
+    if c.height == 0:
+        return None
+    if "within_delta" in c.columns and c["within_delta"].any():
+        c = c.filter(pl.col("within_delta"))
+    return c.sort(["val_depth", "val_accuracy", "rule"], descending=[False, True, False]).row(0, named=True)
 
 
 def result_frames(results: Sequence[RuleResult], dx: Sequence[float] = (95, 98, 99)) -> dict[str, pl.DataFrame]:
     """The readouts/gates output tables for a list of evaluated rules (one model).
 
+    Interval columns (95 % bootstrap over test sequences, :mod:`looptrace.intervals`; NaN when intervals are
+    off): ``<col>_lo`` / ``<col>_hi`` beside every test figure, with ``n_boot`` and ``n_sequences``.
+
     Returns:
         dict with polars DataFrames
-        ``operating_points`` (rule, kind, threshold, split, mean_depth, accuracy, mean_loss),
+        ``operating_points`` (rule, kind, threshold, split, mean_depth, accuracy, mean_loss; test rows also
+        mean_depth_lo/hi, accuracy_lo/hi),
         ``pareto`` (the test points on their rule's own front, plus ``on_model_front``: non-dominated
         among all non-oracle points of the model),
-        ``dx`` (rule, kind, x, d_at — NaN when unreachable),
+        ``dx`` (rule, kind, x, d_at — NaN when unreachable — d_at_lo, d_at_hi (+inf: unreachable in those
+        resamples), reach_share (share of resamples where X is reachable), val_d_at (D@X of the val points,
+        for choosing a rule on val), threshold_from (D@X picks its threshold on test labels: an oracle-threshold
+        figure), n_boot, n_sequences),
         ``chosen`` (rule, kind, threshold, index, val_depth, val_accuracy, test_depth, test_accuracy,
-        test_loss, full_val_accuracy, within_delta),
+        test_loss, full_val_accuracy, within_delta, test_depth_lo/hi, test_accuracy_lo/hi, n_boot,
+        n_sequences, level) — the honest figures: the threshold was picked on val,
         ``chosen_exits`` (rule, token, exit_depth, correct) on test.
     """
     op_rows, dx_rows, ch_rows, ex = [], [], [], []
     for r in results:
+        iv = rule_intervals(r, dx)
+        info = iv["info"]
         for split, p in (("val", r.val), ("test", r.test)):
-            op_rows.append(pl.DataFrame({
-                "rule": [r.rule] * r.thresholds.size, "kind": [r.kind] * r.thresholds.size,
-                "threshold": r.thresholds, "split": [split] * r.thresholds.size,
-                "mean_depth": p.mean_depth, "accuracy": p.accuracy, "mean_loss": p.mean_loss}))
+            cols = {"rule": [r.rule] * r.thresholds.size, "kind": [r.kind] * r.thresholds.size,
+                    "threshold": r.thresholds, "split": [split] * r.thresholds.size,
+                    "mean_depth": p.mean_depth, "accuracy": p.accuracy, "mean_loss": p.mean_loss}
+            for c, v in iv["points"].items():
+                cols[c] = v if split == "test" else np.full(r.thresholds.size, np.nan)
+            op_rows.append(pl.DataFrame(cols, schema_overrides={c: pl.Float64 for c in iv["points"]}))
         for x in dx:
+            lo, hi, reach = iv["dx"][float(x)]
             dx_rows.append({"rule": r.rule, "kind": r.kind, "x": float(x),
-                            "d_at": d_at(r.test.mean_depth, r.test.accuracy, x)})
+                            "d_at": d_at(r.test.mean_depth, r.test.accuracy, x), "d_at_lo": lo, "d_at_hi": hi,
+                            "reach_share": reach, "val_d_at": d_at(r.val.mean_depth, r.val.accuracy, x),
+                            "threshold_from": DX_THRESHOLD_FROM, "n_boot": info["n_boot"],
+                            "n_sequences": info["n_sequences"]})
         if r.kind == "oracle":  # a ceiling, not a rule: no chosen point
             continue
         k = r.chosen
@@ -338,11 +488,15 @@ def result_frames(results: Sequence[RuleResult], dx: Sequence[float] = (95, 98, 
                         "val_depth": float(r.val.mean_depth[k]), "val_accuracy": float(r.val.accuracy[k]),
                         "test_depth": float(r.test.mean_depth[k]), "test_accuracy": float(r.test.accuracy[k]),
                         "test_loss": float(r.test.mean_loss[k]), "full_val_accuracy": r.full_val_accuracy,
-                        "within_delta": bool(r.val.accuracy[k] + _EPS >= r.full_val_accuracy - r.delta / 100.0)})
+                        "within_delta": bool(r.val.accuracy[k] + _EPS >= r.full_val_accuracy - r.delta / 100.0),
+                        **iv["chosen"], "n_boot": info["n_boot"], "n_sequences": info["n_sequences"],
+                        "level": info["level"]})
         ex.append(pl.DataFrame({"rule": [r.rule] * r.test_exits.size, "token": r.test_token.astype(np.int64),
                                 "exit_depth": r.test_exits.astype(np.int64), "correct": r.test_correct}))
     op_schema = {"rule": pl.String, "kind": pl.String, "threshold": pl.Float64, "split": pl.String,
-                 "mean_depth": pl.Float64, "accuracy": pl.Float64, "mean_loss": pl.Float64}
+                 "mean_depth": pl.Float64, "accuracy": pl.Float64, "mean_loss": pl.Float64,
+                 "mean_depth_lo": pl.Float64, "mean_depth_hi": pl.Float64, "accuracy_lo": pl.Float64,
+                 "accuracy_hi": pl.Float64}
     ops = pl.concat(op_rows) if op_rows else pl.DataFrame(schema=op_schema)
     test = ops.filter(pl.col("split") == "test")
     depth, acc = test["mean_depth"].to_numpy(), test["accuracy"].to_numpy()
@@ -357,11 +511,13 @@ def result_frames(results: Sequence[RuleResult], dx: Sequence[float] = (95, 98, 
     pareto = test.with_columns(on_model_front=pl.Series(model, dtype=pl.Boolean)).filter(
         pl.Series(own, dtype=pl.Boolean))
     ex_schema = {"rule": pl.String, "token": pl.Int64, "exit_depth": pl.Int64, "correct": pl.Boolean}
+    dx_schema = {"rule": pl.String, "kind": pl.String, "x": pl.Float64, "d_at": pl.Float64, "d_at_lo": pl.Float64,
+                 "d_at_hi": pl.Float64, "reach_share": pl.Float64, "val_d_at": pl.Float64,
+                 "threshold_from": pl.String, "n_boot": pl.Int64, "n_sequences": pl.Int64}
     return {
         "operating_points": ops,
         "pareto": pareto,
-        "dx": pl.DataFrame(dx_rows, schema={"rule": pl.String, "kind": pl.String, "x": pl.Float64,
-                                            "d_at": pl.Float64}),
+        "dx": pl.DataFrame(dx_rows, schema=dx_schema),
         "chosen": pl.DataFrame(ch_rows) if ch_rows else pl.DataFrame(),
         "chosen_exits": pl.concat(ex) if ex else pl.DataFrame(schema=ex_schema),
     }
