@@ -201,8 +201,13 @@ class ClaimsDir:
         """Create ``name`` holding ``rec`` iff it does not exist (atomic). True = created by us."""
         data = json.dumps(rec, sort_keys=True).encode()
         if self.local:
-            os.makedirs(self.root, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+            for _ in range(100):  # a finaliser may remove the (empty) directory between makedirs and mkstemp
+                os.makedirs(self.root, exist_ok=True)
+                try:
+                    fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+                    break
+                except FileNotFoundError:
+                    continue
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -223,14 +228,22 @@ class ClaimsDir:
             raise
 
     def overwrite(self, name: str, rec: dict) -> None:
-        """Replace a record this process owns (heartbeat, state); atomic per object."""
+        """Replace a record this process owns (heartbeat, state); atomic per object.
+
+        A record that is gone is not recreated: the finaliser retired its whole plan (the output is complete).
+        """
         data = json.dumps(rec, sort_keys=True).encode()
         if self.local:
-            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+            if not os.path.exists(self._path(name)):
+                return
+            try:
+                fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+            except FileNotFoundError:
+                return
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self._path(name))
-        else:
+        elif self.fs.exists(self._path(name)):
             self.fs.pipe_file(self._path(name), data)
 
     def remove(self, names: list[str]) -> None:
@@ -251,9 +264,10 @@ class ClaimsDir:
             return
         if any(_NAME.match(n) for n in left):
             return
-        for n in left:  # `.tmp-*` of a process killed mid-write
+        for n in left:  # `.tmp-*` of a process killed mid-write (a live one's exists for microseconds)
             with contextlib.suppress(OSError):
-                os.unlink(self._path(n))
+                if time.time() - os.path.getmtime(self._path(n)) > 60:
+                    os.unlink(self._path(n))
         with contextlib.suppress(OSError):
             os.rmdir(self.root)
 
