@@ -504,9 +504,14 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         if claim is not None:
             _write_range(adapter, data, cfg, writer, own, kind, damage, cum, mask, k_top=k,
                          hidden_dtype=specs["hidden"].dtype, label=label, progress=progress, coord=coord)
+        # verify: completion is read from the data (every marker and chunk object present), not from the claims
+        missing = writer.missing_chunks(range(writer.n_chunks))
+        if claim is not None:
+            if set(missing) & set(own):
+                raise StoreError(f"store {label}: chunk {sorted(set(missing) & set(own))[0]} of this process's range "
+                                 "failed verification after writing; re-run `looptrace dump`")
             coord.finish(claim, chunks=[own.start, own.stop])
-        # completion is read from the data (every marker and chunk present), not from the claims
-        if writer.missing_chunks(range(writer.n_chunks)):
+        if missing:
             return open_store(path, allow_nan=True, allow_incomplete=True)
         fin = coord.claim_final(plan_k)
         if fin is None:  # another process finalises (or has)
@@ -655,10 +660,6 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
         finally:
             bar.close()
         bg.close()
-    missing = writer.missing_chunks(own)
-    if missing:
-        raise StoreError(f"store {label}: chunk {missing[0]} of this process's range failed verification after "
-                         "writing; re-run `looptrace dump`")
 
 
 def _memory_keys(store) -> list:

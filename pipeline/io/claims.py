@@ -110,16 +110,24 @@ class Owner:
         return f"pid {self.pid} on host {self.host} (started {when})"
 
 
+#: Ids of this process's coordinators that still hold claims (a record of this pid with another id is left
+#: over from a finished one, e.g. one that could not mark it released because the disk was full).
+_ACTIVE: set[str] = set()
+
+
 def is_live(rec: dict | None, lease_s: float, now: float | None = None) -> bool:
     """Whether a record's owner still works on it.
 
     A record is live while its ``state`` is ``active`` and its owner lives: on this host, the pid exists with
-    the recorded start time; on another host, its last heartbeat is younger than ``lease_s`` seconds.
+    the recorded start time (and, in this very process, its coordinator has not finished); on another host,
+    its last heartbeat is younger than ``lease_s`` seconds.
     """
     if not rec or rec.get("state") != "active":
         return False
     owner = Owner.from_record(rec)
     if owner.host == this_host():
+        if owner.pid == os.getpid():
+            return owner.id in _ACTIVE
         start = _proc_start(owner.pid)
         if start is None:
             return False
@@ -240,9 +248,14 @@ class ClaimsDir:
                 fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
             except FileNotFoundError:
                 return
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, self._path(name))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, self._path(name))
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
         elif self.fs.exists(self._path(name)):
             self.fs.pipe_file(self._path(name), data)
 
@@ -370,6 +383,7 @@ class Coordinator:
         self.held: dict[str, dict] = {}  # record name -> record (ours)
         self.plan_gen: int | None = None
         self._last_beat = 0.0
+        _ACTIVE.add(self.me.id)
 
     # -- records ---------------------------------------------------------------------------------
     def _record(self, **fields) -> dict:
@@ -496,7 +510,7 @@ class Coordinator:
         raise ClaimError(f"{self.label}: still being tidied by {self._who(plan.live)} after {timeout_s:.0f} s")
 
     # -- shard and final claims -----------------------------------------------------------------
-    def _acquire(self, k: int, base: str, what: str) -> str | None:
+    def _acquire(self, k: int, base: str, what: str | None) -> str | None:
         """Take claim ``base`` of plan ``k`` (taking over a dead one). Returns its record name, or None when
         the newest generation is already ``done``. Raises when it is live."""
         while True:
@@ -507,9 +521,9 @@ class Coordinator:
                 if cur is not None and cur.get("state") == "done":
                     return None
                 if is_live(cur, self.lease_s):
-                    raise ClaimError(f"{self.label}: {what} is being written by "
-                                     f"{Owner.from_record(cur).describe()}; wait for it to finish or stop it (a "
-                                     "killed run's claim is taken over on rerun)")
+                    head = f"{self.label} is" if what is None else f"{self.label}: {what} is"
+                    raise ClaimError(f"{head} being written by {Owner.from_record(cur).describe()}; wait for it to "
+                                     "finish or stop it (a killed run's claim is taken over on rerun)")
             name = f"{base}@{g + 1}.json"
             rec = self._record(plan=k, taken_over=g >= 0)
             if self.dir.create(name, rec):
@@ -520,7 +534,7 @@ class Coordinator:
     def claim_shard(self, k: int) -> str | None:
         """Claim this process's shard under plan ``k``. Returns the claim's name, None if the shard is done
         under this plan already, or raises; re-raises ``_Superseded`` when a newer plan appeared meanwhile."""
-        what = "it" if self.n == 1 else f"shard {self.i}/{self.n}"
+        what = None if self.n == 1 else f"shard {self.i}/{self.n}"
         name = self._acquire(k, f"p{k}.shard{self.i}of{self.n}", what)
         if name is not None and self._newer_plan_exists(k):  # the joiner's half of the race
             self.release(name)
@@ -554,8 +568,9 @@ class Coordinator:
         gens = self._generations(self.dir.names()).get(base, [])
         if (gens and gens[-1] > g) or self._newer_plan_exists(int(self.plan_gen)):
             self.held.pop(name, None)
-            raise ClaimError(f"{self.label}: {'it' if self.n == 1 else f'shard {self.i}/{self.n}'} was taken over "
-                             "by another process (this one was presumed dead); stopping")
+            what = "" if self.n == 1 else f" (shard {self.i}/{self.n})"
+            raise ClaimError(f"{self.label}{what} was taken over by another process (this one was presumed dead); "
+                             "stopping")
         for n, rec in self.held.items():
             if rec.get("state") == "active":
                 self._put(n, rec)
@@ -583,6 +598,7 @@ class Coordinator:
                 self.release(name)
             else:
                 self.held.pop(name, None)
+        _ACTIVE.discard(self.me.id)
 
     def remove_plans_upto(self, k: int) -> None:
         """Delete every record of plans ``<= k`` (after the output is complete), then the directory if empty.

@@ -140,7 +140,7 @@ _COLLAPSED = re.compile(r"^(?P<proto>[A-Za-z][A-Za-z0-9+.-]+):/(?P<rest>[^/].*)$
 def _remote_protocols() -> frozenset[str]:
     import fsspec
 
-    return (frozenset(fsspec.registry.known_implementations) | frozenset(fsspec.registry.registry)) - {"file", "local"}
+    return frozenset(fsspec.available_protocols()) - {"file", "local"}
 
 
 def store_location(target: StoreTarget) -> str | None:
