@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import save_checkpoint
 from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_dump_config, tiny_model
 
-from tests.test_shard import CHILD, REPO, assert_clean, assert_same_tree, finish, wait_line
+from tests.test_shard import CHILD, REPO, assert_clean, assert_same_tree, wait_line
 
 
 @pytest.fixture(autouse=True)
@@ -69,6 +70,7 @@ def _dump(path, **cfg):
 
 # ----------------------------------------------------------------------------- one writer per output
 
+@pytest.mark.filterwarnings("ignore:Object at .*partial is not recognized")  # the planted debris, until removed
 def test_a_live_writer_is_never_joined_or_replaced_and_a_killed_ones_claim_is_taken_over(tmp_path, reference,
                                                                                           capsys):
     path = tmp_path / "val.zarr"
@@ -218,13 +220,16 @@ class QuotaMemoryFS(MemoryFileSystem):
     store: dict = {}  # its own namespace, not memory://'s
     pseudo_dirs = [""]
 
+    lock = threading.Lock()  # zarr writes chunks from several threads
+
     def used(self) -> int:
-        return sum(len(f.getvalue()) for f in self.store.values() if hasattr(f, "getvalue"))
+        return sum(len(f.getvalue()) for f in list(self.store.values()) if hasattr(f, "getvalue"))
 
     def pipe_file(self, path, value, mode="overwrite", **kwargs):
-        if self.used() + len(value) > type(self).quota:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        return super().pipe_file(path, value, mode=mode, **kwargs)
+        with self.lock:
+            if self.used() + len(value) > type(self).quota:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+            return super().pipe_file(path, value, mode=mode, **kwargs)
 
 
 def _dump_until_full(path, capsys):
