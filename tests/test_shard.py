@@ -228,7 +228,7 @@ def test_claims_of_another_host_expire_after_the_lease_and_a_zombie_is_fenced(tm
     target = str(tmp_path / "out.zarr")
     remote = Coordinator(target, "fp", (0, 1), lease_s=5.0)
     remote.me = Owner("remote1", "other-host", 4242, None, time.time())
-    k = remote.new_plan("layout", None)
+    k = remote.new_plan("layout")
     remote.set_ready()
     name = remote.claim_shard(k)
     assert name == f"p{k}.shard0of1@0.json"
@@ -273,7 +273,7 @@ def test_output_lock_one_writer_per_output_and_stale_takeover(tmp_path):
     # a killed run's lock (its pid is gone) is taken over
     stale = Coordinator(str(out), "-", (0, 1))
     stale.me = Owner("dead", stale.me.host, _dead_pid(), 1.0, time.time() - 60)
-    k = stale.new_plan("resume", None)
+    k = stale.new_plan("resume")
     stale.set_ready()
     stale.claim_shard(k)
     with output_lock(out) as took:

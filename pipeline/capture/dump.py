@@ -571,7 +571,7 @@ def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, ow
                 k = plan.gen  # the inactive current plan: take over its (dead) claims
                 kind = plan.kind if plan.kind == "repair" else "resume"
             else:
-                k = coord.new_plan(kind, plan)
+                k = coord.new_plan(kind)
                 if k is None:
                     continue  # another process made that plan first: look again
                 if kind == "layout":
@@ -681,7 +681,11 @@ def _out_dir(out_dir: Path | str) -> Path | str:
     if is_remote(out_dir):
         return store_location(out_dir)
     out = Path(store_location(out_dir))
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a full disk
+        raise StoreError(f"cannot create the output directory {out} ({exc.strerror or type(exc).__name__}); "
+                         "choose another --out") from None
     return out
 
 

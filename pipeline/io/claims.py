@@ -46,7 +46,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -451,9 +451,9 @@ class Coordinator:
                              "wait for it to finish)")
 
     # -- plans -----------------------------------------------------------------------------------
-    def new_plan(self, kind: str, seen: Plan | None) -> int | None:
-        """Create the next plan (``seen`` was the inactive current plan, or None). Returns its generation,
-        or None when another process created it first (look again). Raises if a live writer shows up."""
+    def new_plan(self, kind: str) -> int | None:
+        """Create the next plan (call only when the current one is inactive). Returns its generation, or None
+        when another process created it first (look again). Raises if a live writer shows up meanwhile."""
         assert kind in PLAN_KINDS
         names = self.dir.names()
         gens = self._generations(names).get("plan", [])
@@ -641,7 +641,7 @@ class NullCoordinator(Coordinator):
     def current_plan(self) -> Plan | None:
         return None
 
-    def new_plan(self, kind: str, seen: Plan | None) -> int | None:
+    def new_plan(self, kind: str) -> int | None:
         self.plan_gen = 0
         return 0
 
@@ -696,10 +696,7 @@ def output_lock(target: str | os.PathLike, fingerprint: str = "", lease_s: float
             if plan is not None and plan.active:
                 raise ClaimError(f"{coord.label} is being written by {coord._who(plan.live)}; wait for it to "
                                  "finish or stop it (a killed run's claim is taken over on rerun)")
-            try:
-                k = coord.new_plan("resume", plan)
-            except ClaimError:
-                raise
+            k = coord.new_plan("resume")
             if k is None:
                 continue
             coord.set_ready()
@@ -713,15 +710,6 @@ def output_lock(target: str | os.PathLike, fingerprint: str = "", lease_s: float
         coord.release_all()
         if coord.plan_gen is not None:
             coord.remove_plans_upto(coord.plan_gen)
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float, poll_s: float = 0.05) -> bool:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if pred():
-            return True
-        time.sleep(poll_s)
-    return pred()
 
 
 __all__ = ["LEASE_S", "ClaimError", "ClaimsDir", "Coordinator", "NullCoordinator", "Owner", "Plan",

@@ -777,7 +777,8 @@ class StoreWriter:
         Decodes every array's chunk once (a full read of the range). Returns chunk -> reason (one per chunk).
         """
         chunks = list(chunks)
-        bad: dict[int, str] = {c: "never written (no marker)" for c in chunks if not self.done_chunks()[c]}
+        done = self.done_chunks()
+        bad: dict[int, str] = {c: "never written (no marker)" for c in chunks if not done[c]}
         try:
             table = np.asarray(self._arrays[_DIGEST][...]) if self._digest_cols else None
         except Exception:  # noqa: BLE001 - the digests themselves are damaged: every chunk is suspect
