@@ -549,6 +549,9 @@ def _validate_arrays(st: TrajectoryStore) -> None:
         got_dims = tuple(arr.metadata.dimension_names or ())
         if got_dims != dims:
             raise StoreError(f"store {label}: array '{name}' has dimensions {got_dims}, expected {dims}; {_RERUN}")
+        if name == _DIGEST and st.complete and _stored_chunks(st.store, name) != arr.nchunks:
+            raise StoreError(f"store {label}: array '{name}' is missing {arr.nchunks - _stored_chunks(st.store, name)} "
+                             f"of {arr.nchunks} chunks (deleted or never written); {_RERUN}")
         if name in _INTERNAL:
             continue
         want = tuple(size[d] for d in dims)
