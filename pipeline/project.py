@@ -37,8 +37,33 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def model_name(task: str, regime: str, seed: int | None = None) -> str:
+    """``<task>-<regime>`` (one seed) or ``<task>-<regime>-s<seed>`` (a seed axis): the artifact name of every stage."""
+    return f"{task}-{regime}" if seed is None else f"{task}-{regime}-s{seed}"
+
+
+def split_seed(model: str) -> tuple[str, int | None]:
+    """``("<task>-<regime>", seed)`` of ``<task>-<regime>-s<seed>``; ``(model, None)`` for a name without a seed.
+
+    The first element is the model's *group*: the models that differ only by training seed, over which the
+    report states the spread across seeds.
+    """
+    head, sep, tail = model.rpartition("-s")
+    if sep and head and tail.isdigit():
+        return head, int(tail)
+    return model, None
+
+
+def seed_groups(models: list[str]) -> dict[str, list[str]]:
+    """group (``<task>-<regime>``) -> its models in the given order; groups in order of first appearance."""
+    out: dict[str, list[str]] = {}
+    for m in models:
+        out.setdefault(split_seed(m)[0], []).append(m)
+    return out
+
+
 def resolve_model(model: str, task_defs: dict, regime_defs: dict) -> dict:
-    """Task, regime and regime definition of a ``<task>-<regime>`` model name (SPEC §10).
+    """Task, regime, seed and regime definition of a ``<task>-<regime>[-s<seed>]`` model name (SPEC §10).
 
     Args:
         model: the model name.
@@ -46,15 +71,20 @@ def resolve_model(model: str, task_defs: dict, regime_defs: dict) -> dict:
         regime_defs: ``train.regime_defs`` (name -> RegimeConfig or its params mapping).
 
     Returns:
-        dict with ``model``, ``task``, ``regime``, ``regime_kind`` and ``regime_def`` (all None except
-        ``model`` when the name is not a known task × regime, e.g. an adapter's run name).
+        dict with ``model``, ``group`` (the name without its seed), ``seed`` (None without one), ``task``,
+        ``regime``, ``regime_kind`` and ``regime_def`` (task/regime fields None when the name is not a known
+        task × regime, e.g. an adapter's run name).
     """
-    for t in task_defs:
-        for r, rdef in regime_defs.items():
-            if model == f"{t}-{r}":
-                d = to_dict(rdef)
-                return {"model": model, "task": t, "regime": r, "regime_kind": d.get("kind"), "regime_def": d}
-    return {"model": model, "task": None, "regime": None, "regime_kind": None, "regime_def": None}
+    group, seed = split_seed(model)
+    for name, sd in ((model, None), (group, seed)):
+        for t in task_defs:
+            for r, rdef in regime_defs.items():
+                if name == f"{t}-{r}":
+                    d = to_dict(rdef)
+                    return {"model": model, "group": name, "seed": sd, "task": t, "regime": r,
+                            "regime_kind": d.get("kind"), "regime_def": d}
+    return {"model": model, "group": model, "seed": None, "task": None, "regime": None, "regime_kind": None,
+            "regime_def": None}
 
 
 def model_names(params: ParamsFiles | Mapping, models: str = "") -> list[str]:
@@ -65,7 +95,8 @@ def model_names(params: ParamsFiles | Mapping, models: str = "") -> list[str]:
         models: comma-separated names from the command line ("" = ``train.tasks`` × ``train.regimes``).
 
     Returns:
-        Model names ``<task>-<regime>`` in matrix order (tasks outer).
+        Model names ``<task>-<regime>-s<seed>`` in matrix order (tasks outer, then regimes, then
+        ``train.seeds``); ``<task>-<regime>`` when ``train.seeds`` is empty.
 
     Raises:
         ConfigError: neither ``--models`` nor a non-empty matrix.
@@ -74,7 +105,9 @@ def model_names(params: ParamsFiles | Mapping, models: str = "") -> list[str]:
         return [m.strip() for m in models.split(",") if m.strip()]
     raw = params if isinstance(params, Mapping) else read_params(params)
     train = raw.get("train") or {}
-    names = [f"{t}-{r}" for t in train.get("tasks") or [] for r in train.get("regimes") or []]
+    seeds = list(train.get("seeds") or []) or [None]
+    names = [model_name(t, r, s) for t in train.get("tasks") or [] for r in train.get("regimes") or []
+             for s in seeds]
     if not names:
         raise ConfigError("params section 'train' lists no tasks × regimes; pass --models")
     return names

@@ -119,7 +119,7 @@ def tiny_adapter_and_data(n_seq: int = 30, gate: str = "linear", loops: int = 3,
                       groups=(GroupConfig(1, loops),), gate=gate)
     adapter = LoopedTransformerAdapter(LoopedTransformer(cfg), "rs-test", checkpoint_hash="abc",
                                        extra={"task": task.spec(), "regime": {"name": "uniform"}})
-    data = task.dataset("val", n_seq, 7)
+    data = task.generate(n_seq, np.random.default_rng(7))  # every position scored (no split: the dump's tests)
     if not unscored:
         return adapter, data
     targets = data.targets.copy()

@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import run, user_errors
-from looptrace.models.train import TrainConfig, model_name, train_model
+from looptrace.models.train import TrainConfig, train_model
+from looptrace.project import model_name
 
 
 def main(

@@ -112,74 +112,286 @@ def build_llama(path: Path, dtype=torch.float32, n_layers: int = 4) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stand-ins for the remote-code models (their code is not on this machine): minimal modules that
-# implement the interfaces the adapters are written against (docs/adapters.md), loaded through the real
-# trust_remote_code + local_files_only path.
+# Stand-ins for the remote-code models (Ouro, Huginn)
+#
+# The published code cannot be committed, so CI runs stand-ins written here that copy its *interfaces and
+# traits*, not its text: the same file, class and method names, signatures, return types, cache classes, norm
+# placement and random-number use (docs/adapters.md, "Stand-ins"), and the 4.x-era habits that break under
+# transformers 5 (a list-valued ``_tied_weights_keys``, ``past_key_values=`` in an output dataclass, a config
+# that passes ``tie_word_embeddings`` itself, ``ROPE_INIT_FUNCTIONS['default']``, ``create_causal_mask
+# (input_embeds=...)``, no ``pad_token_id`` default, a cache whose ``get_mask_sizes`` takes a tensor). Each trait
+# is there because a looptrace bug or a load failure hid behind its absence (tests/test_adapters.py says which).
+# The maths is small and random-weight; tests/test_real_code.py checks the adapters against the real code.
 # ---------------------------------------------------------------------------------------------
 
 _OURO_CONFIG = '''
 from transformers import PretrainedConfig
 
 
-class FakeOuroConfig(PretrainedConfig):
-    model_type = "fake_ouro"
+class OuroConfig(PretrainedConfig):
+    """Stand-in of Ouro's configuration_ouro.OuroConfig (same names and defaults that matter)."""
 
-    def __init__(self, vocab_size=300, hidden_size=16, num_hidden_layers=2, total_ut_steps=4, **kw):
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.num_hidden_layers, self.total_ut_steps = num_hidden_layers, total_ut_steps
-        super().__init__(**kw)
+    model_type = "ouro"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(self, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=128,
+                 initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True, tie_word_embeddings=False,
+                 rope_theta=10000.0, rope_scaling=None, use_sliding_window=False, sliding_window=None,
+                 max_window_layers=2, layer_types=None, attention_dropout=0.0, total_ut_steps=4,
+                 early_exit_threshold=1.0, **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
+        self.initializer_range, self.rms_norm_eps, self.use_cache = initializer_range, rms_norm_eps, use_cache
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.use_sliding_window, self.max_window_layers = use_sliding_window, max_window_layers
+        self.sliding_window = sliding_window if use_sliding_window else None
+        self.attention_dropout = attention_dropout
+        # read by OuroModel / OuroForCausalLM at construction (total_ut_steps is copied into the instance)
+        self.total_ut_steps, self.early_exit_threshold = total_ut_steps, early_exit_threshold
+        self.layer_types = layer_types or ["full_attention"] * num_hidden_layers
+        # no pad_token_id here: transformers 4.x's PretrainedConfig defined it, 5.x does not
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 '''
 
 _OURO_MODEL = '''
+"""Stand-in of Ouro's modeling_ouro.py (interfaces of the published code; tests/hf_helpers.py)."""
+from typing import Any
+
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.modeling_utils import PreTrainedModel
 
-from .configuration_fake_ouro import FakeOuroConfig
+from .configuration_ouro import OuroConfig
 
 
-class Block(nn.Module):
-    def __init__(self, d):
+class UniversalTransformerCache(Cache):
+    """One key/value slot per (step, layer): slot current_ut * L + layer_idx, grown along the sequence."""
+
+    def __init__(self, max_cache_size=None):
+        # like the published cache: Cache.__init__ is not called (it assumes fixed layer storage)
+        self.key_cache: list = []
+        self.value_cache: list = []
+        self.layers: list[Any] = []
+        self._seen_tokens = 0
+        self.max_cache_size = max_cache_size
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if self.max_cache_size is not None and layer_idx >= self.max_cache_size:
+            raise IndexError(f"cache slot {layer_idx} >= max_cache_size {self.max_cache_size}")
+        while len(self.key_cache) <= layer_idx:
+            self.key_cache.append(None)
+            self.value_cache.append(None)
+        if self.key_cache[layer_idx] is None:
+            self.key_cache[layer_idx], self.value_cache[layer_idx] = key_states, value_states
+        else:
+            self.key_cache[layer_idx] = torch.cat([self.key_cache[layer_idx], key_states], dim=2)
+            self.value_cache[layer_idx] = torch.cat([self.value_cache[layer_idx], value_states], dim=2)
+        self._seen_tokens = self.key_cache[layer_idx].shape[2]
+        return self.key_cache[layer_idx], self.value_cache[layer_idx]
+
+    def get_seq_length(self, layer_idx=0):
+        layer_idx = layer_idx or 0
+        if layer_idx >= len(self.key_cache) or self.key_cache[layer_idx] is None:
+            return 0
+        return self.key_cache[layer_idx].shape[2]
+
+    def get_mask_sizes(self, cache_position, layer_idx=0):
+        # the transformers-4.x signature: a cache_position tensor
+        return self.get_seq_length(layer_idx) + cache_position.shape[0], 0
+
+    def reorder_cache(self, beam_idx):
+        for i, k in enumerate(self.key_cache):
+            if k is not None:
+                self.key_cache[i] = k.index_select(0, beam_idx.to(k.device))
+                self.value_cache[i] = self.value_cache[i].index_select(0, beam_idx.to(k.device))
+
+    def clear(self):
+        self.key_cache, self.value_cache, self._seen_tokens = [], [], 0
+
+
+def needs_universal_cache(cache, max_cache_size):
+    return cache is None or (isinstance(cache, Cache) and not isinstance(cache, UniversalTransformerCache)
+                             and getattr(cache, "layer_class_to_replicate", None) is None
+                             and len(getattr(cache, "layers", [])) < (max_cache_size or 0)
+                             and cache.get_seq_length() == 0)
+
+
+class OuroRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
-        self.norm = nn.LayerNorm(d)
-        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
 
-    def forward(self, h):
-        return h + self.down(torch.tanh(self.up(self.norm(h))))
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
 
 
-class FakeOuroModel(PreTrainedModel):
-    config_class = FakeOuroConfig
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
 
+
+class OuroRotaryEmbedding(nn.Module):
+    def __init__(self, config, device=None):
+        super().__init__()
+        scaling = getattr(config, "rope_scaling", None)
+        self.rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else "default"
+        self.config = config
+        self.rope_init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]  # transformers 5: no 'default' entry
+        inv_freq, self.attention_scaling = self.rope_init_fn(self.config, device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.original_inv_freq = self.inv_freq
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        freqs = (self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+                 @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+class OuroMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, i = config.hidden_size, config.intermediate_size
+        self.gate_proj, self.up_proj = nn.Linear(d, i, bias=False), nn.Linear(d, i, bias=False)
+        self.down_proj = nn.Linear(i, d, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class OuroAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=True)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=True)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_value=None, cache_position=None,
+                current_ut=0, **kwargs):
+        B, S, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, S, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if past_key_value is not None:  # one slot per (step, layer)
+            k, v = past_key_value.update(k, v, current_ut * self.config.num_hidden_layers + self.layer_idx,
+                                         {"cache_position": cache_position})
+        rep = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        mask = attention_mask[:, :, :, : k.shape[-2]] if isinstance(attention_mask, torch.Tensor) else None
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                         is_causal=mask is None and q.shape[2] == k.shape[2] > 1)
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None
+
+
+class OuroDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.self_attn, self.mlp = OuroAttention(config, layer_idx), OuroMLP(config)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm, self.input_layernorm_2 = OuroRMSNorm(d, eps), OuroRMSNorm(d, eps)
+        self.post_attention_layernorm, self.post_attention_layernorm_2 = OuroRMSNorm(d, eps), OuroRMSNorm(d, eps)
+        self.attention_type = config.layer_types[layer_idx]
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None, use_cache=False,
+                cache_position=None, position_embeddings=None, **kwargs):
+        # sandwich norms; returns a Tensor (not a tuple)
+        residual = hidden_states
+        h, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask,
+                              past_key_value=past_key_value, cache_position=cache_position, **kwargs)
+        hidden_states = residual + self.input_layernorm_2(h)
+        residual = hidden_states
+        h = self.mlp(self.post_attention_layernorm(hidden_states))
+        return residual + self.post_attention_layernorm_2(h)
+
+
+class OuroPreTrainedModel(PreTrainedModel):
+    config_class = OuroConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["OuroDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+
+
+class OuroModel(OuroPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
-        d = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, d)
-        self.layers = nn.ModuleList([Block(d) for _ in range(config.num_hidden_layers)])
-        self.norm = nn.LayerNorm(d)
-        self.early_exit_gate = nn.Linear(d, 1)
+        self.padding_idx = config.pad_token_id  # transformers 5: no such attribute unless the config sets it
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([OuroDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = OuroRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = OuroRotaryEmbedding(config=config)
+        self.has_sliding_layers = "sliding_attention" in config.layer_types
+        self.total_ut_steps = getattr(config, "total_ut_steps", 4)  # copied once: later config edits do nothing
+        self.early_exit_gate = nn.Linear(config.hidden_size, 1)
         self.post_init()
 
-    def forward(self, input_ids=None, use_cache=None, **kw):
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, cache_position=None, **kwargs):
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache:
+            size = self.config.num_hidden_layers * (getattr(self.config, "total_ut_steps", 1) or 1)
+            if needs_universal_cache(past_key_values, size):
+                past_key_values = UniversalTransformerCache(size)
+        if cache_position is None:
+            seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            cache_position = torch.arange(seen, seen + inputs_embeds.shape[1], device=inputs_embeds.device)
+        if position_ids is None:
+            position_ids = cache_position.unsqueeze(0)
+        mask_kwargs = {"config": self.config, "input_embeds": inputs_embeds, "attention_mask": attention_mask,
+                       "cache_position": cache_position, "past_key_values": past_key_values,
+                       "position_ids": position_ids}  # transformers-4.55 keyword names
+        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
+        if self.has_sliding_layers:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
         hidden_states_list, gate_list = [], []
-        for _ in range(self.config.total_ut_steps):
-            for layer in self.layers:
-                h = layer(h)
-            h = self.norm(h)
-            hidden_states_list.append(h)
-            gate_list.append(self.early_exit_gate(h))
-        return BaseModelOutputWithPast(last_hidden_state=h), hidden_states_list, gate_list
+        for current_ut in range(self.total_ut_steps):
+            for layer in self.layers[: self.config.num_hidden_layers]:
+                hidden_states = layer(hidden_states, attention_mask=masks[layer.attention_type],
+                                      position_ids=position_ids, past_key_value=past_key_values,
+                                      use_cache=use_cache, cache_position=cache_position,
+                                      position_embeddings=position_embeddings, current_ut=current_ut)
+            hidden_states = self.norm(hidden_states)  # the normed state feeds the next step
+            hidden_states_list.append(hidden_states)
+            gate_list.append(self.early_exit_gate(hidden_states))
+        out = BaseModelOutputWithPast(last_hidden_state=hidden_states,
+                                      past_key_values=past_key_values if use_cache else None)
+        return out, hidden_states_list, gate_list
 
 
-class FakeOuroForCausalLM(PreTrainedModel):
-    config_class = FakeOuroConfig
+class OuroForCausalLM(OuroPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = ["lm_head.weight"]  # transformers-4.x form
 
     def __init__(self, config):
         super().__init__(config)
-        self.model = FakeOuroModel(config)
+        self.model = OuroModel(config)
+        self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.early_exit_step = getattr(config, "early_exit_step", None)
+        self.early_exit_threshold = getattr(config, "early_exit_threshold", None)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -188,106 +400,469 @@ class FakeOuroForCausalLM(PreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids=None, use_cache=None, **kw):
-        out, hs, gates = self.model(input_ids=input_ids)
-        return CausalLMOutputWithPast(logits=self.lm_head(hs[-1]))
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, cache_position=None, logits_to_keep=0,
+                use_weighted_exit=False, exit_at_step=None, exit_threshold=None, **kwargs):
+        exit_at_step = exit_at_step if exit_at_step is not None else self.early_exit_step
+        exit_threshold = exit_threshold if exit_threshold is not None else self.early_exit_threshold
+        outputs, hs, gates = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                                        position_ids=position_ids, past_key_values=past_key_values,
+                                        inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                        cache_position=cache_position, **kwargs)
+        keep = slice(-logits_to_keep, None)
+        # exit pdf in the model dtype: p_t = lambda_t * remaining (t < T), the last step takes the remainder
+        pdf, rem = [], torch.ones_like(gates[0].squeeze(-1))
+        for t, g in enumerate(gates):
+            lam = torch.sigmoid(g.squeeze(-1))
+            if t < len(gates) - 1:
+                pdf.append(lam * rem)
+                rem = rem * (1.0 - lam)
+            else:
+                pdf.append(rem)
+        pdf = torch.stack(pdf, dim=2)
+        if labels is not None or (use_weighted_exit and exit_at_step is None and exit_threshold is None):
+            logits = sum(self.lm_head(h[:, keep]) * pdf[:, keep, t, None].to(h.dtype) for t, h in enumerate(hs))
+        elif exit_at_step is not None and 0 <= exit_at_step < len(hs):
+            logits = self.lm_head(hs[exit_at_step][:, keep])
+        elif exit_threshold is not None:  # Q-exit: first step whose CDF (model dtype) reaches the threshold
+            hit = torch.cumsum(pdf, dim=2) >= exit_threshold
+            step = torch.argmax(hit.float(), dim=2)
+            step[~hit.any(dim=2)] = len(hs) - 1
+            stacked = torch.stack(hs, dim=2)
+            idx = step[..., None, None].expand(-1, -1, 1, stacked.shape[-1])
+            logits = self.lm_head(torch.gather(stacked, 2, idx).squeeze(2)[:, keep])
+        else:
+            logits = self.lm_head(outputs.last_hidden_state[:, keep])
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.float()[:, :-1].reshape(-1, logits.shape[-1]),
+                                               labels[:, 1:].reshape(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
 '''
 
 _HUGINN_CONFIG = '''
+import math
+
 from transformers import PretrainedConfig
 
 
-class FakeRavenConfig(PretrainedConfig):
-    model_type = "fake_huginn_raven"
+class RavenConfig(PretrainedConfig):
+    """Stand-in of Huginn's raven_config_minimal.RavenConfig."""
 
-    def __init__(self, vocab_size=300, n_embd=16, mean_recurrence=5, init_std=1.0, **kw):
-        self.vocab_size, self.n_embd, self.mean_recurrence, self.init_std = vocab_size, n_embd, mean_recurrence, init_std
-        super().__init__(**kw)
+    model_type = "huginn_raven"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {"num_attention_heads": "n_heads", "hidden_size": "n_embd", "num_hidden_layers": "n_layers"}
+
+    def __init__(self, n_embd=32, n_heads=2, n_layers=4, block_size=64, vocab_size=300, padding_multiple=4,
+                 tie_embeddings=True, intermediate_size=64, bias=False, n_layers_in_recurrent_block=2,
+                 mean_recurrence=4, sampling_scheme="poisson-lognormal-filling", mean_backprop_depth=2,
+                 n_layers_in_prelude=1, n_layers_in_coda=1, qk_bias=True, rope_base=50000, norm_eps=1e-6,
+                 test_time_noise=0, test_time_noise_type="fixed", **kwargs):
+        self.n_embd, self.n_heads, self.head_dim = n_embd, n_heads, n_embd // n_heads
+        self.n_layers, self.block_size, self.vocab_size = n_layers, block_size, vocab_size
+        self.padded_vocab_size = vocab_size
+        self.padding_multiple, self.tie_embeddings = padding_multiple, tie_embeddings
+        self.intermediate_size, self.bias, self.qk_bias = intermediate_size, bias, qk_bias
+        self.n_layers_in_recurrent_block, self.n_layers_in_prelude = n_layers_in_recurrent_block, n_layers_in_prelude
+        self.n_layers_in_coda, self.mean_recurrence = n_layers_in_coda, mean_recurrence
+        self.sampling_scheme, self.mean_backprop_depth = sampling_scheme, mean_backprop_depth
+        self.rope_base, self.norm_eps = rope_base, norm_eps
+        self.test_time_noise, self.test_time_noise_type = test_time_noise, test_time_noise_type
+        self.effective_expected_depth = (n_layers_in_prelude + n_layers_in_coda
+                                         + n_layers_in_recurrent_block * mean_recurrence)
+        std = math.sqrt(2 / (5 * n_embd))
+        self.init_values = {"std": std, "out_proj": std / math.sqrt(2 * self.effective_expected_depth),
+                            "embedding": std, "embed_scale": math.sqrt(n_embd)}
+        # like the published config: tie_word_embeddings passed here *and* any in **kwargs (a config.json saved by
+        # transformers 5 carries it: "got multiple values for keyword argument 'tie_word_embeddings'")
+        super().__init__(tie_word_embeddings=tie_embeddings, **kwargs)
 '''
 
 _HUGINN_MODEL = '''
+"""Stand-in of Huginn's raven_modeling_minimal.py (interfaces of the published code; tests/hf_helpers.py)."""
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
-from torch import nn
-from transformers import PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from torch import Tensor, nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.utils import ModelOutput
 
-from .configuration_fake_huginn import FakeRavenConfig
+from .raven_config_minimal import RavenConfig
 
 
-class FakeRavenForCausalLM(PreTrainedModel):
-    config_class = FakeRavenConfig
+@dataclass
+class CausalLMOutputRecurrentLatents(ModelOutput):
+    loss: Optional[torch.Tensor] = None
+    log_ppl: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    past_key_values: Optional[Cache] = None  # the 4.x field name (transformers 5 renames the keyword to cache)
+    latent_states: Optional[torch.Tensor] = None
+    hidden_states: Optional[torch.Tensor] = None
+    attention_maps: Optional[dict] = None
+    stats: Optional[dict] = None
 
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class HuginnDynamicCache(DynamicCache):
+    """Keys/values per step index (prelude 0..P-1, core P + Lc*s + j, coda -1, -2...) and absolute position.
+    Only the "full" lookup (attend to the positions present at this step) is implemented here."""
+
+    def __init__(self, lookup_strategy="full"):
+        super().__init__()
+        self._seen_tokens = 0
+        self.key_cache: dict = {}
+        self.value_cache: dict = {}
+        self.lookup_strategy = lookup_strategy
+
+    def update(self, key_states, value_states, step_idx_tensor, lookup_strategy=None):
+        step = int(step_idx_tensor)
+        if step == 0:
+            self._seen_tokens += key_states.shape[-2]
+        keys, values = self.key_cache.setdefault(step, {}), self.value_cache.setdefault(step, {})
+        start = self._seen_tokens - key_states.shape[-2]
+        for i in range(key_states.shape[-2]):
+            keys[start + i], values[start + i] = key_states[:, :, i], value_states[:, :, i]
+        return torch.stack(list(keys.values()), dim=-2), torch.stack(list(values.values()), dim=-2)
+
+    def get_seq_length(self, step_idx=0):
+        return self._seen_tokens
+
+    def reset(self):
+        self._seen_tokens, self.key_cache, self.value_cache = 0, {}, {}
+
+
+def precompute_freqs_cis(dim, end, theta=10000.0):
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    angles = torch.outer(torch.arange(end).float(), freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)[None, :, None]  # [1, end, 1, dim/2, 2]
+
+
+def apply_rotary_emb_complex_like(q, k, freqs_cis):
+    def rot(x):
+        x2 = x.float().reshape(*x.shape[:-1], -1, 2)
+        c, s = freqs_cis[..., 0], freqs_cis[..., 1]
+        out = torch.stack([x2[..., 0] * c - x2[..., 1] * s, x2[..., 0] * s + x2[..., 1] * c], dim=-1)
+        return out.flatten(3).type_as(x)
+
+    return rot(q), rot(k)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_heads, config.n_embd // config.n_heads
+        self.Wqkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        if config.qk_bias:
+            self.qk_bias = nn.Parameter(torch.zeros(2, 1, self.n_head, self.head_dim))
+
+    def forward(self, x, freqs_cis, block_idx, mask=None, past_key_values=None):
+        B, S, C = x.shape
+        q, k, v = self.Wqkv(x).view(B, S, 3 * self.n_head, self.head_dim).chunk(3, dim=2)
+        if hasattr(self, "qk_bias"):
+            q, k = q + self.qk_bias[0], k + self.qk_bias[1]
+        q, k = apply_rotary_emb_complex_like(q, k, freqs_cis)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, block_idx)
+        Sk = k.shape[2]
+        if S == Sk:
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=S > 1)
+        else:  # queries are the last S positions (causal, lower-right aligned)
+            allowed = torch.ones(S, Sk, dtype=torch.bool, device=q.device).tril(Sk - S)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.proj(y.transpose(1, 2).reshape(B, S, C))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config, in_features=0):
+        super().__init__()
+        self.fc = nn.Linear(in_features or config.n_embd, 2 * config.intermediate_size, bias=config.bias)
+        self.proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
+        self.nonlin = nn.SiLU()
+
+    def forward(self, x):
+        a, b = self.fc(x).chunk(2, dim=-1)
+        return self.proj(self.nonlin(a) * b)
+
+
+class SandwichBlock(nn.Module):
+    def __init__(self, config, layer_id):
+        super().__init__()
+        d, eps = config.n_embd, config.norm_eps
+        self.norm_1, self.attn, self.norm_2 = RMSNorm(d, eps), CausalSelfAttention(config), RMSNorm(d, eps)
+        self.norm_3, self.mlp, self.norm_4 = RMSNorm(d, eps), GatedMLP(config), RMSNorm(d, eps)
+        self.layer_id = layer_id
+
+    def forward(self, x, freqs_cis, step_idx, mask=None, past_key_values=None):
+        x = self.norm_2(self.attn(self.norm_1(x), freqs_cis, step_idx, mask, past_key_values) + x)
+        return self.norm_4(self.mlp(self.norm_3(x)) + x)
+
+
+class RavenPreTrainedModel(PreTrainedModel):
+    config_class = RavenConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["SandwichBlock"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _tied_weights_keys = ["lm_head.weight"]  # transformers-4.x form
+    _supports_sdpa = True
+
+    @property
+    def emb_scale(self):
+        return self.config.init_values["embed_scale"]
+
+    def _init_weights(self, module):
+        pass  # the builder sets every weight; loading keeps the stored ones
+
+
+class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):
     def __init__(self, config):
         super().__init__(config)
-        d = config.n_embd
-        self.wte = nn.Embedding(config.vocab_size, d)
-        self.prelude = nn.Linear(d, d)
-        self.adapter = nn.Linear(2 * d, d)
-        self.core = nn.Linear(d, d)
-        self.coda = nn.Linear(d, d)
-        self.ln_f = nn.LayerNorm(d)
-        self.lm_head = nn.Linear(d, config.vocab_size, bias=False)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.padded_vocab_size, config.n_embd),
+            prelude=nn.ModuleList([SandwichBlock(config, i) for i in range(config.n_layers_in_prelude)]),
+            adapter=nn.Linear(2 * config.n_embd, config.n_embd, bias=config.bias),
+            core_block=nn.ModuleList([SandwichBlock(config, i) for i in range(config.n_layers_in_recurrent_block)]),
+            coda=nn.ModuleList([SandwichBlock(config, i) for i in range(config.n_layers_in_coda)]),
+            ln_f=RMSNorm(config.n_embd, eps=config.norm_eps),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.padded_vocab_size, bias=False)
+        self.register_buffer("freqs_cis", precompute_freqs_cis(config.n_embd // config.n_heads, config.block_size,
+                                                               config.rope_base), persistent=True)
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.transformer.wte
 
     def get_output_embeddings(self):
         return self.lm_head
 
-    def embed_inputs(self, input_ids, **kw):
-        return torch.tanh(self.prelude(self.wte(input_ids))), 0
+    def _freqs(self, n, position_ids=None, cache_position=None):
+        if position_ids is not None:
+            return self.freqs_cis.index_select(1, position_ids.squeeze())
+        if cache_position is not None:
+            return self.freqs_cis[:, cache_position]
+        return self.freqs_cis[:, :n]
+
+    def forward(self, input_ids, input_embeds=None, input_states=None, attention_mask=None, position_ids=None,
+                labels=None, num_steps=None, past_key_values=None,
+                output_details={"return_logits": True, "return_latents": True, "return_head": False,  # noqa: B006
+                                "return_stats": False},
+                use_cache=False, cache_position=None, init_scale=1.0, **kwargs):
+        freqs_cis = self._freqs(input_ids.shape[1], position_ids, cache_position)
+        if input_embeds is None:
+            input_embeds = self.transformer.wte(input_ids)
+        input_embeds = input_embeds * self.emb_scale
+        if use_cache and past_key_values is None:
+            past_key_values = HuginnDynamicCache()
+        block_idx = torch.tensor(-1, dtype=torch.long)
+        for block in self.transformer.prelude:
+            block_idx += 1
+            input_embeds = block(input_embeds, freqs_cis, block_idx, None, past_key_values)
+        x, block_idx = self.iterate_forward(input_embeds, input_states, freqs_cis, block_idx, None,
+                                            past_key_values, num_steps, init_scale)
+        latent_states = x.clone().detach()  # = ln_f(h_T)
+        block_idx = torch.tensor(0, dtype=torch.long)
+        for block in self.transformer.coda:
+            block_idx -= 1
+            x = block(x, freqs_cis, block_idx, None, past_key_values)
+        logits = self.lm_head(self.transformer.ln_f(x)).float()
+        loss = torch.as_tensor(0.0)
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1), ignore_index=-100)
+        return CausalLMOutputRecurrentLatents(loss=loss, log_ppl=loss.clone().detach(), logits=logits,
+                                              past_key_values=past_key_values, latent_states=latent_states)
+
+    def iterate_forward(self, input_embeds, input_states, freqs_cis, block_idx, mask, past_key_values=None,
+                        num_steps=None, init_scale=1.0):
+        x = self.initialize_state(input_embeds, scale=init_scale) if input_states is None else input_states.clone()
+        steps = self.config.mean_recurrence if num_steps is None else int(num_steps)
+        with torch.no_grad():
+            for step in range(steps):
+                x, block_idx = self.core_block_forward(x, input_embeds, freqs_cis, mask, past_key_values,
+                                                       block_idx, step)
+        return self.transformer.ln_f(x), block_idx
+
+    def core_block_forward(self, x, input_embeds, freqs_cis, mask, past_key_values, block_idx, current_step):
+        block_idx = block_idx.detach().clone()
+        x = self._maybe_inject_noise(x, current_step)
+        x = self.transformer.adapter(torch.cat([x, input_embeds.to(x.device)], dim=-1))
+        for block in self.transformer.core_block:
+            block_idx += 1
+            x = block(x, freqs_cis, block_idx, mask, past_key_values)
+        return x, block_idx
 
     def initialize_state(self, input_embeds, scale=1.0):
-        return torch.randn_like(input_embeds) * self.config.init_std * scale
+        # two draws from the global stream, as the published code: randn_like, then a truncated normal
+        x = torch.randn_like(input_embeds)
+        std = self.config.init_values["std"] * scale
+        if std > 0:
+            torch.nn.init.trunc_normal_(x, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            x = x * self.emb_scale
+        else:
+            x.zero_()
+        return x
 
-    def iterate_one_step(self, input_embeds, x, block_idx=0, **kw):
-        x = x + torch.tanh(self.core(self.adapter(torch.cat([x, input_embeds], dim=-1))))
-        return x, block_idx + 1, None
+    def _maybe_inject_noise(self, x, current_step, renorm=True):
+        if self.config.test_time_noise > 0:
+            n = self.config.test_time_noise * self.config.init_values["std"] * self.emb_scale
+            if self.config.test_time_noise_type == "geom":
+                n = n / torch.as_tensor(current_step + 1, device=x.device)
+            elif self.config.test_time_noise_type != "fixed":
+                raise ValueError(f"stand-in: noise type {self.config.test_time_noise_type} not implemented")
+            x = x * (1 - n) + torch.randn_like(x) * n  # one draw per step, from the global stream
+            if renorm:
+                x = self.transformer.core_block[-1].norm_4(x)
+        return x
 
-    def predict_from_latents(self, latents, **kw):
-        return CausalLMOutputWithPast(logits=self.lm_head(self.ln_f(torch.tanh(self.coda(latents)))))
+    @torch.no_grad()
+    def iterate_one_step(self, input_embeds, input_states, position_ids=None, cache_position=None,
+                         block_idx=torch.tensor(0, dtype=torch.long), attention_mask=None,  # noqa: B008
+                         past_key_values=None, current_step=0):
+        freqs_cis = self._freqs(input_embeds.shape[1], position_ids, cache_position)
+        x, block_idx = self.core_block_forward(input_states, input_embeds, freqs_cis, attention_mask,
+                                               past_key_values, block_idx, current_step=current_step)
+        return x, block_idx, current_step + 1
 
-    def forward(self, input_ids=None, num_steps=None, **kw):
-        e, idx = self.embed_inputs(input_ids)
-        x = self.initialize_state(e)
-        for _ in range(num_steps or self.config.mean_recurrence):
-            x, idx, _ = self.iterate_one_step(e, x, block_idx=idx)
-        return self.predict_from_latents(x)
+    def predict_from_latents(self, latents, attention_mask=None, position_ids=None, cache_position=None,
+                             past_key_values=None):
+        freqs_cis = self._freqs(latents.shape[1], position_ids, cache_position)
+        x = self.transformer.ln_f(latents)
+        block_idx = torch.tensor(0, dtype=torch.long)
+        for block in self.transformer.coda:
+            block_idx -= 1
+            x = block(x, freqs_cis, block_idx, attention_mask, past_key_values)
+        x = self.transformer.ln_f(x)
+        return CausalLMOutputRecurrentLatents(loss=torch.as_tensor(0.0), log_ppl=torch.as_tensor(0.0),
+                                              logits=self.lm_head(x).float(), past_key_values=past_key_values,
+                                              latent_states=x)
+
+    def embed_inputs(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                     use_cache=False, cache_position=None, **kwargs):
+        freqs_cis = self._freqs(input_ids.shape[1], position_ids, cache_position)
+        input_embeds = self.transformer.wte(input_ids) * self.emb_scale
+        if use_cache and past_key_values is None:
+            past_key_values = HuginnDynamicCache()
+        block_idx = torch.tensor(-1, dtype=torch.long)
+        for block in self.transformer.prelude:
+            block_idx += 1
+            input_embeds = block(input_embeds, freqs_cis, block_idx, None, past_key_values)
+        return input_embeds, block_idx
 '''
 
+#: Names of the stand-ins' files (those of the published code) and their auto_map.
+OURO_AUTO_MAP = {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModel": "modeling_ouro.OuroModel",
+                 "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
+HUGINN_AUTO_MAP = {"AutoConfig": "raven_config_minimal.RavenConfig",
+                   "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"}
 
-def _remote(path: Path, name: str, cfg_src: str, model_src: str, cfg_cls: str, model_cls: str,
-            config: dict) -> Path:
+
+def _write_remote(path: Path, files: dict[str, str], config: dict, variant: str) -> None:
+    """The code files (``variant`` goes into a comment: a distinct text is a distinct module for transformers'
+    dynamic-module cache, so a test can load code no other test has patched) and a transformers-4.x-style
+    config.json (as the published checkpoints carry: no ``tie_word_embeddings`` / ``rope_parameters`` keys)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / f"configuration_{name}.py").write_text(cfg_src)
-    (path / f"modeling_{name}.py").write_text(model_src)
-    config = {**config, "auto_map": {"AutoConfig": f"configuration_{name}.{cfg_cls}",
-                                     "AutoModelForCausalLM": f"modeling_{name}.{model_cls}"}}
-    (path / "config.json").write_text(json.dumps(config))
-    from transformers import AutoModelForCausalLM
+    for name, src in files.items():
+        (path / name).write_text(f"# looptrace stand-in{' ' + variant if variant else ''}\n{src}")
+    (path / "config.json").write_text(json.dumps(config, indent=2))
 
+
+def _build_remote(path: Path, kind: str, jitter: float, edit=None, dtype=torch.float32) -> Path:
+    """Instantiate the stand-in from its own files (through the shim, which the build needs under
+    transformers 5 like any load), set random weights, save the weights only (config.json stays as written)."""
+    from looptrace.models.adapters import compat
+
+    rc = compat.remote_code(path, kind)
+    config = rc.config_cls.from_pretrained(str(path), local_files_only=True)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        __import__("transformers").AutoConfig.from_pretrained(path, trust_remote_code=True, local_files_only=True),
-        trust_remote_code=True)
-    model.save_pretrained(path)
-    # save_pretrained rewrites config.json: keep the auto_map that points at the local code
-    saved = json.loads((path / "config.json").read_text())
-    saved["auto_map"] = config["auto_map"]
-    (path / "config.json").write_text(json.dumps(saved))
+    model = rc.model_cls(config).eval()
+    _jitter(model, std=jitter)
+    if edit is not None:
+        edit(model)
+    written = (path / "config.json").read_text()
+    model.to(dtype).save_pretrained(path)
+    (path / "config.json").write_text(written)
+    for extra in ("generation_config.json",):
+        (path / extra).unlink(missing_ok=True)
     tokenizer().save_pretrained(path)
     return path
 
 
-def build_fake_ouro(path: Path) -> Path:
-    """A remote-code stand-in with Ouro's interface: 2 shared blocks × 4 steps, per-step norm and exit gate."""
-    return _remote(path, "fake_ouro", _OURO_CONFIG, _OURO_MODEL, "FakeOuroConfig", "FakeOuroForCausalLM",
-                   {"model_type": "fake_ouro", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
-                    "total_ut_steps": 4})
+def ouro_config(**over) -> dict:
+    """config.json of the Ouro stand-in (what a checkpoint saved under transformers 4.55 holds)."""
+    cfg = {"architectures": ["OuroForCausalLM"], "auto_map": OURO_AUTO_MAP, "model_type": "ouro",
+           "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 128,
+           "rms_norm_eps": 1e-6, "use_cache": True, "tie_word_embeddings": False, "rope_theta": 10000.0,
+           "rope_scaling": None, "layer_types": ["full_attention", "full_attention"], "total_ut_steps": 4,
+           "early_exit_threshold": 1.0, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+           "transformers_version": "4.55.4"}
+    cfg.update(over)
+    return cfg
 
 
-def build_fake_huginn(path: Path) -> Path:
-    """A remote-code stand-in with Huginn's step API (random initial state, 5 recurrence steps)."""
-    return _remote(path, "fake_huginn", _HUGINN_CONFIG, _HUGINN_MODEL, "FakeRavenConfig", "FakeRavenForCausalLM",
-                   {"model_type": "fake_huginn_raven", "vocab_size": VOCAB, "n_embd": 16, "mean_recurrence": 5})
+def build_ouro(path: Path, gate_bias: float = -1.0, gate_std: float = 0.5, variant: str = "",
+               dtype=torch.float32, **config) -> Path:
+    """The Ouro stand-in: 2 shared layers × 4 steps (GQA 4/2 heads), per-step norm and exit gate.
+
+    ``gate_bias`` / ``gate_std`` set the exit gate (weights ~ N(0, gate_std²)): the default spreads the exit
+    steps; ``gate_bias=7`` makes σ(g) round to 1 in bf16 (a confident gate).
+    """
+    _write_remote(path, {"configuration_ouro.py": _OURO_CONFIG, "modeling_ouro.py": _OURO_MODEL},
+                  ouro_config(**config), variant)
+
+    def gate(model):
+        with torch.no_grad():
+            model.model.early_exit_gate.weight.normal_(0.0, gate_std)
+            model.model.early_exit_gate.bias.fill_(gate_bias)
+
+    return _build_remote(path, "ouro", 0.05, gate, dtype)
+
+
+def huginn_config(**over) -> dict:
+    """config.json of the Huginn stand-in (transformers-4.55 style: no ``tie_word_embeddings`` key)."""
+    cfg = {"architectures": ["RavenForCausalLM"], "auto_map": HUGINN_AUTO_MAP, "model_type": "huginn_raven",
+           "n_embd": 32, "n_heads": 2, "n_layers": 4, "block_size": 64, "vocab_size": VOCAB,
+           "intermediate_size": 64, "n_layers_in_prelude": 1, "n_layers_in_recurrent_block": 2,
+           "n_layers_in_coda": 1, "mean_recurrence": 4, "mean_backprop_depth": 2, "qk_bias": True,
+           "rope_base": 50000, "norm_eps": 1e-6, "tie_embeddings": True, "test_time_noise": 0,
+           "test_time_noise_type": "fixed", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+           "torch_dtype": "float32", "transformers_version": "4.55.4"}
+    cfg.update(over)
+    return cfg
+
+
+def build_huginn(path: Path, variant: str = "", dtype=torch.float32, **config) -> Path:
+    """The Huginn stand-in: prelude 1, core 2 × mean_recurrence 4, coda 1, d 32, tied embeddings."""
+    _write_remote(path, {"raven_config_minimal.py": _HUGINN_CONFIG, "raven_modeling_minimal.py": _HUGINN_MODEL},
+                  huginn_config(**config), variant)
+    return _build_remote(path, "huginn", 0.1, None, dtype)
+
+
+def copy_checkpoint(src: Path, dst: Path, variant: str, config: dict | None = None) -> Path:
+    """A copy of a stand-in checkpoint whose code is a fresh module (``variant``), config.json updated."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.py"):
+        f.write_text(f"# variant {variant}\n{f.read_text()}")
+    if config:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(config)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ torch.set_num_threads(1)
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {"dory": H.build_dory(root / "dory"), "inkling": H.build_inkling(root / "inkling"),
-            "llama": H.build_llama(root / "llama"), "ouro": H.build_fake_ouro(root / "ouro"),
-            "huginn": H.build_fake_huginn(root / "huginn")}
+            "llama": H.build_llama(root / "llama"), "ouro": H.build_ouro(root / "ouro"),
+            "huginn": H.build_huginn(root / "huginn")}
 
 
 def _ids(b=2, s=12, v=H.VOCAB - 4, seed=0):
@@ -126,38 +126,7 @@ def test_retrofit_loops_a_block_like_a_repeated_layer_stack(ckpts):
             close(a.readout(st.hidden[:, :, t], t), _repeated_llama(path, (1, 3), t + 1)(ids, use_cache=False).logits)
 
 
-def test_ouro_interface_stores_per_step_states_and_gates(ckpts):
-    a = load_adapter(AdapterConfig(kind="ouro", path=str(ckpts["ouro"]), trust_remote_code=True))
-    assert (a.info.n_loops, a.info.has_gate) == (4, True)
-    ids = _ids(s=9)
-    st = a.states(ids)
-    with torch.no_grad():
-        _, hs, gates = a.model.model(input_ids=ids)
-        emb = a.model.model.embed_tokens(ids)
-    close(st.hidden_init, emb)
-    close(st.gate_logits, torch.cat(gates, dim=-1))
-    for t in range(4):
-        close(st.hidden[:, :, t], hs[t])
-        close(a.readout(st.hidden[:, :, t], t), a.model.lm_head(hs[t]))
-    assert a._norm_exit is False  # the per-step states are normed: the exit is the head alone
-
-
-def test_huginn_interface_seeded_initial_state_and_steps(ckpts):
-    a = load_adapter(AdapterConfig(kind="huginn", path=str(ckpts["huginn"]), trust_remote_code=True, seed=7))
-    assert a.info.n_loops == 5
-    ids = _ids(s=9)
-    st, again = a.states(ids), a.states(ids)
-    close(st.hidden, again.hidden, tol=0)  # deterministic: the same seed for every call
-    m = a.model
-    with torch.no_grad():
-        e, _ = m.embed_inputs(ids)
-        torch.manual_seed(7)
-        x = torch.randn_like(e)  # init_std 1.0
-        close(st.hidden_init, x)
-        for t in range(5):
-            x = x + torch.tanh(m.core(m.adapter(torch.cat([x, e], dim=-1))))
-            close(st.hidden[:, :, t], x)
-        close(a.readout(st.hidden[:, :, 4], 4), m.lm_head(m.ln_f(torch.tanh(m.coda(x)))))
+# (the ouro / huginn adapters: tests/test_remote_adapters.py)
 
 
 def test_exit_path_check_and_config_errors(ckpts, tmp_path):
@@ -263,35 +232,42 @@ def test_float16_overflow_is_refused_not_stored_as_inf(ckpts):
     assert st.attrs["nan_count"] == 0 and np.abs(st.read("hidden")).max() > 65504
 
 
-def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path):
+def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path, monkeypatch):
+    import builtins
+
     import polars as pl
     from looptrace.cli import app
     from looptrace.io.store import open_store
     from typer.testing import CliRunner
 
+    prompts = []  # bug 6: the tokenizer of a remote-code directory asked "Do you wish to run ...? [y/N]"
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: prompts.append(a) or "n")  # (transformers swallows raises)
     text = H.corpus(tmp_path / "corpus.jsonl")
     run = CliRunner().invoke
     art = tmp_path / "artifacts"
     for kind, key, extra in (("inkling2loop", "inkling", {}), ("retrofit", "llama", {"block": [1, 3], "n_loops": 2}),
-                             ("ouro", "ouro", {"trust_remote_code": True})):
+                             ("ouro", "ouro", {"trust_remote_code": True}),
+                             ("huginn", "huginn", {"trust_remote_code": True})):
         d = tmp_path / kind
         d.mkdir()
         params = H.lm_params(d, ckpts[key], text, kind=kind, **extra)
         r = run(app, ["dump", "--params", str(params), "--out", str(art / kind / "dump")])
         assert r.exit_code == 0, (kind, r.output)
+        assert not prompts, (kind, prompts)
         st = open_store(art / kind / "dump" / "tiny" / "test.zarr")
         assert st.attrs["model"]["extra"]["adapter"] == kind and st.n_loops == {"inkling2loop": 3, "retrofit": 2,
-                                                                                   "ouro": 4}[kind]
+                                                                                   "ouro": 4, "huginn": 4}[kind]
     # Ouro: the native gate is stored and the readouts stage evaluates its Q-exit
     st = open_store(art / "ouro" / "dump" / "tiny" / "val.zarr")
     assert st.has_gate
     a = load_adapter(AdapterConfig(kind="ouro", path=str(ckpts["ouro"]), trust_remote_code=True))
-    seq = st.read("sequence")
+    seq, pos = st.read("sequence"), st.read("position")
     from looptrace.tasks.text import TextConfig, text_splits
 
-    b = text_splits(TextConfig(path=str(text), seq_len=16), {"val": 4}, ckpts["ouro"], H.VOCAB)["val"]
-    g = a.states(torch.from_numpy(b.tokens)).gate_logits.reshape(-1, 4).numpy()
-    np.testing.assert_allclose(st.read("gate_logit"), g[np.arange(len(seq))], rtol=1e-6, atol=1e-6)
+    b = text_splits(TextConfig(path=str(text), seq_len=16), {"val": 4}, ckpts["ouro"], H.VOCAB, True)["val"]
+    g = a.states(torch.from_numpy(b.tokens)).gate_logits.numpy()  # (sequence, position, loop)
+    assert g.shape[:2] == b.tokens.shape and len(seq) > 0  # rows whose prefix is scored in fit/test are unscored
+    np.testing.assert_allclose(st.read("gate_logit"), g[seq, pos], rtol=1e-6, atol=1e-6)
     d = tmp_path / "ouro"
     for cmd in (["geometry", "--model", "tiny", "--dump-root", str(art / "ouro" / "dump"), "--out",
                  str(art / "ouro" / "geometry")],
@@ -301,3 +277,15 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path):
         assert r.exit_code == 0, (cmd[0], r.output)
     ops = pl.read_parquet(art / "ouro" / "readouts" / "tiny" / "operating_points.parquet")
     assert "q_exit" in set(ops["rule"].unique())
+    # Ouro's own Q-exit arithmetic (model dtype) is a named rule beside the exact float64 q_exit
+    import yaml
+
+    p = yaml.safe_load((d / "params-lm.yaml").read_text())
+    p["readouts"]["rules"] = ["fixed", "q_exit", "q_exit_float32"]
+    (d / "params-q.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    r = run(app, ["readouts", "--model", "tiny", "--geometry-root", str(art / "ouro" / "geometry"), "--out",
+                  str(art / "ouro" / "readouts-q"), "--params", str(d / "params-q.yaml")])
+    assert r.exit_code == 0, r.output
+    ops = pl.read_parquet(art / "ouro" / "readouts-q" / "tiny" / "operating_points.parquet")
+    assert set(ops["rule"].unique()) == {"fixed", "q_exit", "q_exit_float32"}
+    assert set(ops.filter(pl.col("rule") == "q_exit_float32")["kind"].unique()) == {"native"}

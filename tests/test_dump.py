@@ -299,3 +299,37 @@ def test_stage_dumps_every_split_with_checkpoint_seeds(tmp_path, tiny_base):
         assert st.attrs["token_types"] == task.token_types and st.n_loops == 4
     res = CliRunner().invoke(app, ["--model", "nope", "--params", str(params), "--train-root", str(tmp_path)])
     assert res.exit_code == 2 and "not found" in res.output
+
+
+def test_dump_refuses_shared_prefixes_and_row_split_checkpoints(tmp_path):
+    """dump_model measures the scored-prefix overlap of the splits it dumps and records it; it refuses, in one line
+    and before writing, a test split that shares scored prefixes with fit/val or a checkpoint trained on row-split
+    data, unless dump.allow_prefix_overlap."""
+    from looptrace.capture.dump import PrefixOverlapError, dump_model
+
+    adapter, _ = tiny_adapter_and_data(n_seq=4)
+    model, seeds = adapter.model, {"fit": 42, "val": 43, "test": 44}
+    cfg = DumpConfig(sequences={"fit": 8, "val": 4, "test": 4}, batch_size=4, chunk_tokens=16)
+    task = make_task("rs", {"kind": "running_sum", "length": 8, "modulus": 5})
+    st = dump_model(adapter, task, seeds, tmp_path / "ok", cfg, progress=False)
+    a = st["test"].attrs["prefix_overlap"]
+    assert a["shared_any"] == 0 and a["n_scored"] == st["test"].n_tokens and a["splits"] == ["fit", "val", "test"]
+    assert not a["allowed"] and a["report"]["shared_with"]["val"] == {"fit": 0, "test": 0}
+
+    old = LoopedTransformerAdapter(model, "rs-old", checkpoint_hash="abc",  # a checkpoint from before split_rule
+                                   extra={"task": {k: v for k, v in task.spec().items() if k != "split_rule"}})
+    with pytest.raises(PrefixOverlapError, match=r"trained on split_rule 'sequence'.*dump.allow_prefix_overlap"):
+        dump_model(old, task, seeds, tmp_path / "old", cfg, progress=False)
+    assert not (tmp_path / "old" / "test.zarr").exists()
+
+    rows = make_task("rs", {"kind": "running_sum", "length": 8, "modulus": 5, "split_rule": "sequence"})
+    leaky = LoopedTransformerAdapter(model, "rs-rows", checkpoint_hash="abc", extra={"task": task.spec()})
+    with pytest.raises(PrefixOverlapError) as err:
+        dump_model(leaky, rows, seeds, tmp_path / "rows", cfg, progress=False)
+    msg = str(err.value)
+    assert "split 'test' has" in msg and "dump.allow_prefix_overlap: true" in msg and "\n" not in msg
+    assert not (tmp_path / "rows").exists() or not any((tmp_path / "rows").iterdir())
+    st = dump_model(leaky, rows, seeds, tmp_path / "rows", DumpConfig(**{**cfg.__dict__, "allow_prefix_overlap": True}),
+                    progress=False)
+    a = st["test"].attrs["prefix_overlap"]
+    assert a["allowed"] and a["shared_any"] > 0 and a["shared_with"]["fit"] > 0

@@ -432,7 +432,11 @@ def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     dyn = json.loads((tmp_path / "dynamics" / "rp-uniform" / "metrics.json").read_text())
     assert dyn["training_dynamics"]["step"] == [5, 10]
     assert pl.read_parquet(tmp_path / "dynamics" / "rp-uniform" / "training_dynamics.parquet").height == 2 * 4
-    assert set(m["splits"]) == {"fit", "val", "test"} and m["splits"]["test"]["n_tokens"] == 5 * 8
+    from looptrace.tasks import IGNORE, make_task
+
+    rp = make_task("rp", {"kind": "running_parity", "length": 8})
+    n_test = int((rp.dataset("test", 5, 44).targets != IGNORE).sum())  # scored where the prefix is test's
+    assert set(m["splits"]) == {"fit", "val", "test"} and m["splits"]["test"]["n_tokens"] == n_test
     assert set(m["splits"]["test"]["convergence"]) == {"kl_prev@0.001", "argmax@0.5"}
     res = runner.invoke(app, ["--model", "nope", *args])
     assert res.exit_code == 2 and "not found" in res.output and len(res.output.strip().splitlines()) == 1

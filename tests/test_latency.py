@@ -228,11 +228,13 @@ def _tiny_pipeline(tmp_path):
     from looptrace.models.interface import LoopedTransformerAdapter
 
     task = tiny_task()  # running sum mod 5, 8 digits; checkpoint: 4 loops, linear gate
+    # seed 7: a random model whose refit gate exits at depths > 1 (test_refit_gate_runs_online_exactly)
+    model = tiny_model(vocab=task.vocab_size, seq=task.seq_len, loops=4, gate="linear", seed=7)
     name = "rs-joint"
-    ckpt = tiny_checkpoint(tmp_path / "train", name, task)
+    ckpt = tiny_checkpoint(tmp_path / "train", name, task, model=model)
     adapter = LoopedTransformerAdapter.from_checkpoint(ckpt)
     stores = dump_model(adapter, task, {"fit": 42, "val": 43, "test": 44}, tmp_path / "dump" / name,
-                        DumpConfig(sequences={"fit": 16, "val": 10, "test": 10}, batch_size=4, chunk_tokens=32),
+                        DumpConfig(sequences={"fit": 48, "val": 30, "test": 30}, batch_size=4, chunk_tokens=32),
                         progress=False)
     st = stores["test"]
     # Offline evaluation at hand-picked thresholds, straight from the store's signals.
@@ -256,8 +258,8 @@ def _tiny_pipeline(tmp_path):
 
 
 def test_stage_matches_offline_evaluation(tmp_path):
-    name, rows, _ = _tiny_pipeline(tmp_path)
-    cfg = LatencyConfig(rules=("top1", "q_exit", "gate"), batch_sizes=(1, 4), bs1_sequences=10, warmup=0, repeats=1)
+    name, rows, stores = _tiny_pipeline(tmp_path)
+    cfg = LatencyConfig(rules=("top1", "q_exit", "gate"), batch_sizes=(1, 4), bs1_sequences=30, warmup=0, repeats=1)
     roots = [tmp_path / d for d in ("train", "dump", "readouts", "gates")]
     df, metrics = latency_models([name], *roots, cfg, progress=False)
     assert df.height == 4 and df["exact"].all()
@@ -267,7 +269,7 @@ def test_stage_matches_offline_evaluation(tmp_path):
         assert r["mean_exit_depth"] == pytest.approx(off[r["rule"]]["test_depth"], abs=1e-12)
         assert r["ideal_speedup"] == pytest.approx(4 / off[r["rule"]]["test_depth"])
         assert r["speedup_ratio"] == pytest.approx(r["realised_speedup"] / r["ideal_speedup"])
-        assert r["n_tokens"] == 80 and r["exit_mismatches"] == 0
+        assert r["n_tokens"] == stores["test"].n_tokens and r["exit_mismatches"] == 0
     assert metrics["all_exact"] and "gate" in metrics["models"][name]["skipped"]
     fastest = df.filter(pl.col("batch_size") == 4).sort("realised_speedup", descending=True)["rule"][0]
     assert metrics["models"][name]["fastest_bs4"]["rule"] == fastest and metrics["models"][name]["exact_bs1"]
@@ -312,7 +314,7 @@ def test_refit_gate_runs_online_exactly(tmp_path):
                        cross_gates=(), max_fit_tokens=None)
     gates_stage({name: stores}, gcfg, CalibrationConfig(), tmp_path / "gates", progress=False)
     roots = [tmp_path / d for d in ("train", "dump", "readouts", "gates")]
-    cfg = LatencyConfig(rules=("gate",), batch_sizes=(1, 3), bs1_sequences=10, warmup=0, repeats=1)
+    cfg = LatencyConfig(rules=("gate",), batch_sizes=(1, 3), bs1_sequences=30, warmup=0, repeats=1)
     df, metrics = latency_models([name], *roots, cfg, progress=False)
     assert df["rule"].to_list() == ["gate:logreg-consistent"] * 2 and df["source"].to_list() == ["gates"] * 2
     assert df["exact"].all() and "gate" not in metrics["models"][name].get("skipped", {})

@@ -50,7 +50,12 @@ def test_notebook_executes_and_user_rule_is_right(tiny_artifacts, monkeypatch):
     assert result["chosen_threshold"] == grid[k]
     am, y = test.read("argmax"), test.read("target")
     depths = exits(test, grid[k])
-    assert result["n_test_tokens"] == test.n_tokens == 120
+    # token-level splits: only the positions whose context is test's are scored (lengths <= 4 are fit's only)
+    from looptrace.tasks import IGNORE
+    from looptrace.testing import tiny_task
+
+    assert result["n_test_tokens"] == test.n_tokens == int((tiny_task(length=6).dataset("test", 20, 44).targets
+                                                            != IGNORE).sum())
     assert result["test_depth"] == pytest.approx(depths.mean(), abs=1e-12)
     assert result["test_accuracy"] == pytest.approx(np.mean(am[np.arange(depths.size), depths - 1] == y), abs=1e-12)
     assert result["full_depth_accuracy"] == pytest.approx(np.mean(am[:, -1] == y), abs=1e-12)

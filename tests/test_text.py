@@ -7,6 +7,7 @@ checks the store against the model's own forward pass (independent of the adapte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -18,6 +19,7 @@ from looptrace.tasks.text import (
     TOKEN_TYPES,
     TextConfig,
     classify_token_text,
+    dedup_prefixes,
     document_split,
     loss_bins,
     pack,
@@ -96,6 +98,35 @@ def test_document_splits_are_disjoint_and_content_defined():
     assert [document_split(d) for d in docs] == list(s)  # a function of the text only
 
 
+def test_dedup_prefixes_hand_case():
+    """Window prefixes scored in several splits end up scored in exactly one (by hand: (5) is in all three
+    splits, (5, 6) in fit and val; everything else is unique)."""
+    from looptrace.tasks import IGNORE, TaskBatch
+    from looptrace.tasks.base import prefix_keys, shared_prefixes
+
+    def batch(rows):
+        t = np.array(rows)
+        return TaskBatch(t, t + 1, np.zeros_like(t), np.zeros_like(t))
+
+    data = {"fit": batch([[5, 6, 7], [1, 2, 3]]), "val": batch([[5, 6, 8]]), "test": batch([[5, 9, 7], [1, 4, 4]])}
+    # (1) is in fit and test too
+    out, rep = dedup_prefixes(data)
+    keys = {s: prefix_keys(b.tokens)[b.targets != IGNORE] for s, b in out.items()}
+    assert shared_prefixes(keys)["shared_any"] == {"fit": 0, "val": 0, "test": 0}
+    assert rep["before"]["shared_any"] == {"fit": 3, "val": 2, "test": 2}
+    assert sum(rep["unscored"].values()) == 2 + 1 + 1  # (5): 2 of 3 copies; (5, 6): 1 of 2; (1): 1 of 2
+    # each shared prefix is kept in the split its hash picks among the splits holding it; the rest is untouched
+    h5 = int(prefix_keys(np.array([[5]]))["h0"][0, 0])
+    owner5 = ["fit", "val", "test"][h5 % 3]
+    for s, b in out.items():
+        assert (b.targets[0, 0] != IGNORE) == (s == owner5)
+    assert out["fit"].targets[0, 2] == 8 and out["val"].targets[0, 2] == 9 and out["test"].targets[0, 1:].tolist() == [10, 8]
+    np.testing.assert_array_equal(out["test"].tokens, data["test"].tokens)  # rows and inputs stay
+    assert (out["fit"].difficulty[out["fit"].targets == IGNORE] == -1).all()
+    again, rep2 = dedup_prefixes(out)  # idempotent
+    assert sum(rep2["unscored"].values()) == 0
+
+
 def test_loss_bins_hand_case():
     loss = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, np.nan])
     bins, edges = loss_bins(loss, 2)
@@ -121,11 +152,18 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
     run = CliRunner().invoke
     r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump")])
     assert r.exit_code == 0, r.output
-    assert "tiny: dumped tokens per split: fit 64, val 64, test 64 (T = 3)" in r.output
 
     model = DoryForCausalLM.from_pretrained(ckpt, local_files_only=True).eval()
     tcfg = TextConfig(path=str(tmp_path / "corpus.jsonl"), seq_len=16)
     data = text_splits(tcfg, {"fit": 4, "val": 4, "test": 4}, ckpt, H.VOCAB)
+    n_scored = {s: int((b.targets != -100).sum()) for s, b in data.items()}
+    # 4 windows of 16 per split; window prefixes shared across splits are scored in one split only
+    assert sum(n_scored.values()) < 3 * 64 and min(n_scored.values()) > 48
+    assert (f"tiny: dumped tokens per split: fit {n_scored['fit']}, val {n_scored['val']}, "
+            f"test {n_scored['test']} (T = 3)") in r.output
+    assert f"test tokens with a prefix scored in fit/val: 0 of {n_scored['test']}" in r.output
+    raw = text_splits(dataclasses.replace(tcfg, dedup_prefixes=False), {"fit": 4, "val": 4, "test": 4}, ckpt, H.VOCAB)
+    assert all((b.targets != -100).all() for b in raw.values())
     tok = H.tokenizer()
     for split in ("fit", "val", "test"):
         st = open_store(art / "dump" / "tiny" / f"{split}.zarr")
@@ -133,21 +171,23 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
         assert (a["split"], a["task"]["kind"], a["difficulty_name"], a["logits_mode"]) == (
             split, "text", "final_loss_bin", "topk")  # vocab 300 > full_logits_max_vocab 256
         assert a["dtypes"]["hidden"] == "float16" and a["token_types"] == list(TOKEN_TYPES)
+        assert a["prefix_overlap"]["shared_any"] == 0 and a["prefix_overlap"]["n_scored"] == n_scored[split]
         b = data[split]
-        np.testing.assert_array_equal(st.read("token_id"), b.tokens.ravel())
-        np.testing.assert_array_equal(st.read("target"), b.targets.ravel())
+        m = (b.targets != -100).ravel()
+        np.testing.assert_array_equal(st.read("token_id"), b.tokens.ravel()[m])
+        np.testing.assert_array_equal(st.read("target"), b.targets.ravel()[m])
         with torch.no_grad():
             out = model(torch.from_numpy(b.tokens), output_hidden_states=True)
-        logp = torch.log_softmax(out.logits.float(), -1).reshape(-1, H.VOCAB).numpy()
-        tgt = b.targets.ravel()
+        logp = torch.log_softmax(out.logits.float(), -1).reshape(-1, H.VOCAB).numpy()[m]
+        tgt = b.targets.ravel()[m]
         ref_lp = logp[np.arange(len(tgt)), tgt]
         np.testing.assert_allclose(st.read("target_logprob")[:, -1], ref_lp, rtol=1e-5, atol=1e-5)
         # states after each loop = the model's own hidden states (float16 storage)
         for t in range(3):
-            ref_h = out.hidden_states[1 + 2 * (t + 1)].reshape(-1, 32).numpy()
+            ref_h = out.hidden_states[1 + 2 * (t + 1)].reshape(-1, 32).numpy()[m]
             np.testing.assert_allclose(st.read("hidden")[:, t], ref_h, rtol=2e-3, atol=2e-3)
         # top-k of the last loop = top-k of the model's logits
-        z = out.logits.reshape(-1, H.VOCAB)
+        z = out.logits.reshape(-1, H.VOCAB)[torch.from_numpy(m)]
         np.testing.assert_array_equal(st.read("topk_ids")[:, -1], z.topk(16, -1).indices.numpy())
         # difficulty = decile of the full-depth loss within the split (independent numpy quantiles)
         loss = -ref_lp.astype(np.float64)
@@ -166,7 +206,7 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
         r = run(app, [*cmd, "--params", str(params)])
         assert r.exit_code == 0, (cmd[0], r.output)
     tl = pl.read_parquet(art / "geometry" / "tiny" / "token_loop.parquet")
-    assert tl.height == 3 * 64 * 3 and set(tl["loop"].unique()) == {1, 2, 3}
+    assert tl.height == sum(n_scored.values()) * 3 and set(tl["loop"].unique()) == {1, 2, 3}
     ops = pl.read_parquet(art / "readouts" / "tiny" / "operating_points.parquet")
     assert {"entropy", "kl_prev", "fixed", "oracle"} <= set(ops["rule"].unique())
     assert "q_exit" not in set(ops["rule"].unique())  # Dory has no native gate
@@ -177,6 +217,22 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
     r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump")])
     assert r.exit_code == 0, r.output
     assert before == {p: p.stat().st_mtime_ns for p in (art / "dump" / "tiny").rglob("*") if p.is_file()}
+
+    # without the prefix de-duplication the test split shares window prefixes with fit/val: refused in one line,
+    # before anything is written, unless dump.allow_prefix_overlap
+    p = yaml.safe_load(params.read_text())
+    p["dump"]["text"]["dedup_prefixes"] = False
+    params.write_text(yaml.safe_dump(p, sort_keys=False))
+    r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump_raw")])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "split 'test' has" in r.output and "dump.allow_prefix_overlap: true" in r.output
+    assert not (art / "dump_raw" / "tiny" / "test.zarr").exists()
+    p["dump"]["allow_prefix_overlap"] = True
+    params.write_text(yaml.safe_dump(p, sort_keys=False))
+    r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump_raw")])
+    assert r.exit_code == 0, r.output
+    a = open_store(art / "dump_raw" / "tiny" / "test.zarr").attrs["prefix_overlap"]
+    assert a["allowed"] and a["shared_any"] > 0 and a["n_scored"] == 64
 
 
 def test_lm_stage_errors_are_one_line(tmp_path):

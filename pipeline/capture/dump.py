@@ -74,6 +74,7 @@ from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdap
 from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
+from looptrace.tasks.base import prefix_keys, shared_prefixes
 from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_splits
 from tqdm.auto import tqdm
 
@@ -101,6 +102,10 @@ class DumpConfig:
         text: the corpus of an adapter dump (:class:`looptrace.tasks.text.TextConfig`); required with ``adapter``.
         claim_lease_s: a writer's claim held by a process on *another host* counts as dead after this many
             seconds without a heartbeat (same host: as soon as its pid is gone); not fingerprinted.
+        allow_prefix_overlap: write a test store even when some of its scored tokens have a context (the prefix
+            they condition on, :meth:`looptrace.tasks.Task.context_split`) that is also scored in fit or val;
+            false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
+            store's ``prefix_overlap`` attribute either way.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -115,6 +120,7 @@ class DumpConfig:
     adapter: AdapterConfig | None = None
     text: TextConfig | None = None
     claim_lease_s: float = LEASE_S
+    allow_prefix_overlap: bool = False
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
@@ -689,6 +695,63 @@ def _out_dir(out_dir: Path | str) -> Path | str:
     return out
 
 
+class PrefixOverlapError(ValueError):
+    """The test split shares scored contexts with fit or val and ``dump.allow_prefix_overlap`` is false."""
+
+
+def check_prefix_overlap(report: Mapping[str, Any], allow: bool, name: str) -> None:
+    """Refuse a test store that shares a scored prefix with fit or val (SPEC §6), unless ``allow``.
+
+    Args:
+        report: :func:`looptrace.tasks.base.shared_prefixes` of the splits being dumped together.
+        allow: ``dump.allow_prefix_overlap``.
+        name: the model / run name (for the message).
+
+    Raises:
+        PrefixOverlapError: one line naming the split, the count and the parameter that overrides it.
+    """
+    shared = report.get("shared_with", {}).get("test", {})
+    n = sum(int(v) for k, v in shared.items() if k in ("fit", "val"))
+    if n and not allow:
+        total = int(report.get("n_scored", {}).get("test", 0))
+        where = ", ".join(f"{k} {int(v)}" for k, v in shared.items() if k in ("fit", "val"))
+        raise PrefixOverlapError(
+            f"dump of '{name}': split 'test' has {n} of {total} scored tokens whose prefix is also scored in fit or "
+            f"val ({where}); the test store would repeat their trajectories; set dump.allow_prefix_overlap: true "
+            "to write it anyway")
+
+
+def check_training_split(spec: Mapping[str, Any] | None, allow: bool, name: str) -> None:
+    """Refuse a checkpoint whose training data was split by rows (its task spec has no ``split_rule: context``).
+
+    Such a model was trained on every prefix of its fit rows, most short ones also test's (SPEC §6), so its test
+    trajectories are not held out whatever the dump's own splits are. Checkpoints written before token-level
+    splits have no ``split_rule`` and count as ``sequence``. No task spec (an external model): nothing to check.
+
+    Raises:
+        PrefixOverlapError: one line naming the checkpoint, the rule and ``dump.allow_prefix_overlap``.
+    """
+    if not isinstance(spec, Mapping):
+        return
+    rule = spec.get("split_rule", "sequence")
+    if rule != "context" and not allow:
+        raise PrefixOverlapError(
+            f"dump of '{name}': the checkpoint was trained on split_rule '{rule}' data (rows split by content, "
+            "short prefixes shared with test); retrain it, or set dump.allow_prefix_overlap: true to dump it anyway")
+
+
+def overlap_line(report: Mapping[str, Any]) -> str:
+    """One line for the log: scored tokens of test and val whose context is scored in another split."""
+    n, sh = report["n_scored"], report["shared_with"]
+    parts = []
+    if "test" in n:
+        k = sum(v for o, v in sh["test"].items() if o in ("fit", "val"))
+        parts.append(f"test tokens with a prefix scored in fit/val: {k} of {n['test']}")
+    if "val" in n:
+        parts.append(f"val tokens with a prefix scored in fit: {sh['val'].get('fit', 0)} of {n['val']}")
+    return "; ".join(parts)
+
+
 def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str, int], out_dir: Path | str,
                cfg: DumpConfig, base: BaseConfig | None = None, progress: bool = True,
                shard: tuple[int, int] = (0, 1)) -> dict[str, TrajectoryStore]:
@@ -706,18 +769,27 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     Returns:
         split -> store (complete, unless other shards are still being written).
     """
+    from looptrace.tasks.base import split_overlap
+
     out_dir = _out_dir(out_dir)
-    stores = {}
+    data = {}
     for split, n in cfg.sequences.items():
         if split not in data_seeds:
             raise ValueError(f"checkpoint records no data seed for split '{split}'; retrain with the current "
                              "train stage or remove the split from dump.sequences")
+        data[split] = task.dataset(split, int(n), int(data_seeds[split]))
+    check_training_split(adapter.info.extra.get("task"), cfg.allow_prefix_overlap, adapter.info.name)
+    overlap = split_overlap(task, data)  # before writing anything: a refused test store costs no forward pass
+    check_prefix_overlap(overlap, cfg.allow_prefix_overlap, adapter.info.name)
+    _say(f"{adapter.info.name}: {overlap_line(overlap)}")
+    stores = {}
+    for split, batch in data.items():
         seed = int(data_seeds[split])
-        data = task.dataset(split, int(n), seed)
         attrs = {"split": split, "difficulty_name": task.difficulty_name,
                  "difficulty_levels": list(task.difficulty_levels), "token_types": list(task.token_types),
-                 "data_seed": seed, "base_seed": None if base is None else base.seed}
-        stores[split] = dump_split(adapter, data, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
+                 "data_seed": seed, "base_seed": None if base is None else base.seed,
+                 "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
+        stores[split] = dump_split(adapter, batch, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
                                    shard=shard)
     return stores
 
@@ -746,13 +818,28 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     if tok_path is None:
         raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
     out_dir = _out_dir(out_dir)
-    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size)
+    trust = bool(cfg.adapter is not None and cfg.adapter.trust_remote_code)
+    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size, trust)
+    overlap = shared_prefixes({s: prefix_keys(b.tokens)[b.targets != IGNORE] for s, b in data.items()})
+    check_prefix_overlap(overlap, cfg.allow_prefix_overlap, adapter.info.name)
+    _say(f"{adapter.info.name}: {overlap_line(overlap)}")
     stores = {}
     for split, batch in data.items():
-        attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed}
+        attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed,
+                 "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
         stores[split] = dump_split(adapter, batch, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
                                    finalize=loss_bins_finalizer(cfg.text.difficulty_bins), shard=shard)
     return stores
 
+def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[str, Any]:
+    """The ``prefix_overlap`` store attribute: this split's shared-token counts plus the whole report.
 
-__all__ = ["DIMS", "DumpConfig", "dump_model", "dump_split", "dump_text_model", "reuse_freed_memory", "weights_hash"]
+    ``shared_with[other]`` = this split's scored tokens whose exact context is scored in ``other``; ``splits`` = the
+    splits measured together (those dumped in one run); ``allowed`` = ``dump.allow_prefix_overlap``.
+    """
+    return {"n_scored": int(report["n_scored"][split]), "shared_with": dict(report["shared_with"][split]),
+            "shared_any": int(report["shared_any"][split]), "splits": list(report["n_scored"]),
+            "report": report, "allowed": bool(allowed)}
+
+__all__ = ["DIMS", "DumpConfig", "PrefixOverlapError", "check_prefix_overlap", "check_training_split", "dump_model",
+           "dump_split", "dump_text_model", "overlap_attrs", "reuse_freed_memory", "weights_hash"]

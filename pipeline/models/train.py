@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from looptrace.config import BaseConfig, to_dict
+from looptrace.config import BaseConfig, ConfigError, to_dict
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
 from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
-from looptrace.project import versions
+from looptrace.project import model_name, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 from tqdm.auto import tqdm
 
@@ -39,6 +39,7 @@ class ModelParams:
     gate_hidden: int = 64
     tie_embeddings: bool = False
     mlp_ratio: int = 4
+    loop_form: str = "add"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ class TrainConfig:
         checkpoint_fractions: fractions of ``steps`` at which an intermediate checkpoint is kept
             ([TS] measures loop dynamics across training).
         data_seeds: seeds of the fit / val / test splits.
+        seeds: training seeds of every task × regime (model init and fit-data order); each trains its own model
+            ``<task>-<regime>-s<seed>``. Empty: the one seed ``base.seed``, named ``<task>-<regime>``.
+        workers: processes that train the seeds of one call of :func:`train_seeds` in parallel.
+        threads_per_model: torch threads of each model's training; null = ``base.threads // workers`` (at least 1).
+            Part of what defines a checkpoint (recorded in it): the same seed trained with another thread count
+            may differ in the last bits.
     """
 
     tasks: tuple[str, ...] = ("running_sum",)
@@ -88,6 +95,27 @@ class TrainConfig:
     val_sequences: int = 1024
     checkpoint_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
     data_seeds: DataSeeds = field(default_factory=DataSeeds)
+    seeds: tuple[int, ...] = ()
+    workers: int = 1
+    threads_per_model: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ConfigError(f"train.seeds has duplicates: {list(self.seeds)}")
+        if self.workers < 1:
+            raise ConfigError(f"train.workers must be >= 1, got {self.workers}")
+        if self.threads_per_model is not None and self.threads_per_model < 1:
+            raise ConfigError(f"train.threads_per_model must be >= 1 or null, got {self.threads_per_model}")
+
+    def seed_list(self) -> list[int | None]:
+        """The seeds to train: ``seeds``, or ``[None]`` (= ``base.seed`` under the unsuffixed name)."""
+        return list(self.seeds) if self.seeds else [None]
+
+    def model_threads(self, base: BaseConfig) -> int:
+        """Torch threads of one model's training (:attr:`threads_per_model`)."""
+        if self.threads_per_model is not None:
+            return self.threads_per_model
+        return max(1, base.threads // self.workers)
 
     def task(self, name: str) -> Task:
         if name not in self.task_defs:
@@ -106,17 +134,12 @@ class TrainConfig:
         return self.regime_defs[name]
 
 
-def model_name(task: str, regime: str) -> str:
-    """``<task>-<regime>``: the name used for artifacts of every stage (SPEC §10)."""
-    return f"{task}-{regime}"
-
-
 def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> ModelConfig:
     return ModelConfig(
         vocab_size=task.vocab_size, block_size=task.seq_len, d_model=mp.d_model, n_head=mp.n_head,
         n_prelude=mp.n_prelude, groups=mp.groups, n_coda=mp.n_coda, causal=task.causal,
         reinject=mp.reinject, gate=regime.model_gate, gate_hidden=mp.gate_hidden,
-        tie_embeddings=mp.tie_embeddings, mlp_ratio=mp.mlp_ratio,
+        tie_embeddings=mp.tie_embeddings, mlp_ratio=mp.mlp_ratio, loop_form=mp.loop_form,
     )
 
 
@@ -169,7 +192,7 @@ def evaluate(model: LoopedTransformer, data: TaskBatch, device: str = "cpu", bat
 
 
 def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,
-                progress: bool = True) -> dict:
+                progress: bool = True, seed: int | None = None, threads: int | None = None) -> dict:
     """Train one looped model and write ``model.pt``, ``metrics.json`` and ``checkpoints/``.
 
     Args:
@@ -177,32 +200,37 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         cfg: the ``train`` section.
         task_name: key of ``cfg.task_defs``.
         regime_name: key of ``cfg.regime_defs``.
-        out_dir: ``artifacts/train/<task>-<regime>``.
+        out_dir: ``artifacts/train/<model>``.
         progress: show a progress bar (it is silent anyway when stderr is not a terminal).
+        seed: training seed (model init and fit-data order); None = ``base.seed`` and the unsuffixed model name.
+        threads: torch threads (default ``base.threads``).
 
     Returns:
         The metrics dict written to ``metrics.json``.
     """
-    torch.set_num_threads(base.threads)
+    threads = base.threads if threads is None else int(threads)
+    torch.set_num_threads(threads)
+    named_seed, seed = seed, base.seed if seed is None else int(seed)
     cfg = dataclasses.replace(cfg, steps=cfg.steps_for(task_name))
     task, regime = cfg.task(task_name), cfg.regime(regime_name)
     mcfg = build_model_config(cfg.model, task, regime)
-    torch.manual_seed(base.seed)
+    torch.manual_seed(seed)
     model = LoopedTransformer(mcfg).to(base.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
-    rng = np.random.default_rng([cfg.data_seeds.fit, SPLITS.index("fit"), base.seed])
+    rng = np.random.default_rng([cfg.data_seeds.fit, SPLITS.index("fit"), seed])
     val = task.dataset("val", cfg.val_sequences, cfg.data_seeds.val)
     out_dir = Path(out_dir)
     (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     ckpt_steps = sorted({max(1, round(f * cfg.steps)) for f in cfg.checkpoint_fractions if 0 < f < 1})
-    name = model_name(task_name, regime_name)
+    name = model_name(task_name, regime_name, named_seed)
     meta = {"name": name, "task": task.spec() | {"name": task_name}, "regime": to_dict(regime) | {"name": regime_name},
-            "seed": base.seed, "data_seeds": to_dict(cfg.data_seeds), "train": to_dict(cfg) | {"task_defs": None,
-            "regime_defs": None}, "versions": versions()}
+            "seed": seed, "data_seeds": to_dict(cfg.data_seeds), "threads": threads,
+            "train": to_dict(cfg) | {"task_defs": None, "regime_defs": None}, "versions": versions()}
     history, t0, loss_ema = [], time.perf_counter(), None
+    cpu0 = time.process_time()
     bar = tqdm(range(cfg.steps), desc=f"train {name}", disable=None if progress else True, leave=False)
     for step in bar:
         model.train()
@@ -225,14 +253,15 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
             save_checkpoint(out_dir / "checkpoints" / f"step_{step + 1:06d}.pt", model,
                             **meta, step=step + 1, fraction=(step + 1) / cfg.steps, metrics=ev)
     bar.close()
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     ev = evaluate(model, val, base.device)
     history.append({"step": cfg.steps, "fraction": 1.0, "acc_per_loop": ev["acc_per_loop"],
                     "loss_per_loop": ev["loss_per_loop"]})
     acc = ev["acc_per_loop"]
     metrics = {
-        "model": name, "task": task_name, "regime": regime_name, "steps": cfg.steps,
-        "n_params": model.num_params(), "train_seconds": round(seconds, 2), "final_train_loss": loss_ema,
+        "model": name, "task": task_name, "regime": regime_name, "seed": seed, "steps": cfg.steps,
+        "n_params": model.num_params(), "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 2),
+        "threads": threads, "final_train_loss": loss_ema,
         "val_acc_last_loop": acc[-1], "val_acc_best_loop": max(acc), "best_loop": int(np.argmax(acc)) + 1,
         "val": {"acc_per_loop": acc, "loss_per_loop": ev["loss_per_loop"], "n_tokens": ev["n_tokens"]},
         "val_acc_by_difficulty": ev["acc_by_difficulty"],
@@ -243,3 +272,38 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     tmp.write_text(json.dumps(metrics, indent=2))
     tmp.replace(out_dir / "metrics.json")
     return metrics
+
+
+def _train_job(args: tuple) -> dict:
+    base, cfg, task_name, regime_name, out_dir, seed, threads = args
+    return train_model(base, cfg, task_name, regime_name, out_dir, progress=False, seed=seed, threads=threads)
+
+
+def train_seeds(base: BaseConfig, cfg: TrainConfig, jobs: list[tuple[str, str]], out_root: Path,
+                progress: bool = True) -> list[dict]:
+    """Train every seed of ``cfg.seeds`` for each (task, regime) of ``jobs``: ``<out_root>/<task>-<regime>-s<seed>``.
+
+    The (task, regime, seed) models are independent; ``cfg.workers`` processes train them in parallel, each with
+    :meth:`TrainConfig.model_threads` torch threads. A model's weights depend only on its task, regime, seed, the
+    train section and its thread count — not on the worker count, the other seeds, or the order — so a seed trained
+    here is bit-for-bit the seed trained alone with :func:`train_model` (``tests/test_train.py``).
+
+    Why processes and not one batched ensemble (stacked weights, ``vmap``): training these models on this CPU is
+    compute-bound (``mm``/``addmm`` ~half of a step, near single-thread peak), so folding three members into one
+    batched pass cost 2.7–3.0× one member (stacked weights; and members were no longer bit-identical to lone
+    models) or more than three lone models (per-member weights, bit-identical); a second core is the only real
+    saving (docs/train.md).
+
+    Returns:
+        The metrics of every model, in (job, seed) order.
+    """
+    threads = cfg.model_threads(base)
+    work = [(base, cfg, t, r, Path(out_root) / model_name(t, r, s), s, threads)
+            for t, r in jobs for s in cfg.seed_list()]
+    if cfg.workers == 1 or len(work) == 1:
+        return [train_model(*w[:5], progress=progress, seed=w[5], threads=w[6]) for w in work]
+    import multiprocessing as mp
+
+    # spawn: a fresh interpreter per worker (forking a process whose OpenMP pool is running can deadlock)
+    with mp.get_context("spawn").Pool(min(cfg.workers, len(work)), maxtasksperchild=1) as pool:
+        return pool.map(_train_job, work, chunksize=1)

@@ -5,6 +5,12 @@ directly (``online='signal'``: the engine compares the live signal); ``fixed`` s
 (thresholds 1..T), ``argmax_stable`` the run length of equal argmaxes (thresholds ``readouts.argmax_stable_k``),
 ``q_exit`` the halting CDF of the native gate, and the ``oracle`` ceiling the correctness (no threshold,
 never run online).
+
+Registered beside them but not among the defaults (:data:`ALL_RULES`): ``q_exit_bfloat16``,
+``q_exit_float16`` and ``q_exit_float32``, Ouro's Q-exit in the arithmetic of a checkpoint run in that dtype
+(:func:`looptrace.signals.halting.ouro_halting_cdf`). ``q_exit`` is the exact float64 CDF of the same gate; a
+bf16 Ouro rounds σ(g) to 1 for g ≳ 6.3 and its CDF reaches q earlier, so only the variant of the model's dtype
+reproduces the checkpoint's own ``forward(exit_threshold=q)`` (at threshold ``ouro_threshold(q, dtype)``).
 """
 
 from __future__ import annotations
@@ -12,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from looptrace.rules.registry import SIGNAL, ExitRule
+from looptrace.rules.registry import SIGNAL, ExitRule, register
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals import keep_rows
-from looptrace.signals.halting import HaltingCDF, halting_cdf
+from looptrace.signals.halting import OURO_DTYPES, HaltingCDF, OuroHaltingCDF, halting_cdf, ouro_halting_cdf
 
 
 def _column(col: str):
@@ -69,6 +75,27 @@ class QExitOnline:
         self.cdf.compact(rows, seq)
 
 
+class OuroQExitOnline:
+    """Online ``q_exit_<dtype>``: Ouro's exit CDF in the model dtype, loop by loop (:class:`OuroHaltingCDF`)."""
+
+    def __init__(self, dtype: str) -> None:
+        self.cdf = OuroHaltingCDF(dtype)
+
+    def update(self, t: int, s: Mapping[str, np.ndarray]) -> np.ndarray:
+        return self.cdf.update(s["gate_logit"])
+
+    def compact(self, rows, seq: int | None) -> None:
+        self.cdf.compact(rows, seq)
+
+
+def _ouro_q_exit(dtype: str) -> ExitRule:
+    def score(s: Mapping[str, np.ndarray]) -> np.ndarray:
+        return ouro_halting_cdf(s["gate_logit"], dtype)
+
+    return ExitRule(name=f"q_exit_{dtype}", score=score, signals=("gate_logit",), op="ge", kind="native",
+                    online=lambda: OuroQExitOnline(dtype))
+
+
 def _threshold(name: str, col: str, op: str, min_loop: int = 1, two_hit: bool = False) -> ExitRule:
     return ExitRule(name=name, score=_column(col), signals=(col,), op=op, min_loop=min_loop, two_hit=two_hit,
                     online=SIGNAL)
@@ -97,6 +124,8 @@ _RULES = (
 
 #: Every built-in rule, by name, in output order.
 BUILTIN_RULES: dict[str, ExitRule] = {r.name: r for r in _RULES}
+#: Ouro's Q-exit in a model dtype (``q_exit_bfloat16`` ...): registered by name, not among the defaults.
+OURO_Q_EXIT_RULES: dict[str, ExitRule] = {r.name: register(r) for r in map(_ouro_q_exit, OURO_DTYPES)}
 #: Their names (the default ``readouts.rules``).
 ALL_RULES = tuple(BUILTIN_RULES)
 #: Confidence readouts of [AD] (claim (a) of the diagnosis).

@@ -8,6 +8,7 @@ Difficulty = number of operations. Token type = the outermost operator.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ class ManoTask(Task):
     min_ops: int = 1
     ops: tuple[str, ...] = ("+", "*")
     causal: bool = True
+    split_rule: str = "context"
 
     @property
     def vocab(self) -> list[str]:
@@ -54,6 +56,38 @@ class ManoTask(Task):
         rt, rv, _ = self._expr(k - 1 - k_left, rng)
         return [self.modulus + oi, *lt, *rt], _OPS[self.ops[oi]](lv, rv, self.modulus), oi
 
+    def _all_exprs(self, k: int) -> list[list[int]]:
+        """Every prefix expression (token ids) with exactly k operations."""
+        if k == 0:
+            return [[v] for v in range(self.modulus)]
+        out = []
+        for oi in range(len(self.ops)):
+            for k_left in range(k):
+                for lt in self._all_exprs(k_left):
+                    for rt in self._all_exprs(k - 1 - k_left):
+                        out.append([self.modulus + oi, *lt, *rt])
+        return out
+
+    def _n_exprs(self, k: int) -> int:
+        catalan = math.comb(2 * k, k) // (k + 1)
+        return catalan * len(self.ops) ** k * self.modulus ** (k + 1)
+
+    def small_context_groups(self) -> list[np.ndarray]:
+        """All padded rows of each operation count k whose number of expressions is ≤ :attr:`small_context_max`
+        (the scored ``=`` sees the whole row, so a row is its context)."""
+        S, pad, eq = self.seq_len, self.modulus + len(self.ops), self.modulus + len(self.ops) + 1
+        out = []
+        for k in range(self.min_ops, self.max_ops + 1):
+            if self._n_exprs(k) > self.small_context_max:
+                break
+            exprs = self._all_exprs(k)
+            rows = np.full((len(exprs), S), pad, dtype=np.int64)
+            for i, toks in enumerate(exprs):
+                rows[i, S - 1 - len(toks):S - 1] = toks
+            rows[:, -1] = eq
+            out.append(rows)
+        return out
+
     def generate(self, n: int, rng: np.random.Generator) -> TaskBatch:
         S, pad, eq = self.seq_len, self.modulus + len(self.ops), self.modulus + len(self.ops) + 1
         tokens = np.full((n, S), pad, dtype=np.int64)
@@ -70,4 +104,4 @@ class ManoTask(Task):
 
     def spec(self) -> dict:
         return {"kind": "mano", "modulus": self.modulus, "max_ops": self.max_ops, "min_ops": self.min_ops,
-                "ops": list(self.ops), "causal": self.causal}
+                "ops": list(self.ops), "causal": self.causal, "split_rule": self.split_rule}

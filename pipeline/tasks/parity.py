@@ -19,6 +19,7 @@ class ParityTask(Task):
     max_length: int = 16
     min_length: int = 1
     causal: bool = False
+    split_rule: str = "context"
 
     PAD, EQ = 2, 3
 
@@ -57,6 +58,20 @@ class ParityTask(Task):
         ttype[:, -1] = 0
         return TaskBatch(tokens, targets, diff, ttype)
 
+    def small_context_groups(self) -> list[np.ndarray]:
+        """All 2^n rows of each bit length n with 2^n ≤ :attr:`small_context_max` (a row is the whole context:
+        bidirectional attention, one scored position)."""
+        out = []
+        for n in range(self.min_length, self.max_length + 1):
+            if 2 ** n > self.small_context_max:
+                break
+            bits = np.stack(np.unravel_index(np.arange(2 ** n), (2,) * n), axis=1) if n else np.zeros((1, 0), int)
+            rows = np.full((len(bits), self.seq_len), self.PAD, dtype=np.int64)
+            rows[:, self.max_length - n:self.max_length] = bits
+            rows[:, -1] = self.EQ
+            out.append(rows)
+        return out
+
     def spec(self) -> dict:
         return {"kind": "parity", "max_length": self.max_length, "min_length": self.min_length,
-                "causal": self.causal}
+                "causal": self.causal, "split_rule": self.split_rule}

@@ -4,8 +4,17 @@
 - running sum mod m: digits in [0, m), target at position i is (x_1 + ... + x_i) mod m.
 
 Difficulty = prefix length i (1..L): the number of inputs the answer depends on.
-Token type: ``keep`` when the running answer equals the previous position's, ``change`` otherwise
-(the first position counts as ``change`` iff its answer is non-zero).
+
+The label and (causal attention, learned positions) the trajectory of position i are functions of the prefix
+x_1..x_i alone, so the prefix is the context that assigns the position to a split (:meth:`Task.context_split`);
+the prefixes of a short length are enumerated: lengths with at most ``fit_only_max`` prefixes (defaults by kind,
+:data:`looptrace.tasks.FIT_ONLY_MAX`: running parity 1–6, ≤ 64 prefixes; running sum mod 5 1–4, ≤ 1024) belong to
+fit whole — a level that small cannot be both learnt and
+held out, and with such levels split three ways the default models learnt nothing that generalised (val accuracy
+at chance, below on test: a model that memorises its fit prefixes answers an unseen short prefix with a seen
+one's label) — so val and test have no such levels; longer enumerable lengths (≤ 1024 prefixes) are split by
+rank so each split gets its share, longer ones by hash. Training sequences keep every token as input; only the
+positions whose prefix is fit's are scored.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ class RunningTask(Task):
     length: int = 12
     modulus: int = 2
     causal: bool = True
+    fit_only_max: int = 64  # make_task uses looptrace.tasks.FIT_ONLY_MAX by kind
+    split_rule: str = "context"
 
     @property
     def vocab(self) -> list[str]:
@@ -51,6 +62,18 @@ class RunningTask(Task):
         diff = np.broadcast_to(np.arange(1, self.length + 1), (n, self.length)).copy()
         return TaskBatch(x.astype(np.int64), y.astype(np.int64), diff.astype(np.int64), ttype)
 
+    def small_context_groups(self) -> list[np.ndarray]:
+        """All modulus^i prefixes of each length i with modulus^i ≤ :attr:`small_context_max`."""
+        out, i = [], 1
+        while i <= self.length and self.modulus ** i <= self.small_context_max:
+            n = self.modulus ** i
+            out.append(np.stack(np.unravel_index(np.arange(n), (self.modulus,) * i), axis=1).astype(np.int64))
+            i += 1
+        return out
+
     def spec(self) -> dict:
         kind = "running_parity" if self.modulus == 2 else "running_sum"
-        return {"kind": kind, "length": self.length, "modulus": self.modulus, "causal": self.causal}
+        return {"kind": kind, "length": self.length, "modulus": self.modulus, "causal": self.causal,
+                "fit_only_max": self.fit_only_max, "split_rule": self.split_rule}
+
+

@@ -6,12 +6,17 @@ a text corpus is turned into the same :class:`~looptrace.tasks.TaskBatch` the sy
 - Documents come from a local JSONL (one JSON object per line, text in ``text.field``), Parquet (column
   ``text.field``) or plain-text file (documents separated by blank lines).
 - Splits are disjoint by content, as for the tasks: document d goes to split ``sha256(d) mod 3``
-  (0 fit, 1 val, 2 test), so no document is in two splits.
+  (0 fit, 1 val, 2 test), so no document is in two splits. Disjoint documents are not disjoint contexts: a
+  scored position's trajectory is a function of its window prefix ``tokens[:pos+1]`` (causal attention), and
+  short prefixes (a window's first tokens), boilerplate and duplicated text repeat across documents. With
+  ``text.dedup_prefixes`` (default) every window prefix that is scored in two or more of the dumped splits is
+  kept in exactly one of them and unscored (``targets = IGNORE``) in the others (:func:`dedup_prefixes`), so no
+  scored prefix is shared between splits.
 - Each split's documents are tokenised with the checkpoint's own tokenizer (``AutoTokenizer`` from the
   local directory), framed as ``[bos] doc [eos]`` when the tokenizer has those tokens, concatenated in file
   order and cut into windows of ``seq_len + 1`` tokens with stride ``seq_len``: ``tokens`` = the first
-  ``seq_len``, ``targets`` = the next token of each. Every position is scored; a trailing partial
-  window is dropped.
+  ``seq_len``, ``targets`` = the next token of each. Every position is scored (but for the cross-split
+  duplicates above); a trailing partial window is dropped.
 - ``token_type`` per scored position, from the decoded text of the position's token (the input token —
   the token whose state converges, as in [FP]; or the target with ``text.token_type_of: target``):
   whitespace, punctuation, number, function word (a fixed English list, :data:`FUNCTION_WORDS`), content
@@ -39,7 +44,8 @@ from typing import Any
 
 import numpy as np
 from looptrace.config import ConfigError
-from looptrace.tasks import SPLITS, TaskBatch
+from looptrace.tasks import IGNORE, SPLITS, TaskBatch
+from looptrace.tasks.base import prefix_keys, shared_prefixes
 
 TOKEN_TYPES = ("whitespace", "punctuation", "number", "function_word", "content_word", "special", "other")
 DIFFICULTY_NAME = "final_loss_bin"
@@ -81,6 +87,8 @@ class TextConfig:
         token_type_of: ``input`` (the position's own token) or ``target`` (the token predicted).
         difficulty_bins: number of full-depth-loss bins of ``difficulty`` (10 = deciles).
         max_documents: read at most this many documents (null = all).
+        dedup_prefixes: unscore, in all but one split, every window prefix scored in several splits
+            (:func:`dedup_prefixes`); false keeps the document-level split only.
     """
 
     path: str
@@ -93,6 +101,7 @@ class TextConfig:
     token_type_of: str = "input"
     difficulty_bins: int = 10
     max_documents: int | None = None
+    dedup_prefixes: bool = True
 
     def __post_init__(self) -> None:
         if self.format not in ("auto", "jsonl", "parquet", "text"):
@@ -207,15 +216,31 @@ def token_type_table(tokenizer, ids: np.ndarray) -> dict[int, int]:
 # Packing
 # ---------------------------------------------------------------------------------------------
 
-def load_tokenizer(path: Path | str):
-    """``AutoTokenizer`` of a local directory (no download)."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
+    """``AutoTokenizer`` of a local directory (no download).
 
+    ``trust_remote_code``: the adapter's (``dump.adapter.trust_remote_code``). A directory whose config.json has an
+    ``auto_map`` (Ouro, Huginn) is remote code to transformers even for the tokenizer: without it, transformers asks
+    "Do you wish to run the custom code? [y/N]" on a terminal.
+    """
+    import warnings
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if trust_remote_code:  # its 4.x-era config code makes transformers 5 print deprecation notices: known, harmless
+            hf_logging.set_verbosity_error()
+        with warnings.catch_warnings():
+            if trust_remote_code:
+                warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(_modules)?(\.|$)")
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"tokenizer directory '{path}': cannot load a tokenizer ({msg}); set dump.text.tokenizer") from None
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _stream(tokenizer, docs: Sequence[str], cfg: TextConfig) -> np.ndarray:
@@ -269,14 +294,15 @@ def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = 
 
 
 def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: Path | str,
-                vocab_size: int | None = None) -> dict[str, TaskBatch]:
-    """Every split of ``sequences`` (split → at most that many sequences) from the corpus of ``cfg``.
+                vocab_size: int | None = None, trust_remote_code: bool = False) -> dict[str, TaskBatch]:
+    """Every split of ``sequences`` (split → at most that many sequences) from the corpus of ``cfg``
+    (``trust_remote_code``: :func:`load_tokenizer`'s).
 
     Raises:
         ValueError: a split gets no full window (names the file, split and the fix).
     """
     docs = read_documents(cfg.path, cfg.format, cfg.field, cfg.max_documents)
-    tok = load_tokenizer(cfg.tokenizer or tokenizer_path)
+    tok = load_tokenizer(cfg.tokenizer or tokenizer_path, trust_remote_code)
     by_split: dict[int, list[str]] = {0: [], 1: [], 2: []}
     for d in docs:
         by_split[document_split(d)].append(d)
@@ -288,7 +314,46 @@ def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: P
                              f"documents, not one window of {cfg.seq_len + 1} tokens; use a longer corpus or a "
                              "smaller dump.text.seq_len")
         out[split] = batch
+    if cfg.dedup_prefixes:
+        out, _ = dedup_prefixes(out)
     return out
+
+
+def dedup_prefixes(batches: Mapping[str, TaskBatch]) -> tuple[dict[str, TaskBatch], dict]:
+    """Exact-duplicate-prefix removal across splits: every scored window prefix ends up scored in one split only.
+
+    A prefix (``tokens[b, :pos+1]``, compared by its 128-bit key, :func:`looptrace.tasks.base.prefix_keys`) that is
+    scored in several splits is kept in one of them — ``owners[h mod len(owners)]``, ``owners`` the splits it is
+    scored in (in ``SPLITS`` order), ``h`` the first 64 bits of its key: a function of the prefix and of which
+    splits hold it, not of row order — and unscored elsewhere (``targets = IGNORE``, difficulty and token type −1;
+    the row stays, so ``sequence`` keeps indexing the packed windows). Prefixes scored in one split only are
+    untouched, so repeats *within* a split stay (they are not a leak between splits).
+
+    Returns:
+        (new batches, report): ``report = {"unscored": {split: n tokens}, "before": shared_prefixes(...)}``.
+    """
+    order = [s for s in SPLITS if s in batches] + [s for s in batches if s not in SPLITS]
+    keys = {s: prefix_keys(batches[s].tokens) for s in order}
+    scored = {s: batches[s].targets != IGNORE for s in order}
+    report: dict = {"unscored": {s: 0 for s in order},
+                    "before": shared_prefixes({s: keys[s][scored[s]] for s in order})}
+    uniq = {s: np.unique(keys[s][scored[s]]) for s in order}
+    allk, cnt = np.unique(np.concatenate([uniq[s] for s in order]), return_counts=True)
+    multi = allk[cnt > 1]
+    if not len(multi):
+        return dict(batches), report
+    present = np.stack([np.isin(multi, uniq[s]) for s in order])  # [split, key]
+    pick = (multi["h0"] % present.sum(0).astype(np.uint64)).astype(np.int64)  # index among the owners
+    owner = present & (np.cumsum(present, axis=0) - 1 == pick[None, :])
+    out = {}
+    for j, s in enumerate(order):
+        b = batches[s]
+        lose = multi[present[j] & ~owner[j]]
+        drop = scored[s] & np.isin(keys[s], lose)
+        report["unscored"][s] = int(drop.sum())
+        out[s] = TaskBatch(b.tokens, np.where(drop, IGNORE, b.targets), np.where(drop, -1, b.difficulty),
+                           np.where(drop, -1, b.token_type))
+    return out, report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,5 +403,5 @@ def text_attrs(cfg: TextConfig, split: str) -> dict[str, Any]:
 
 
 __all__ = ["DIFFICULTY_NAME", "FUNCTION_WORDS", "TOKEN_TYPES", "TextConfig", "classify_token_text",
-           "document_split", "load_tokenizer", "loss_bins", "loss_bins_finalizer", "pack", "read_documents",
+           "dedup_prefixes", "document_split", "load_tokenizer", "loss_bins", "loss_bins_finalizer", "pack", "read_documents",
            "text_attrs", "text_batch", "text_splits", "token_type_table"]

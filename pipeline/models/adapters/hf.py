@@ -17,12 +17,18 @@ Five kinds of checkpoint, each loaded from a local directory only (``local_files
   ``model.model.norm``, ``model.lm_head``) with the contiguous block of layers ``[start, end)`` run
   ``n_loops`` times (RecurTrace's setup, [RT]); h_t = block output after pass t, h_0 = the block's input.
   Exit = layers ``[end, L)`` + final norm + head. Loop 1 is the unmodified model.
-- ``ouro`` — Ouro (remote code, ``trust_remote_code``): ``model.model(...)`` returns the per-step hidden
-  states and per-step exit-gate logits; the gate is stored (``gate_logit``) so Ouro's own Q-exit
-  (SPEC §4) is evaluated. Exit = ``lm_head`` (the per-step states are already normed; see ``verify_exit``).
-- ``huginn`` — Huginn / Raven (remote code): step-by-step latent iteration with its documented methods
-  ``embed_inputs`` → ``initialize_state`` → ``iterate_one_step`` × T → ``predict_from_latents`` (coda +
-  norm + head). h_0 is the (seeded, random) initial latent state.
+- ``ouro`` — Ouro (remote code ``modeling_ouro.py``, ``trust_remote_code``): ``model.model(...)`` returns the
+  per-step hidden states (normed; each feeds the next step) and per-step exit-gate logits; the gate is stored
+  (``gate_logit``) so Ouro's Q-exit (SPEC §4) is evaluated. Exit at loop t = ``lm_head(h_t)``, the model's own
+  ``forward(exit_at_step=t−1)``.
+- ``huginn`` — Huginn / Raven (remote code ``raven_modeling_minimal.py``): ``embed_inputs`` →
+  ``initialize_state`` → ``iterate_one_step(current_step=t)`` × T; h_t is the raw core-block output, the exit
+  ``predict_from_latents(h_t)`` (ln_f → coda → ln_f → head) = the model's ``forward(num_steps=t)``. h_0 and the
+  test-time noise come from a stream seeded per sequence (:func:`sequence_seed`).
+
+Both remote-code kinds load through :mod:`looptrace.models.adapters.compat`, which runs the published code under
+the installed transformers (5.x) without touching the checkpoint; load failures with a known cause are one-line
+:class:`~looptrace.models.adapters.compat.CheckpointLoadError` s.
 
 How states are captured without re-implementing a model: the model's *own* forward runs with forward
 hooks on the layer whose output is the loop state, while the layers after the loop (the coda) are
@@ -32,8 +38,8 @@ and each per-loop readout replays the real coda layers with the recorded argumen
 the block layers the same way for passes 2..k.
 
 ``verify_exit`` (default on): on the first batch the adapter checks that its exit path reproduces the
-model's own forward logits (at the last loop; at loop 1 for ``retrofit``) and fails with a one-line error
-otherwise — the guard for the remote-code kinds, whose code is not on this machine (docs/adapters.md).
+model's own logits (at the last loop; at loop 1 for ``retrofit``) and fails with a one-line error otherwise
+(docs/adapters.md).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from typing import Any
 
 import torch
 from looptrace.config import ConfigError, to_dict
+from looptrace.models.adapters import compat
+from looptrace.models.adapters.compat import CheckpointLoadError
 from looptrace.models.interface import AdapterInfo, LoopedModelAdapter, States, file_sha256
 from torch import nn
 
@@ -74,7 +82,8 @@ class AdapterConfig:
             the code is read from the local directory only).
         attn_implementation: transformers attention backend (``eager``, ``sdpa``...); null = the default.
         verify_exit: check the exit path against the model's own forward logits on the first batch.
-        seed: seed of Huginn's random initial state (other kinds are deterministic).
+        seed: base seed of Huginn's random streams (initial state, test-time noise): each sequence draws from its
+            own stream, :func:`sequence_seed` (seed, its token ids); other kinds are deterministic.
     """
 
     kind: str
@@ -136,39 +145,59 @@ def _model_config_dict(config) -> dict:
 def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
     """Load the causal LM of ``cfg.path`` (local files only) in ``cfg.dtype``, in eval mode on ``device``.
 
+    ``ouro`` / ``huginn`` checkpoints carrying their remote code load through the compatibility shim
+    (:mod:`looptrace.models.adapters.compat`); the patches in force are kept in ``model._looptrace_compat_patches``.
+
     Raises:
-        ValueError: one line naming the directory and the fix (missing, no config.json, unknown
-            architecture, missing weights).
+        CheckpointLoadError: one line naming the directory, what failed and the fix (missing directory or
+            config.json, unknown architecture, missing weights, remote code that does not fit the installed
+            transformers); an unexpected error propagates with its traceback.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     path = Path(cfg.path)
     if not path.is_dir():
-        raise ValueError(f"dump.adapter.path '{path}' is not a directory; point it at a local checkpoint "
-                         "directory (config.json + weights)")
+        raise CheckpointLoadError(f"dump.adapter.path '{path}' is not a directory; point it at a local checkpoint "
+                                  "directory (config.json + weights)")
     if not (path / "config.json").is_file():
-        raise ValueError(f"dump.adapter.path '{path}' has no config.json; it must be a save_pretrained directory")
-    kw: dict[str, Any] = {"local_files_only": True, "trust_remote_code": cfg.trust_remote_code,
-                          "dtype": "auto" if cfg.dtype == "auto" else MODEL_DTYPES[cfg.dtype]}
-    if cfg.attn_implementation:
-        kw["attn_implementation"] = cfg.attn_implementation
-    from transformers.utils import logging as hf_logging
-
+        raise CheckpointLoadError(f"dump.adapter.path '{path}' has no config.json; it must be a save_pretrained "
+                                  "directory")
+    dtype = "auto" if cfg.dtype == "auto" else MODEL_DTYPES[cfg.dtype]
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the dump has its own progress bar; keep stage output to one line
+    try:
+        if cfg.kind in ("ouro", "huginn") and compat.read_auto_map(path):
+            over = {"total_ut_steps": cfg.n_loops} if cfg.kind == "ouro" and cfg.n_loops is not None else {}
+            model, patches = compat.load_remote_model(path, cfg.kind, dtype, cfg.attn_implementation, over)
+            model._looptrace_compat_patches = patches
+        else:
+            model = _load_auto(cfg, path, dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
+def _load_auto(cfg: AdapterConfig, path: Path, dtype) -> nn.Module:
+    """transformers' Auto classes (native architectures, or remote code the shim does not know)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw: dict[str, Any] = {"local_files_only": True, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
+    if cfg.attn_implementation:
+        kw["attn_implementation"] = cfg.attn_implementation
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
         auto = AutoModelForCausalLM
         if getattr(hf_cfg, "model_type", None) == "inkling2_loop":  # the released multimodal wrapper
             from transformers import AutoModelForImageTextToText as auto
-        model = auto.from_pretrained(path, **kw)
+        return auto.from_pretrained(path, **kw)
     except (OSError, ValueError, KeyError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"dump.adapter.path '{path}': cannot load the checkpoint ({msg})") from None
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
-    return model.to(device).eval()
+        raise CheckpointLoadError(f"dump.adapter.path '{path}': cannot load the checkpoint ({msg})") from None
+    except Exception as exc:
+        if cfg.trust_remote_code and compat.is_incompatibility(exc):
+            raise CheckpointLoadError(compat.describe_failure(path, cfg.kind, exc)) from exc
+        raise
 
 
 def load_adapter(spec: AdapterConfig | dict, device: str = "cpu") -> LoopedModelAdapter:
@@ -183,10 +212,11 @@ def load_adapter(spec: AdapterConfig | dict, device: str = "cpu") -> LoopedModel
         from looptrace.config import from_dict
 
         spec = from_dict(AdapterConfig, spec, "dump.adapter")
-    model = load_hf_model(spec, device)
     cls = {"dory": DoryAdapter, "inkling2loop": Inkling2LoopAdapter, "retrofit": RetrofitAdapter,
            "ouro": OuroAdapter, "huginn": HuginnAdapter}[spec.kind]
-    return cls(model, spec, device)
+    remote = spec.kind in compat.FAMILY_CLASSES
+    with compat.quiet_transformers() if remote else contextlib.nullcontext():
+        return cls(load_hf_model(spec, device), spec, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,6 +318,12 @@ class HFAdapter(LoopedModelAdapter):
             extra={"adapter": cfg.kind, "path": str(Path(cfg.path).resolve()), "dtype": str(self.dtype).split(".")[-1],
                    "model_type": getattr(model.config, "model_type", None), "architecture": type(model).__name__},
         )
+        patches = getattr(model, "_looptrace_compat_patches", None)
+        if patches is not None:  # remote code loaded through the compatibility shim (provenance)
+            import transformers
+
+            self.info.extra["compat_patches"] = list(patches)
+            self.info.extra["transformers"] = transformers.__version__
 
     has_gate = False
 
@@ -315,14 +351,31 @@ class HFAdapter(LoopedModelAdapter):
     def states(self, input_ids: torch.Tensor) -> States:
         """Run every loop on [batch, seq] token ids: hidden [batch, seq, loop, d_model] in the model dtype."""
         ids = input_ids.to(self._device)
-        st = self._states(ids)
-        T = self.info.n_loops
-        if st.hidden.shape[2] != T:
-            raise ValueError(f"adapter '{self.info.name}' ({self.kind}): the model ran {st.hidden.shape[2]} loops, "
-                             f"expected {T}")
-        if not self._verified:
-            self._verify(ids, st)
+        with self._remote_code_errors():
+            st = self._states(ids)
+            T = self.info.n_loops
+            if st.hidden.shape[2] != T:
+                raise ValueError(f"adapter '{self.info.name}' ({self.kind}): the model ran {st.hidden.shape[2]} "
+                                 f"loops, expected {T}")
+            if not self._verified:
+                self._verify(ids, st)
         return st
+
+    @contextlib.contextmanager
+    def _remote_code_errors(self):
+        """Remote code that fails inside itself or transformers with an interface error (a revision the shim does
+        not cover) is a one-line :class:`CheckpointLoadError`; anything else keeps its traceback."""
+        if self.cfg.kind not in compat.FAMILY_CLASSES:
+            yield
+            return
+        try:
+            with compat.quiet_transformers():
+                yield
+        except Exception as exc:
+            if compat.is_incompatibility(exc, remote_only=True):
+                raise CheckpointLoadError(compat.describe_failure(self.cfg.path, self.cfg.kind, exc,
+                                                                  "run")) from exc
+            raise
 
     @torch.inference_mode()
     def readout(self, h: torch.Tensor, loop: int) -> torch.Tensor:
@@ -508,22 +561,32 @@ class Inkling2LoopAdapter(HFAdapter):
         return self.info.n_loops - 1, self.model(input_ids=ids, use_cache=False).logits
 
 
+def _ouro_set_steps(model: nn.Module, n: int) -> None:
+    """Run ``n`` recurrent steps: ``OuroModel`` copies ``total_ut_steps`` into an instance attribute at
+    construction and its forward loops over that attribute, so the configs alone are not enough."""
+    base = model.model
+    for c in {id(model.config): model.config, id(base.config): base.config}.values():
+        c.total_ut_steps = n
+    if hasattr(base, "total_ut_steps"):
+        base.total_ut_steps = n
+
+
 class OuroAdapter(HFAdapter):
-    """Ouro (remote code): ``model.model(...)`` → (output, per-step hidden states, per-step gate logits)."""
+    """Ouro (remote code, ``modeling_ouro.py``): ``model.model(...)`` → (``BaseModelOutputWithPast``, [h_1..h_T],
+    [gate_1..gate_T]); each h_t is already normed (``OuroModel`` applies ``norm`` after every step and feeds the
+    normed state to the next), so the exit at loop t is ``lm_head(h_t)``; gate_t is ``[batch, seq, 1]``."""
 
     kind = "ouro"
     has_gate = True
 
     def __init__(self, model, cfg, device="cpu"):
         if cfg.n_loops is not None:
-            for c in {id(model.config): model.config, id(model.model.config): model.model.config}.values():
-                c.total_ut_steps = cfg.n_loops
-        self._norm_exit = False  # set by the exit-path check if the per-step states are pre-norm
+            _ouro_set_steps(model, cfg.n_loops)
         super().__init__(model, cfg, device)
 
     def _shape(self):
         c = self.model.config
-        T = getattr(c, "total_ut_steps", None)
+        T = getattr(self.model.model, "total_ut_steps", None) or getattr(c, "total_ut_steps", None)
         if T is None:
             raise ValueError(f"dump.adapter.path '{self.cfg.path}': Ouro config has no total_ut_steps; "
                              "set dump.adapter.n_loops")
@@ -533,11 +596,8 @@ class OuroAdapter(HFAdapter):
     def _split(out) -> tuple[list, list]:
         if isinstance(out, tuple | list) and len(out) >= 3:
             return list(out[1]), list(out[2])
-        for hs, gs in (("hidden_states_list", "gate_list"), ("hidden_states", "gate_logits")):
-            if getattr(out, hs, None) is not None and getattr(out, gs, None) is not None:
-                return list(getattr(out, hs)), list(getattr(out, gs))
-        raise ValueError("ouro adapter: model.model(...) returned neither (output, hidden_states_list, gate_list) "
-                         f"nor an object with hidden_states_list / gate_list (got {type(out).__name__})")
+        raise ValueError("ouro adapter: model.model(...) did not return (output, hidden_states_list, gate_list) as "
+                         f"Ouro's modeling_ouro.OuroModel does (got {type(out).__name__})")
 
     def _states(self, ids):
         init: list[torch.Tensor] = []
@@ -545,31 +605,40 @@ class OuroAdapter(HFAdapter):
         with _hooks(emb.register_forward_hook(lambda m, a, o: init.append(o) if not init else None)):
             out = self.model.model(input_ids=ids, use_cache=False)
         hs, gates = self._split(out)
-        g = torch.stack([x.reshape(*x.shape[:2], -1)[..., 0].float() for x in gates], dim=2)
+        g = torch.stack([x.reshape(*x.shape[:2], -1)[..., 0].float() for x in gates], dim=2)  # exact for bf16/fp16
         self._ctx = _Context(tuple(ids.shape), [])
         return States(hidden=torch.stack(hs, dim=2), hidden_init=init[0], gate_logits=g)
 
     def _readout(self, h, loop):
-        if self._norm_exit:
-            h = self.model.model.norm(h)
         return self.model.get_output_embeddings()(h)
 
-    def _verify(self, ids, st):
-        # Ouro's code is not on this machine: settle whether the per-step states are read out directly or
-        # through the final norm by matching the model's own last-step logits, then require the match.
-        loop, ref = self._reference(ids)
-        ref, h = ref.float(), st.hidden[:, :, loop]
-        err = {}
-        for norm in (False, True) if hasattr(self.model.model, "norm") else (False,):
-            self._norm_exit = norm
-            err[norm] = float((self.readout(h, loop) - ref).abs().max())
-        self._norm_exit = min(err, key=lambda k: err[k])
-        self._check_close(self.readout(h, loop), ref, loop)
-        self._verified = True
+    def _reference(self, ids):
+        # The plain forward is not the last step: with config.early_exit_threshold (1.0 by default) it takes Ouro's
+        # Q-exit path, where the running CDF, computed in the model dtype, can reach the threshold before step T.
+        T = self.info.n_loops
+        kw = {"exit_at_step": T - 1} if "exit_at_step" in inspect.signature(self.model.forward).parameters else {}
+        return T - 1, self.model(input_ids=ids, use_cache=False, **kw).logits
+
+
+def sequence_seed(seed: int, ids: torch.Tensor) -> int:
+    """The random-stream seed of one sequence: the first 63 bits of sha256(``seed`` as 8 bytes little-endian ‖
+    the sequence's token ids as int64 little-endian). A function of the sequence itself, so its trajectory does
+    not depend on the batch it is in, its position there or a resume point."""
+    h = hashlib.sha256(int(seed).to_bytes(8, "little", signed=True))
+    h.update(ids.detach().to("cpu", torch.int64).contiguous().numpy().astype("<i8").tobytes())
+    return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 
 class HuginnAdapter(HFAdapter):
-    """Huginn / Raven (remote code): latent iteration step by step through its documented methods."""
+    """Huginn / Raven (remote code, ``raven_modeling_minimal.py``): ``embed_inputs`` → ``initialize_state`` →
+    ``iterate_one_step(current_step=t)`` × T; h_t is the raw core-block output, the exit at loop t is
+    ``predict_from_latents(h_t)`` (ln_f → coda → ln_f → lm_head).
+
+    Randomness: h_0 (``initialize_state``) and the test-time noise (``config.test_time_noise > 0``, one draw per
+    step) come from torch's global stream. Each sequence gets its own stream, seeded by :func:`sequence_seed`,
+    and draws in the order the model's own ``forward(num_steps=T)`` does on that sequence alone: h_0, then the
+    noise of steps 0..T−1. Without noise h_0 is drawn per sequence and the steps run batched; with noise every
+    sequence runs alone (the noise of a step is drawn for the whole batch at once)."""
 
     kind = "huginn"
     METHODS = ("embed_inputs", "initialize_state", "iterate_one_step", "predict_from_latents")
@@ -589,50 +658,54 @@ class HuginnAdapter(HFAdapter):
         d = getattr(c, "n_embd", None) or getattr(c, "hidden_size", None)
         return int(T), int(d), self.model.get_output_embeddings().out_features
 
-    @staticmethod
-    def _first(out):
-        return out[0] if isinstance(out, tuple | list) else out
+    def sequence_seeds(self, ids: torch.Tensor) -> list[int]:
+        """:func:`sequence_seed` of every row of ``ids``."""
+        return [sequence_seed(self.cfg.seed, ids[i]) for i in range(ids.shape[0])]
 
-    def _seeded(self):
+    @contextlib.contextmanager
+    def _stream(self, seed: int):
+        """torch's global stream seeded with ``seed``, restored afterwards."""
         devices = [self._device] if self._device.type == "cuda" else []
-        rng = torch.random.fork_rng(devices=devices)
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
 
-        @contextlib.contextmanager
-        def cm():
-            with rng:
-                torch.manual_seed(self.cfg.seed)  # the same initial state for every batch (and on resume)
-                yield
-        return cm()
+    def _noisy(self) -> bool:
+        return float(getattr(self.model.config, "test_time_noise", 0) or 0) > 0
+
+    def _iterate(self, e, x, block_idx):
+        loops = []
+        for t in range(self.info.n_loops):
+            x, block_idx, _ = self.model.iterate_one_step(e, x, block_idx=block_idx.clone(), current_step=t)
+            loops.append(x)
+        return torch.stack(loops, dim=2)
 
     def _states(self, ids):
         m = self.model
-        emb = m.embed_inputs(ids)
-        e, block_idx = (emb[0], emb[1]) if isinstance(emb, tuple | list) else (emb, None)
-        with self._seeded():
-            x = m.initialize_state(e)
-        h0, loops = x, []
-        kw = {"block_idx": block_idx} if "block_idx" in inspect.signature(m.iterate_one_step).parameters else {}
-        for _ in range(self.info.n_loops):
-            out = m.iterate_one_step(e, x, **kw)
-            if isinstance(out, tuple | list):
-                x = out[0]
-                if kw and len(out) > 1:
-                    kw["block_idx"] = out[1]
-            else:
-                x = out
-            loops.append(x)
+        e, block_idx = m.embed_inputs(ids)
+        h0, rows = [], []
+        for i, seed in enumerate(self.sequence_seeds(ids)):
+            with self._stream(seed):
+                h0.append(m.initialize_state(e[i:i + 1]))
+                if self._noisy():  # the step noise follows h_0 in the sequence's own stream
+                    rows.append(self._iterate(e[i:i + 1], h0[-1], block_idx))
+        h0 = torch.cat(h0, dim=0)
+        hidden = torch.cat(rows, dim=0) if rows else self._iterate(e, h0, block_idx)
         self._ctx = _Context(tuple(ids.shape), [])
-        return States(hidden=torch.stack(loops, dim=2), hidden_init=h0)
+        return States(hidden=hidden, hidden_init=h0)
 
     def _readout(self, h, loop):
-        out = self.model.predict_from_latents(h)
-        return out.logits if hasattr(out, "logits") else self._first(out)
+        return self.model.predict_from_latents(h).logits
 
     def _reference(self, ids):
-        with self._seeded():
-            out = self.model(input_ids=ids, num_steps=self.info.n_loops)
-        return self.info.n_loops - 1, out.logits if hasattr(out, "logits") else self._first(out)
+        """The model's own ``forward(num_steps=T)`` on each sequence alone, in that sequence's stream."""
+        out = []
+        for i, seed in enumerate(self.sequence_seeds(ids)):
+            with self._stream(seed):
+                out.append(self.model(input_ids=ids[i:i + 1], num_steps=self.info.n_loops).logits)
+        return self.info.n_loops - 1, torch.cat(out, dim=0)
 
 
-__all__ = ["KINDS", "AdapterConfig", "DoryAdapter", "HFAdapter", "HuginnAdapter", "Inkling2LoopAdapter",
-           "OuroAdapter", "RetrofitAdapter", "checkpoint_hash", "load_adapter", "load_hf_model"]
+__all__ = ["KINDS", "AdapterConfig", "CheckpointLoadError", "DoryAdapter", "HFAdapter", "HuginnAdapter",
+           "Inkling2LoopAdapter", "OuroAdapter", "RetrofitAdapter", "checkpoint_hash", "load_adapter", "load_hf_model",
+           "sequence_seed"]

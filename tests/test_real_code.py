@@ -1,0 +1,182 @@
+"""The ``huginn`` and ``ouro`` adapters against the *published* remote code (skipped unless it is given).
+
+Set ``LOOPTRACE_REAL_CODE=/dir`` where ``/dir/huginn`` and ``/dir/ouro`` are tiny random-weight checkpoints saved
+with the published modeling code (``/dir/ouro_confident``, the Ouro one with confident gates, is used when
+present). How to build them: docs/adapters.md, "Re-verifying against the real code". Nothing of that code is
+in this repository; CI runs the same checks on stand-ins (tests/test_remote_adapters.py).
+
+Every reference is the real model's own computation under the installed transformers (through looptrace's
+compatibility shim, which adapts interfaces, never maths): per-loop states, gate logits and every exit equal it
+to 1e-5 in float32; Ouro's Q-exit step equals its own ``forward(exit_threshold=q)``; cached generation equals
+uncached greedy decoding. ``pytest -s`` prints the measured max |diff| per model and quantity.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from looptrace.models.adapters.hf import AdapterConfig, load_adapter, sequence_seed
+from looptrace.rules.registry import get_rule
+from looptrace.rules.scoring import exit_depths
+from looptrace.signals.halting import ouro_threshold
+
+ROOT = os.environ.get("LOOPTRACE_REAL_CODE")
+pytestmark = pytest.mark.skipif(not ROOT, reason="LOOPTRACE_REAL_CODE (a directory with huginn/ and ouro/ "
+                                                 "checkpoints of the published code) is not set")
+TOL = 1e-5
+QS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+torch.set_num_threads(1)
+
+
+def _dir(name: str) -> Path:
+    p = Path(ROOT or ".") / name
+    if not (p / "config.json").is_file():
+        pytest.skip(f"{p} holds no checkpoint")
+    return p
+
+
+def _ids(b=3, s=12, vocab=250, seed=0):
+    return torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def report(model: str, **d: float) -> None:
+    print(f"\n[real code] {model}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items()))
+
+
+def exits(a, st):
+    return torch.stack([a.readout(st.hidden[:, :, t], t) for t in range(a.info.n_loops)], dim=2)
+
+
+# ----------------------------------------------------------------------------------------------- Huginn
+
+@pytest.mark.parametrize(("noise", "kind"), [(0.0, "fixed"), (0.3, "fixed"), (0.3, "geom")])
+def test_huginn_states_and_exits_are_the_real_models_own(noise, kind):
+    path = _dir("huginn")
+    a = load_adapter(AdapterConfig(kind="huginn", path=str(path), trust_remote_code=True, seed=3))
+    m = a.model
+    m.config.test_time_noise, m.config.test_time_noise_type = noise, kind
+    a._verified = False  # the exit check runs with this noise setting
+    ids = _ids(vocab=m.config.vocab_size - 1)
+    st = a.states(ids)
+    T = a.info.n_loops
+    d = {"h0": 0.0, "states": 0.0, "exits vs forward(num_steps=t)": 0.0}
+    for i in range(ids.shape[0]):
+        seed = sequence_seed(3, ids[i])
+        with torch.no_grad(), torch.random.fork_rng():  # its own step API, in the sequence's stream
+            torch.manual_seed(seed)
+            e, bidx = m.embed_inputs(ids[i:i + 1])
+            x = m.initialize_state(e)
+            d["h0"] = max(d["h0"], diff(st.hidden_init[i:i + 1], x))
+            for t in range(T):
+                x, bidx, _ = m.iterate_one_step(e, x, block_idx=bidx, current_step=t)
+                d["states"] = max(d["states"], diff(st.hidden[i:i + 1, :, t], x))
+        for t in range(T):
+            with torch.no_grad(), torch.random.fork_rng():
+                torch.manual_seed(seed)
+                own = m(input_ids=ids[i:i + 1], num_steps=t + 1).logits
+            d["exits vs forward(num_steps=t)"] = max(d["exits vs forward(num_steps=t)"],
+                                                     diff(a.readout(st.hidden[:, :, t], t)[i:i + 1], own))
+    d["batch of 1 vs 3"] = diff(a.states(ids[1:2]).hidden, st.hidden[1:2])
+    report(f"huginn noise {noise} {kind}", **d)
+    assert max(d.values()) <= TOL, d
+
+
+def test_huginn_generation_runs_its_own_loops():
+    """Plain generate (routed to Huginn's generate_minimal) and its adaptive loop with a never-exiting criterion
+    both equal uncached greedy decoding; h_0 = 0 (init_scale 0) makes every path deterministic."""
+    path = _dir("huginn")
+    a = load_adapter(AdapterConfig(kind="huginn", path=str(path), trust_remote_code=True))
+    m, ids, n = a.model, _ids(b=1, s=6, vocab=a.model.config.vocab_size - 1), 4
+    with torch.no_grad():
+        seq = ids
+        for _ in range(n):
+            nxt = m(input_ids=seq, num_steps=a.info.n_loops, init_scale=0.0).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+        plain = m.generate(ids, max_new_tokens=n, do_sample=False, init_scale=0.0)
+        adaptive = m.generate(ids, max_new_tokens=n, do_sample=False, init_scale=0.0, criterion="none")
+    adaptive = adaptive.sequences if hasattr(adaptive, "sequences") else adaptive
+    report("huginn generate", plain_tokens_equal=float(torch.equal(plain, seq)),
+           adaptive_tokens_equal=float(torch.equal(adaptive, seq)))
+    assert torch.equal(plain, seq) and torch.equal(adaptive, seq)
+
+
+# ----------------------------------------------------------------------------------------------- Ouro
+
+def _ouro(path, **kw):
+    return load_adapter(AdapterConfig(kind="ouro", path=str(path), trust_remote_code=True, **kw))
+
+
+@pytest.mark.parametrize("name", ["ouro", "ouro_confident"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ouro_states_gates_exits_and_q_exit_are_the_real_models_own(name, dtype):
+    path = _dir(name)
+    a = _ouro(path, dtype=dtype)  # verify_exit on
+    m = a.model
+    ids = _ids(b=4, s=16, vocab=m.config.vocab_size - 1)
+    st = a.states(ids)
+    T = a.info.n_loops
+    with torch.no_grad():
+        _, hs, gates = m.model(input_ids=ids, use_cache=False)
+        ex = exits(a, st)
+        d = {"states": max(diff(st.hidden[:, :, t], hs[t]) for t in range(T)),
+             "gate logits": diff(st.gate_logits, torch.cat(gates, dim=-1)),
+             "exits vs forward(exit_at_step=t)": max(
+                 diff(ex[:, :, t], m(input_ids=ids, use_cache=False, exit_at_step=t).logits) for t in range(T))}
+        misses, misses64 = {}, {}
+        g = st.gate_logits.reshape(-1, T).numpy()
+        for q in QS:
+            own = m(input_ids=ids, use_cache=False, exit_threshold=q).logits.float()
+            match = (ex == own[:, :, None]).all(-1)
+            assert bool(match.any(-1).all())
+            own_step = (match.float().argmax(-1) + 1).reshape(-1).numpy()
+            mine = exit_depths(get_rule(f"q_exit_{dtype}").score_of({"gate_logit": g}),
+                               np.array([ouro_threshold(q, dtype)]), "ge")[0]
+            f64 = exit_depths(get_rule("q_exit").score_of({"gate_logit": g}), np.array([q]), "ge")[0]
+            misses[q], misses64[q] = int((mine != own_step).sum()), int((f64 != own_step).sum())
+    report(f"{name} {dtype}", **d, q_exit_model_dtype_mismatches=sum(misses.values()),
+           q_exit_float64_mismatches=sum(misses64.values()))
+    print(f"  tokens ({g.shape[0]}) whose Q-exit step differs from forward(exit_threshold=q): "
+          f"q_exit_{dtype} {misses}; float64 q_exit {misses64}")
+    assert max(d.values()) <= (TOL if dtype == "float32" else 0.0), d
+    assert not any(misses.values()), misses
+
+
+def test_ouro_n_loops_equals_a_model_built_with_that_many_steps():
+    from transformers import AutoModelForCausalLM
+
+    path = _dir("ouro")
+    a = _ouro(path, n_loops=3)
+    ids = _ids(vocab=a.model.config.vocab_size - 1)
+    st = a.states(ids)
+    ref = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, local_files_only=True,
+                                               total_ut_steps=3).eval()
+    with torch.no_grad():
+        _, hs, _ = ref.model(input_ids=ids, use_cache=False)
+    d = {"states (n_loops 3 vs total_ut_steps 3)": max(diff(st.hidden[:, :, t], hs[t]) for t in range(3))}
+    report("ouro n_loops 3", **d)
+    assert st.hidden.shape[2] == 3 and max(d.values()) <= TOL
+
+
+def test_ouro_cached_generate_equals_uncached_greedy():
+    path = _dir("ouro")
+    a = _ouro(path)
+    m, ids, n = a.model, _ids(b=1, s=6, vocab=a.model.config.vocab_size - 1), 5
+    T = a.info.n_loops
+    with torch.no_grad():
+        seq = ids
+        for _ in range(n):
+            nxt = m(input_ids=seq, use_cache=False, exit_at_step=T - 1).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+        gen = m.generate(ids, max_new_tokens=n, do_sample=False, exit_at_step=T - 1)
+        cached = m(input_ids=ids).logits  # use_cache defaults to True: the model's own cache
+        plain = m(input_ids=ids, use_cache=False).logits
+    report("ouro generate", tokens_equal=float(torch.equal(gen, seq)), cached_vs_uncached_logits=diff(cached, plain))
+    assert torch.equal(gen, seq) and diff(cached, plain) <= TOL
