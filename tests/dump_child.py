@@ -2,7 +2,8 @@
 
 JSON keys: ``path`` (store path or URL), ``shard`` ([i, N], default [0, 1]), ``n_seq`` (default 60),
 ``delay`` (seconds added around every chunk write, so a kill lands mid-range), ``cfg`` (DumpConfig overrides
-of :func:`looptrace.testing.tiny_dump_config`). Prints ``ready``, then ``wrote <chunk>`` after every chunk,
+of :func:`looptrace.testing.tiny_dump_config`), ``hold`` (seconds to sleep after the first chunk written, so
+the writer stays live mid-range until killed). Prints ``ready``, then ``wrote <chunk>`` after every chunk,
 then ``done <complete>``; a refusal prints ``error: <one line>`` and exits 2.
 """
 
@@ -20,6 +21,7 @@ from looptrace.testing import tiny_adapter_and_data, tiny_dump_config  # noqa: E
 
 args = json.loads(sys.argv[1])
 delay = float(args.get("delay", 0.0))
+hold = [float(args.get("hold", 0.0))]
 real = StoreWriter.write_chunk
 
 
@@ -27,7 +29,7 @@ def slow(self, c, a, **kw):
     time.sleep(delay / 2)
     out = real(self, c, a, **kw)
     print(f"wrote {c}", flush=True)
-    time.sleep(delay / 2)
+    time.sleep(delay / 2 + hold.pop() if hold else delay / 2)
     return out
 
 

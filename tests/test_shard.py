@@ -39,9 +39,9 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def spawn(path, shard=(0, 1), delay=0.0, cfg=None, env=None) -> subprocess.Popen:
+def spawn(path, shard=(0, 1), delay=0.0, cfg=None, env=None, hold=0.0) -> subprocess.Popen:
     """A dump of the tiny model (60 sequences, 16-row chunks) in a child process (tests/dump_child.py)."""
-    args = {"path": str(path), "shard": list(shard), "delay": delay, "cfg": cfg or {}}
+    args = {"path": str(path), "shard": list(shard), "delay": delay, "cfg": cfg or {}, "hold": hold}
     proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps(args)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, cwd=REPO, env={**os.environ, **(env or {})}, text=True)
     return proc
@@ -165,7 +165,9 @@ def test_a_killed_shard_resumes_and_the_store_equals_one_process(tmp_path, refer
 
 def test_an_overlapping_or_foreign_writer_is_refused_in_one_line(tmp_path, reference):
     path = tmp_path / "val.zarr"
-    running = spawn(path, (1, 2), delay=1.0)  # slower than a third process takes to start
+    # it holds its claim after its first chunk until killed: on a loaded machine a third process can take longer to
+    # start than a whole slow range takes to write (a finished range is not refused, it is simply done)
+    running = spawn(path, (1, 2), hold=600.0)
     try:
         wait_line(running, "wrote", 1)
         adapter, data = tiny_adapter_and_data(n_seq=60)
