@@ -46,6 +46,37 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class DaskConfig:
+    """``base.dask``: where the offline stages' per-chunk work runs (:mod:`looptrace.io.parallel`).
+
+    The outputs are the same bytes wherever they run; only time and memory change.
+
+    Attributes:
+        scheduler: ``null`` (in this process, the default: no Dask), ``local`` (a ``LocalCluster`` of
+            ``workers`` single-threaded processes on 127.0.0.1, for the stage's duration) or the address of a
+            running scheduler (``tcp://host:8786``; dask-jobqueue, Kubernetes). ``$LOOPTRACE_DASK_SCHEDULER``
+            overrides it.
+        workers: worker processes of ``local`` (null = the machine's CPU count); ignored for an address.
+        max_in_flight: tasks submitted ahead of the one the stage consumes (null = 2 × worker threads);
+            bounds the results waiting in the stage's memory.
+    """
+
+    scheduler: str | None = None
+    workers: int | None = None
+    max_in_flight: int | None = None
+
+    def __post_init__(self) -> None:
+        s = self.scheduler
+        if s is not None and not (s == "local" or "://" in s or ":" in s):
+            raise ConfigError(f"base.dask.scheduler must be null, 'local' or a scheduler address "
+                              f"(tcp://host:8786), got {s!r}")
+        for key in ("workers", "max_in_flight"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"base.dask.{key} must be an integer >= 1 or null, got {v!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class BaseConfig:
     """``base`` section: settings shared by every stage.
 
@@ -57,12 +88,15 @@ class BaseConfig:
             25× slower than one thread on a shared machine), and a multi-threaded op waits for its slowest
             thread, which makes the small per-loop kernels that latency times slow and erratic.
         device: torch device string for model work (``cpu``, ``cuda``).
+        dask: where the offline stages (geometry, readouts, gates, diagnose) run their per-chunk work
+            (:class:`DaskConfig`; default in this process).
     """
 
     seed: int = 0
     threads: int = 2
     analysis_threads: int = 1
     device: str = "cpu"
+    dask: DaskConfig = dataclasses.field(default_factory=DaskConfig)
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 from looptrace.io.artifacts import write_outputs
+from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.rules.builtin import CONFIDENCE_RULES
 
@@ -510,7 +511,8 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
 
 def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root: Path | str,
                     geometry_root: Path | str, cfg: DiagnoseConfig, meta: dict | None = None,
-                    progress: bool = True) -> tuple[dict[str, pl.DataFrame], str, dict]:
+                    progress: bool = True, runner: DaskRunner | None = None
+                    ) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Failure classes, Spearman, verdicts and the [AD] claims over all models.
 
     Args:
@@ -523,16 +525,39 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
         cfg: the ``diagnose`` section.
         meta: extra metrics.json entries (versions, params).
         progress: progress bar.
+        runner: one Dask task per model (:func:`model_rows`; the workers read the model's files, so with a
+            remote scheduler the artifacts must be on a filesystem the workers share); None = in this process.
+            The claims over all models are then drawn here from the per-model rows, in model order.
 
     Returns:
         (frames {failure_classes, spearman, verdicts}, summary markdown, metrics dict incl. claim details).
     """
     from tqdm.auto import tqdm
 
+    models = list(models)
+    parts = map_tasks(model_rows, [[m] for m in models], (readouts_root, gates_root, geometry_root, cfg), runner)
+    rows: dict[str, list] = {k: [] for k in _ROW_KEYS}
+    gates_present = False
+    for part in tqdm(parts, total=len(models), desc="diagnose", disable=None if progress else True, leave=False):
+        for k in _ROW_KEYS:
+            rows[k] += part[k]
+        gates_present = gates_present or part["gates_present"]
+    return _diagnosis(**rows, gates_present=gates_present, cfg=cfg, meta=meta)
+
+
+#: The per-model rows :func:`model_rows` returns.
+_ROW_KEYS = ("fail_rows", "sp_rows", "verdict_rows", "meta_rows", "dx_all")
+
+
+def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Path | str, geometry_root: Path | str,
+               cfg: DiagnoseConfig) -> dict:
+    """The per-model work of :func:`diagnose_models` (in this process or as a Dask task): each model's failure
+    rows, Spearman rows, verdict, metadata row and D@X rows (lists, one entry per row, in model order) and
+    whether it has gates outputs."""
     readouts_root, gates_root, geometry_root = Path(readouts_root), Path(gates_root), Path(geometry_root)
     fail_rows, sp_rows, verdict_rows, meta_rows, dx_all = [], [], [], [], []
     gates_present = False
-    for model in tqdm(list(models), desc="diagnose", disable=None if progress else True, leave=False):
+    for model in models:
         mpath = readouts_root / model / "metrics.json"
         if not mpath.is_file():
             raise FileNotFoundError(f"{mpath} not found; run the readouts stage for {model} first")
@@ -576,6 +601,14 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
                   "accuracy": orc.get("test_accuracy", float(c.any(1).mean()))}
         mf = pl.DataFrame([r for r in fail_rows if r["model"] == model])
         verdict_rows.append(verdict(info, ch, dx, oracle, mf, cfg))
+    return {"fail_rows": fail_rows, "sp_rows": sp_rows, "verdict_rows": verdict_rows, "meta_rows": meta_rows,
+            "dx_all": dx_all, "gates_present": gates_present}
+
+
+def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: list, dx_all: list,
+               gates_present: bool, cfg: DiagnoseConfig, meta: dict | None
+               ) -> tuple[dict[str, pl.DataFrame], str, dict]:
+    """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
                                               "regime_kind": pl.String})
     dx_df = pl.concat(dx_all, how="diagonal_relaxed")

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from looptrace.config import ConfigError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
 from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
 from tqdm.auto import tqdm
@@ -244,28 +245,37 @@ def iter_blocks(store, block_tokens: int | None = None) -> Iterator[SplitArrays]
         block_tokens: tokens per block; ``None`` = the store's chunk size (chunk-aligned reads).
 
     Yields:
-        A :class:`~looptrace.io.tables.SplitArrays` per token slice, in store order: ``token`` the store rows,
-        ``fields`` target, sequence, position, difficulty, token_type ([token] int64), ``loop`` the geometry
-        metrics and store stats (float32), ``argmax`` (int64), ``correct`` (bool) and ``gate_logit``
-        (float32, only when the model has a gate). Only one block's ``hidden`` is in memory.
+        :func:`read_block` of each token slice, in store order. Only one block's ``hidden`` is in memory.
     """
     release_large_buffers()
+    for tokens in store.blocks(block_tokens):
+        yield read_block(store, tokens)
+
+
+def read_block(store, tokens: slice) -> SplitArrays:
+    """One block of a store with its step metrics.
+
+    Returns:
+        A :class:`~looptrace.io.tables.SplitArrays`: ``token`` the store rows, ``fields`` target, sequence,
+        position, difficulty, token_type ([token] int64), ``loop`` the geometry metrics and store stats
+        (float32), ``argmax`` (int64), ``correct`` (bool) and ``gate_logit`` (float32, only when the model has
+        a gate).
+    """
     names = ["hidden", "hidden_init", "argmax", *STORE_STATS, *_TOKEN_NAMES]
     if store.has_gate:
         names.append("gate_logit")
-    for tokens in store.blocks(block_tokens):
-        arr = store.read_block(names, tokens)
-        per_loop = step_metrics(arr.pop("hidden"), arr.pop("hidden_init"))
-        for s in STORE_STATS:
-            per_loop[s] = np.asarray(arr.pop(s), dtype=np.float32)
-        per_loop["argmax"] = np.asarray(arr.pop("argmax"), dtype=np.int64)
-        if "gate_logit" in arr:
-            per_loop["gate_logit"] = np.asarray(arr.pop("gate_logit"), dtype=np.float32)
-        fields = {k: np.asarray(arr[k], dtype=np.int64) for k in _TOKEN_NAMES}
-        per_loop["correct"] = per_loop["argmax"] == fields["target"][:, None]
-        start = tokens.start or 0
-        token = np.arange(start, start + len(fields["target"]), dtype=np.int64)
-        yield SplitArrays(token=token, loop=per_loop, fields=fields)
+    arr = store.read_block(names, tokens)
+    per_loop = step_metrics(arr.pop("hidden"), arr.pop("hidden_init"))
+    for s in STORE_STATS:
+        per_loop[s] = np.asarray(arr.pop(s), dtype=np.float32)
+    per_loop["argmax"] = np.asarray(arr.pop("argmax"), dtype=np.int64)
+    if "gate_logit" in arr:
+        per_loop["gate_logit"] = np.asarray(arr.pop("gate_logit"), dtype=np.float32)
+    fields = {k: np.asarray(arr[k], dtype=np.int64) for k in _TOKEN_NAMES}
+    per_loop["correct"] = per_loop["argmax"] == fields["target"][:, None]
+    start = tokens.start or 0
+    token = np.arange(start, start + len(fields["target"]), dtype=np.int64)
+    return SplitArrays(token=token, loop=per_loop, fields=fields)
 
 
 def _signal(block: SplitArrays, name: str) -> np.ndarray:
@@ -435,7 +445,7 @@ def _median_int(x: np.ndarray) -> float:
 
 def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | str,
                    meta: dict | None = None, extra_tables: dict[str, pl.DataFrame] | None = None,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, runner: DaskRunner | None = None) -> dict:
     """Run the geometry of one model's dump: stream each split's store and write the artifacts.
 
     Writes, atomically (a temporary directory next to ``out_dir`` that replaces it at the end):
@@ -451,18 +461,37 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
         extra_tables: file name -> frame written into the same directory in the same atomic swap
             (``training_dynamics.parquet``).
         progress: show progress bars (silent anyway when not a terminal).
+        runner: run the per-chunk work (:func:`geometry_chunk`) as Dask tasks (:mod:`looptrace.io.parallel`);
+            None = in this process. The outputs are the same bytes either way.
 
     Returns:
         The metrics dict written to ``metrics.json``.
     """
     with atomic_dir(out_dir) as tmp:
-        metrics = _geometry_into(stores, cfg, tmp, dict(meta or {}), progress)
+        metrics = _geometry_into(stores, cfg, tmp, dict(meta or {}), progress, runner)
         for name, df in (extra_tables or {}).items():
             df.write_parquet(tmp / name)
     return metrics
 
 
-def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta: dict, progress: bool) -> dict:
+def geometry_chunk(store, tokens: slice, split: str, loop_group: np.ndarray, keys: list[tuple[str, float]]
+                   ) -> tuple[SplitArrays, pa.Table, dict, pa.Table, dict]:
+    """The per-chunk work of the geometry stage, in this process or as one Dask task per chunk.
+
+    Returns:
+        (the block of :func:`read_block`, its ``token_loop`` rows, its convergence depths
+        (:func:`block_convergence`), its ``convergence`` rows, its DLR parts (:func:`drift_to_loop_ratio`)).
+        The stage writes and accumulates these in chunk order, so the outputs do not depend on where a chunk ran.
+    """
+    block = read_block(store, tokens)
+    conv = block_convergence(block, keys)
+    return (block, token_loop_table(block, split, loop_group), conv, convergence_table(block, split, conv),
+            drift_to_loop_ratio(block.loop["step_norm"], loop_group))
+
+
+def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta: dict, progress: bool,
+                   runner: DaskRunner | None = None) -> dict:
+    release_large_buffers()
     first = next(iter(stores.values()))
     n_loops = first.n_loops
     loop_group = np.asarray(first.loop_group, dtype=np.int64)
@@ -487,15 +516,15 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                                                      for g, _, _ in handoffs}
             bar = tqdm(total=st.n_tokens, desc=f"geometry {split}", unit="tok", disable=None if progress else True,
                        leave=False)
-            for block in iter_blocks(st, cfg.block_tokens):
-                tl_writer.write_table(token_loop_table(block, split, loop_group))
-                conv = block_convergence(block, keys)
-                cv_writer.write_table(convergence_table(block, split, conv))
+            chunks = map_chunks(geometry_chunk, st, st.blocks(cfg.block_tokens), (split, loop_group, keys), runner)
+            for block, tl_table, conv, cv_table, dlr in chunks:
+                tl_writer.write_table(tl_table)
+                cv_writer.write_table(cv_table)
                 depths.setdefault("difficulty", []).append(block.fields["difficulty"])
                 for (sig, eps), res in conv.items():
                     for kind in ("first", "settled"):
                         depths.setdefault((sig, eps, kind), []).append(res[kind].astype(np.int16))
-                for g, parts in drift_to_loop_ratio(block.loop["step_norm"], loop_group).items():
+                for g, parts in dlr.items():
                     for k, v in parts.items():
                         dlr_parts[g][k].append(v.astype(np.float32))
                 loop_cols.append(block)

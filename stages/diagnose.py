@@ -8,6 +8,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
 from looptrace.errors import run, user_errors
+from looptrace.io.parallel import dask_runner
 from looptrace.project import model_names, versions
 
 
@@ -25,7 +26,9 @@ def main(
         cfg = load_section(DiagnoseConfig, "diagnose", params)
         names = model_names(params, models)
         meta = {"seed": base.seed, "params": to_dict(cfg), "versions": versions(), "models_list": names}
-        frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta)
+        with dask_runner(base.dask) as runner:
+            frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta,
+                                                       runner=runner)
         write_diagnosis(out, frames, summary, metrics)
     for name, status in metrics["claims"].items():
         typer.echo(f"[AD] claim ({name}): {status}")

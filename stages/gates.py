@@ -9,6 +9,7 @@ from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.gates.config import SPLITS, GatesConfig
 from looptrace.gates.stage import gates_stage
+from looptrace.io.parallel import dask_runner
 from looptrace.io.store import open_store
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
@@ -35,8 +36,9 @@ def main(
             tasks[m] = info["task"] or (task_attr.get("name") if isinstance(task_attr, dict) else None)
             meta[m] = {**info, "seed": base.seed, "params": {"gates": to_dict(cfg), "calibration": to_dict(cal)},
                        "versions": vers, "store_seeds": {s: st.attrs.get("seeds") for s, st in stores[m].items()}}
-        metrics = gates_stage(stores, cfg, cal, out, base_seed=base.seed, meta=meta, tasks=tasks,
-                              threads=base.analysis_threads)
+        with dask_runner(base.dask) as runner:
+            metrics = gates_stage(stores, cfg, cal, out, base_seed=base.seed, meta=meta, tasks=tasks,
+                                  threads=base.analysis_threads, runner=runner)
     for m, best in metrics["best_gate"].items():
         typer.echo(f"{m}: best gate D@{best['x']:g} = {best['d_at']} ({best['rule']})")
     typer.echo(f"gates: {len(names)} models × {len(metrics['gates'])} gates in {metrics['seconds']:.1f} s")

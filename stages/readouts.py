@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
+from looptrace.io.parallel import dask_runner
 from looptrace.project import model_meta, versions
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig
@@ -25,7 +26,8 @@ def main(
         cal = load_section(CalibrationConfig, "calibration", params)
         meta = {**model_meta(model, params), "seed": base.seed,
                 "params": {"readouts": to_dict(cfg), "calibration": to_dict(cal)}, "versions": versions()}
-        metrics = readouts_model(geometry_root / model, cfg, cal, out / model, meta=meta)
+        with dask_runner(base.dask) as runner:
+            metrics = readouts_model(geometry_root / model, cfg, cal, out / model, meta=meta, runner=runner)
     best = metrics["best_posthoc"]
     fixed = metrics["rules"]["fixed"]["d_at"] if "fixed" in metrics["rules"] else {}
     x = str(int(best["x"]) if float(best["x"]).is_integer() else best["x"])

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 from looptrace.gates.config import GEOMETRY_FEATURES, LOG_FLOOR, SIGNED_STATS
+from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
 
 
@@ -167,18 +168,34 @@ def block_stats(st, tokens: slice, stats: Sequence[str], hidden: np.ndarray | No
     return np.stack(cols, axis=-1)
 
 
+def read_block(st, tokens: slice, stats: Sequence[str]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(hidden [n, T, D] float32, raw stats [n, T, k] | None) of one token slice."""
+    need_init = any(s in GEOMETRY_FEATURES for s in stats)
+    h = st.read("hidden", tokens)
+    h0 = st.read("hidden_init", tokens) if need_init else None
+    return h, block_stats(st, tokens, stats, h, h0)
+
+
 def iter_blocks(st, stats: Sequence[str], block_tokens: int | None = None
                 ) -> Iterator[tuple[slice, np.ndarray, np.ndarray | None]]:
     """(token slice, hidden [n, T, D] float32, raw stats [n, T, k] | None) per chunk-aligned block."""
-    need_init = any(s in GEOMETRY_FEATURES for s in stats)
     for sl in st.blocks(block_tokens):
-        h = st.read("hidden", sl)
-        h0 = st.read("hidden_init", sl) if need_init else None
-        yield sl, h, block_stats(st, sl, stats, h, h0)
+        yield (sl, *read_block(st, sl, stats))
 
 
-def gather_fit_rows(st, tokens: np.ndarray, stats: Sequence[str], block_tokens: int | None = None
-                    ) -> tuple[np.ndarray, np.ndarray | None]:
+def fit_rows_chunk(st, tokens: slice, selected: np.ndarray, stats: Sequence[str]
+                   ) -> tuple[np.ndarray, np.ndarray | None]:
+    """The selected fit rows of one block (``selected``: sorted store rows; those inside ``tokens`` are kept).
+
+    One block's work of :func:`gather_fit_rows` (in this process or as a Dask task).
+    """
+    sel = selected[(selected >= tokens.start) & (selected < tokens.stop)] - tokens.start
+    h, s = read_block(st, tokens, stats)
+    return h[sel], (None if s is None else s[sel])
+
+
+def gather_fit_rows(st, tokens: np.ndarray, stats: Sequence[str], block_tokens: int | None = None,
+                    runner: DaskRunner | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """States and statistics of the selected fit tokens, read block by block.
 
     Args:
@@ -186,15 +203,19 @@ def gather_fit_rows(st, tokens: np.ndarray, stats: Sequence[str], block_tokens: 
         tokens: [n] sorted store rows.
         stats: statistic names.
         block_tokens: block size (None = chunk size).
+        runner: read and select each block holding selected rows as a Dask task
+            (:class:`looptrace.io.parallel.DaskRunner`; None = in this process). The rows are concatenated in
+            block order either way, so the gathered arrays are the same.
 
     Returns:
         (hidden [n, T, D] float32, stats [n, T, k] | None), rows in ``tokens`` order.
     """
+    tokens = np.asarray(tokens)
+    blocks = [sl for sl in st.blocks(block_tokens)
+              if np.searchsorted(tokens, sl.start) < np.searchsorted(tokens, sl.stop)]
     hs, ss = [], []
-    for sl, h, s in iter_blocks(st, stats, block_tokens):
-        sel = tokens[(tokens >= sl.start) & (tokens < sl.stop)] - sl.start
-        if sel.size:
-            hs.append(h[sel])
-            if s is not None:
-                ss.append(s[sel])
+    for h, s in map_chunks(fit_rows_chunk, st, blocks, (tokens, tuple(stats)), runner):
+        hs.append(h)
+        if s is not None:
+            ss.append(s)
     return np.concatenate(hs), (np.concatenate(ss) if ss else None)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,11 +15,12 @@ from looptrace.gates.features import (
     FeaturePipeline,
     check_stats_available,
     gather_fit_rows,
-    iter_blocks,
+    read_block,
     read_targets,
 )
 from looptrace.gates.labels import stop_targets
 from looptrace.gates.ponder import _ponder_module, fit_ponder
+from looptrace.io.parallel import DaskRunner, map_chunks
 
 
 class FittedGate:
@@ -175,7 +177,7 @@ class ModelGates:
 
 
 def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base_seed: int, model: str,
-                    progress: bool = True) -> ModelGates:
+                    progress: bool = True, runner: DaskRunner | None = None) -> ModelGates:
     """Fit the feature pipeline and every gate on one model's fit split.
 
     Args:
@@ -185,6 +187,9 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
         base_seed: ``base.seed``.
         model: model name (seeds are derived from it and the gate names).
         progress: progress bar.
+        runner: read the fit subsample's blocks as Dask tasks (None = in this process). The subsample is
+            seeded and bounded (``max_fit_tokens``), gathered to this process in block order, and the PCA,
+            scaler and gates are fit on it here exactly as in-process: the fit is the same either way.
 
     Returns:
         ModelGates.
@@ -201,7 +206,7 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
     m = n if cfg.max_fit_tokens is None else min(n, cfg.max_fit_tokens)
     tokens = np.sort(rng.choice(n, size=m, replace=False)) if m < n else np.arange(n)
     t0 = time.perf_counter()
-    h, s = gather_fit_rows(st, tokens, cfg.stats, cfg.block_tokens)
+    h, s = gather_fit_rows(st, tokens, cfg.stats, cfg.block_tokens, runner)
     tgt = read_targets(st)
     loss, argmax = tgt.loss[tokens], tgt.loop["argmax"][tokens]
     feats = FeaturePipeline(T, D, cfg.pca_components, cfg.stats, cfg.log_stats, cfg.loop_feature)
@@ -229,23 +234,61 @@ def compatible(fitted: ModelGates, st, stats: Sequence[str]) -> str | None:
     return None
 
 
-def predict_split(st, appliers: Sequence[tuple[ModelGates, Sequence[str]]], cfg: GatesConfig
-                  ) -> dict[tuple[str, str], np.ndarray]:
+@contextmanager
+def analysis_threads(threads: int | None) -> Iterator[None]:
+    """BLAS and torch intra-op threads limited to ``threads`` inside the block (None: left as they are).
+
+    ``base.analysis_threads`` of the gates stage, in the stage's process and, for a Dask task, in the worker
+    (the same thread count, so that results do not depend on where a block ran).
+    """
+    if threads is None:
+        yield
+        return
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with threadpool_limits(limits=threads):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def predict_chunk(st, tokens: slice, appliers: Sequence[tuple[ModelGates, Sequence[str]]], stats: Sequence[str],
+                  threads: int | None = None) -> dict[tuple[str, str], np.ndarray]:
+    """P(stop) [n, T] of every (fit model, gate) of ``appliers`` on one block (in-process or as a Dask task)."""
+    with analysis_threads(threads):
+        h, s = read_block(st, tokens, stats)
+        out = {}
+        for mg, names in appliers:
+            X = mg.features.transform(h, s)
+            for g in names:
+                out[(mg.model, g)] = mg.gates[g].stop_prob(X)
+        return out
+
+
+def predict_split(st, appliers: Sequence[tuple[ModelGates, Sequence[str]]], cfg: GatesConfig,
+                  runner: DaskRunner | None = None, threads: int | None = None) -> dict[tuple[str, str], np.ndarray]:
     """P(stop) of several models' gates on one store, streaming its blocks once.
 
     Args:
         st: the store (val or test split of the eval model).
         appliers: (fitted model gates, gate names to apply) pairs.
         cfg: the section (statistics, block size).
+        runner: score each block as a Dask task (the fitted pipelines are sent once); None = in this process.
+        threads: BLAS/torch threads of a Dask task (``base.analysis_threads``; the stage's own process is
+            limited by :func:`gates_stage`).
 
     Returns:
         (fit model, gate name) -> P(stop) [token, loop] float64.
     """
     T = st.n_loops
     out = {(mg.model, g): np.empty((st.n_tokens, T)) for mg, names in appliers for g in names}
-    for sl, h, s in iter_blocks(st, cfg.stats, cfg.block_tokens):
-        for mg, names in appliers:
-            X = mg.features.transform(h, s)
-            for g in names:
-                out[(mg.model, g)][sl] = mg.gates[g].stop_prob(X)
+    blocks = list(st.blocks(cfg.block_tokens))
+    args = (tuple(appliers), tuple(cfg.stats), threads if runner is not None else None)
+    for sl, probs in zip(blocks, map_chunks(predict_chunk, st, blocks, args, runner), strict=True):
+        for key, p in probs.items():
+            out[key][sl] = p
     return out

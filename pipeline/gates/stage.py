@@ -15,8 +15,9 @@ import polars as pl
 from looptrace.config import to_dict
 from looptrace.gates.config import SPLITS, GatesConfig
 from looptrace.gates.features import check_stats_available, read_targets
-from looptrace.gates.fit import ModelGates, compatible, fit_model_gates, predict_split
+from looptrace.gates.fit import ModelGates, analysis_threads, compatible, fit_model_gates, predict_split
 from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
+from looptrace.io.parallel import DaskRunner
 from looptrace.io.tables import SplitArrays
 from looptrace.rules.scoring import (
     CalibrationConfig,
@@ -94,7 +95,7 @@ def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], val: SplitArra
 def gates_stage(stores: dict[str, dict[str, Any]], cfg: GatesConfig, cal: CalibrationConfig, out_root: Path | str,
                 base_seed: int = 0,
                 meta: dict[str, dict] | None = None, tasks: dict[str, str | None] | None = None,
-                progress: bool = True, threads: int | None = None) -> dict:
+                progress: bool = True, threads: int | None = None, runner: DaskRunner | None = None) -> dict:
     """The ``gates`` stage over several models: fit, calibrate, report, cross-regime transfer.
 
     Writes, atomically (a temporary sibling directory replaces ``out_root`` at the end):
@@ -111,26 +112,19 @@ def gates_stage(stores: dict[str, dict[str, Any]], cfg: GatesConfig, cal: Calibr
         meta: model -> extra metrics.json entries (task, regime, params, versions ...).
         tasks: model -> task name (models of one task are crossed); None/missing = the model alone.
         progress: progress bars.
-        threads: BLAS and torch threads for the duration of the call (None = leave as they are).
+        threads: BLAS and torch threads for the duration of the call (None = leave as they are), and of the
+            scoring tasks on Dask workers.
+        runner: run the per-block work (reading the fit subsample, scoring val and test) as Dask tasks
+            (:mod:`looptrace.io.parallel`); None = in this process. Fitting stays here, on the gathered subsample.
 
     Returns:
         The stage metrics dict (also ``metrics.json``).
     """
-    if threads is None:
-        return _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress)
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with threadpool_limits(limits=threads):
-            return _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress)
-    finally:
-        torch.set_num_threads(before)
+    with analysis_threads(threads):
+        return _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, runner, threads)
 
 
-def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress) -> dict:
+def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, runner=None, threads=None) -> dict:
     t_start = time.perf_counter()
     out_root = Path(out_root)
     meta = meta or {}
@@ -140,7 +134,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress) -
         missing = [s for s in SPLITS if s not in sp]
         if missing:
             raise ValueError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
-    fitted = {m: fit_model_gates(sp["fit"], cfg, specs, base_seed, m, progress) for m, sp in stores.items()}
+    fitted = {m: fit_model_gates(sp["fit"], cfg, specs, base_seed, m, progress, runner) for m, sp in stores.items()}
     with atomic_dir(out_root) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes 0700; the artifacts are meant to be readable
         cross_rows, skipped, summary = [], [], {}
@@ -156,7 +150,8 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress) -
                     continue
                 appliers.append((fitted[a], cross))
             val, test = read_targets(sp["val"]), read_targets(sp["test"])
-            pv, pt = predict_split(sp["val"], appliers, cfg), predict_split(sp["test"], appliers, cfg)
+            pv = predict_split(sp["val"], appliers, cfg, runner, threads)
+            pt = predict_split(sp["test"], appliers, cfg, runner, threads)
             own = {s.name: evaluate_gate(s.rule, pv[(b, s.name)], pt[(b, s.name)], val, test, cal) for s in specs}
             results = list(own.values())
             frames = result_frames(results, cal.dx)

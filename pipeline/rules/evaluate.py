@@ -16,6 +16,7 @@ import numpy as np
 import polars as pl
 from looptrace.config import ConfigError
 from looptrace.io.artifacts import write_outputs
+from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, grid_window
 from looptrace.rules.registry import ExitRule, check_causal, loop_signals, resolve_rules
@@ -86,7 +87,8 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
 
 
 def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig, cal: CalibrationConfig,
-                         progress: bool = True, rules: Sequence[str | ExitRule] | None = None) -> list[RuleResult]:
+                         progress: bool = True, rules: Sequence[str | ExitRule] | None = None,
+                         runner: DaskRunner | None = None) -> list[RuleResult]:
     """Every configured exit rule of SPEC §4 on one model (grid on val, frozen, applied to test).
 
     ``fixed`` has thresholds 1..T, ``argmax_stable`` the k values, ``oracle`` a single NaN threshold (kind
@@ -99,6 +101,8 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
         cal: the ``calibration`` section.
         progress: show a progress bar.
         rules: rules (names or :class:`ExitRule` objects) instead of ``cfg.rules``.
+        runner: one Dask task per rule (val and test are sent to the cluster once); None = in this process.
+            A rule's result is the same either way: the same function on the same arrays.
 
     Returns:
         list of RuleResult in rule order (rules on the native gate only when the model has one).
@@ -107,8 +111,8 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
 
     todo = resolve_rules(cfg.rules if rules is None else rules, "readouts.rules")
     results: list[RuleResult] = []
-    for rule in tqdm(todo, desc="readouts", disable=None if progress else True, leave=False):
-        r = evaluate_rule_on(rule, val, test, cfg, cal)
+    done = map_tasks(evaluate_rule_on, todo, (val, test, cfg, cal), runner)
+    for r in tqdm(done, total=len(todo), desc="readouts", disable=None if progress else True, leave=False):
         if r is not None:
             results.append(r)
     return results
@@ -145,7 +149,7 @@ def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFra
 
 
 def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: CalibrationConfig, out_dir: Path | str,
-                   meta: dict | None = None, progress: bool = True) -> dict:
+                   meta: dict | None = None, progress: bool = True, runner: DaskRunner | None = None) -> dict:
     """The ``readouts`` stage for one model: read token_loop.parquet, evaluate every rule, write outputs.
 
     Args:
@@ -155,6 +159,7 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
         out_dir: ``artifacts/readouts/<model>``.
         meta: extra ``metrics.json`` entries (model, task, regime, regime_kind, versions, params).
         progress: progress bars.
+        runner: evaluate the rules as Dask tasks, one per rule (:func:`evaluate_model_rules`); None = here.
 
     Returns:
         The metrics dict (also written to ``metrics.json``).
@@ -162,7 +167,7 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
     rules = resolve_rules(cfg.rules, "readouts.rules")
     splits = load_token_loop(Path(geometry_dir) / "token_loop.parquet", columns=rule_columns(rules))
     val, test = splits["val"], splits["test"]
-    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules)
+    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules, runner=runner)
     frames = result_frames(results, cal.dx)
     metrics = readouts_metrics(results, frames, val, test, cal, meta or {})
     write_outputs(out_dir, frames, metrics)

@@ -1,0 +1,233 @@
+"""Where the offline stages' per-chunk work runs: in this process (the default), or as Dask tasks.
+
+``base.dask.scheduler`` (:class:`looptrace.config.DaskConfig`) picks it: ``null`` runs every chunk in this
+process, exactly the loop the stages always had (``dask`` is never imported); ``local`` starts a
+``distributed.LocalCluster`` of ``base.dask.workers`` single-threaded worker processes on 127.0.0.1 for the
+duration of the stage; any other value is the address of a running scheduler (``tcp://host:8786``: a
+``dask-jobqueue`` or Kubernetes cluster), which the stage connects to and leaves running. The environment
+variable ``LOOPTRACE_DASK_SCHEDULER`` overrides the params value (a cluster's address changes from job to
+job; the outputs do not depend on where they were computed, so it need not be part of DVC's params).
+
+Model of execution (docs/DESIGN.md, "Execution"): one task per store chunk (:func:`map_chunks`) or per
+independent item (a rule, a model: :func:`map_tasks`), submitted with ``client.submit`` ahead of the
+consumer by at most ``max_in_flight`` tasks, and consumed **in submission order** by the same code that
+consumes the in-process loop (Parquet writers, summary scratch columns, accumulators). A task runs the same
+function on the same inputs as the in-process loop, so every output is byte-identical; nothing is reduced
+on the workers. A worker opens a store itself from its path or URL (``TrajectoryStore.target``), once per
+worker process; a store must therefore be on a path or URL the workers can read (not a ``MemoryStore``).
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+#: Environment variable that overrides ``base.dask.scheduler`` (``null`` forces in-process).
+SCHEDULER_ENV = "LOOPTRACE_DASK_SCHEDULER"
+
+
+def scheduler_of(cfg: Any) -> str | None:
+    """The scheduler to use: ``$LOOPTRACE_DASK_SCHEDULER`` when set, else ``cfg.scheduler`` (None = in-process).
+
+    Args:
+        cfg: a :class:`looptrace.config.DaskConfig` (or None).
+    """
+    env = os.environ.get(SCHEDULER_ENV, "").strip()
+    if env:
+        return None if env.lower() in ("null", "none") else env
+    return getattr(cfg, "scheduler", None)
+
+
+class DaskRunner:
+    """A ``distributed.Client`` plus the bounded window of tasks submitted ahead of the consumer.
+
+    Args:
+        client: a connected ``distributed.Client``.
+        max_in_flight: tasks submitted but not yet consumed (None = 2 × the cluster's worker threads, so
+            every worker has its next task queued while the client consumes the oldest result).
+    """
+
+    def __init__(self, client: Any, max_in_flight: int | None = None):
+        self.client = client
+        self._max_in_flight = max_in_flight
+
+    @property
+    def max_in_flight(self) -> int:
+        if self._max_in_flight:
+            return int(self._max_in_flight)
+        return max(2, 2 * sum(self.client.nthreads().values()))
+
+    def __repr__(self) -> str:
+        return f"DaskRunner({self.client.scheduler.address}, max_in_flight={self.max_in_flight})"
+
+    def ordered(self, fn: Callable, args_list: Iterable[tuple]) -> Iterator[Any]:
+        """``fn(*args)`` for each args tuple as tasks, results yielded in submission order.
+
+        At most ``max_in_flight`` tasks are outstanding: a result is consumed before the next task is
+        submitted once the window is full, so the client never holds more than the window's results. A
+        task's exception is re-raised here (its own type and message). Closing the iterator early cancels the
+        tasks still outstanding.
+        """
+        window = self.max_in_flight
+        q: collections.deque = collections.deque()
+        try:
+            for args in args_list:
+                q.append(self.client.submit(fn, *args, pure=False))
+                if len(q) >= window:
+                    yield q.popleft().result()
+            while q:
+                yield q.popleft().result()
+        finally:
+            for f in q:
+                f.cancel()
+
+    def share(self, value: Any) -> Any:
+        """Send ``value`` to the cluster once; the returned future can be passed to many tasks."""
+        [fut] = self.client.scatter([value], hash=False)
+        return fut
+
+
+@contextmanager
+def dask_runner(cfg: Any) -> Iterator[DaskRunner | None]:
+    """The runner of ``cfg`` (``base.dask``) for the duration of a stage; None when it runs in-process.
+
+    ``local``: ``LocalCluster(n_workers=cfg.workers or os.cpu_count(), threads_per_worker=1, processes=True,
+    host="127.0.0.1", dashboard_address=":0")`` (loopback only, a free dashboard port, so concurrent stages or
+    tests never collide), closed at the end. An address: ``Client(address)``; the cluster is left running.
+    """
+    scheduler = scheduler_of(cfg)
+    if scheduler is None:
+        yield None
+        return
+    from distributed import Client, LocalCluster
+
+    cluster = None
+    if scheduler == "local":
+        cluster = LocalCluster(n_workers=int(getattr(cfg, "workers", None) or os.cpu_count() or 1),
+                               threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0")
+        client = Client(cluster)
+    else:
+        client = Client(scheduler)
+    try:
+        client.run(tune_allocator)
+        yield DaskRunner(client, getattr(cfg, "max_in_flight", None))
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
+# ---------------------------------------------------------------------------------------------- mapping
+
+def map_tasks(fn: Callable, items: Iterable[Any], shared: Sequence[Any] = (),
+              runner: DaskRunner | None = None) -> Iterator[Any]:
+    """``fn(item, *shared)`` for every item, in item order: in-process, or one task per item on ``runner``.
+
+    ``shared`` (e.g. a split's arrays and the configs) is sent to the cluster once, not once per task. ``fn``
+    must be a module-level function of an importable module (workers import it).
+    """
+    if runner is None:
+        for item in items:
+            yield fn(item, *shared)
+        return
+    shared_f = runner.share(tuple(shared))
+    yield from runner.ordered(_item_task, ((fn, item, shared_f) for item in items))
+
+
+def map_chunks(fn: Callable, store: Any, slices: Iterable[slice], args: Sequence[Any] = (),
+               runner: DaskRunner | None = None) -> Iterator[Any]:
+    """``fn(store, tokens, *args)`` for every token slice of a trajectory store, in slice order.
+
+    In-process (``runner`` None) it calls ``fn`` on ``store`` itself, slice after slice (one slice's data in
+    memory at a time). On a runner it submits one task per slice: the worker opens the store from
+    ``store.target`` (its path or URL; once per worker process, kept while the store's attributes are
+    unchanged), and the results come back in slice order, at most ``runner.max_in_flight`` at a time.
+
+    Raises:
+        ValueError: a runner is given but the store is in memory (worker processes cannot open it).
+    """
+    if runner is None:
+        for tokens in slices:
+            yield fn(store, tokens, *args)
+        return
+    target = store.target
+    if not isinstance(target, str | os.PathLike):
+        raise ValueError(f"store {store.label} is in memory: Dask workers cannot open it; write it to a path or "
+                         "URL, or set base.dask.scheduler: null")
+    target = os.fspath(target)
+    key = (target, _attrs_digest(store.attrs))
+    args_f = runner.share(tuple(args))
+    yield from runner.ordered(_chunk_task, ((fn, target, key, tokens, args_f) for tokens in slices))
+
+
+def _attrs_digest(attrs: dict) -> str:
+    return hashlib.sha1(json.dumps(attrs, sort_keys=True, default=str).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+
+_STORES: collections.OrderedDict = collections.OrderedDict()
+_MAX_OPEN = 8
+
+
+def worker_store(target: str, key: tuple) -> Any:
+    """The store at ``target``, opened once per worker process (up to 8 kept, least recently used dropped).
+
+    The client validated the store when it opened it (complete, finite or allowed, shapes); the worker reopens
+    it accepting what the client accepted.
+    """
+    st = _STORES.get(key)
+    if st is None:
+        from looptrace.io.store import open_store
+
+        st = open_store(target, allow_nan=True, allow_incomplete=True)
+        _STORES[key] = st
+        while len(_STORES) > _MAX_OPEN:
+            _STORES.popitem(last=False)
+    else:
+        _STORES.move_to_end(key)
+    return st
+
+
+def _chunk_task(fn: Callable, target: str, key: tuple, tokens: slice, args: tuple) -> Any:
+    tune_allocator()
+    return fn(worker_store(target, key), tokens, *args)
+
+
+def _item_task(fn: Callable, item: Any, shared: tuple) -> Any:
+    tune_allocator()
+    return fn(item, *shared)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_TUNED = False
+
+
+def tune_allocator(mmap_threshold: int = 256 << 20) -> bool:
+    """glibc keeps freed chunk-sized buffers for reuse in this process (once per process; False off glibc).
+
+    Why, on a Dask worker: the nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also turns
+    off glibc's dynamic mmap threshold, so every multi-MB chunk buffer is a fresh ``mmap`` that page-faults in
+    again. Measured (scale prototype, q4c): 600–675k minor faults and 3.4–5.0 s of system time per 24 chunks of
+    [4096, 6, 512] on a default worker, 86–217k and 0.7–1.3 s with this setting; ~345 -> ~245 ms of CPU per
+    chunk. The same setting as ``looptrace.capture.dump.reuse_freed_memory`` (kept here so that the offline
+    stages never import the capture code, which imports torch).
+    """
+    global _TUNED
+    if _TUNED:
+        return True
+    try:
+        import ctypes
+        import ctypes.util
+
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    _TUNED = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
+        mallopt(_M_TRIM_THRESHOLD, 2 * int(mmap_threshold)))
+    return _TUNED
