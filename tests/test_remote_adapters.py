@@ -288,6 +288,8 @@ def _one_line(exc) -> str:
 @pytest.mark.parametrize("patch", sorted(BREAKAGES))
 def test_each_load_breakage_is_patched_and_without_the_patch_a_one_line_error(ckpts, tmp_path, monkeypatch, patch):
     family, config, raw = BREAKAGES[patch]
+    if patch == "huginn.output_past_key_values" and not compat._tf_renames_output_cache():
+        pytest.skip("the installed transformers keeps past_key_values= on classes that declare it (>= 5.25)")
     # a fresh copy of the code (a new module for transformers' cache), with the config that reaches the breakage
     path = H.copy_checkpoint(ckpts[family], tmp_path / f"{family}-raw", patch, config)
     monkeypatch.setenv(compat.DISABLE_ENV, patch)

@@ -15,8 +15,18 @@ is killed at any point and run again with the same inputs finds the first unmark
 sequence holding its first token (cumulative scored-token counts) and restarts the forward pass at the
 batch that contains that sequence — batches keep the same boundaries as an uninterrupted run, so the
 arrays end up bit-identical. ``complete`` is set only after everything is written. A store with a different
-fingerprint (params, checkpoint hash, model config, data, versions, source of the value-producing modules) is
-deleted and dumped again.
+fingerprint (params, weights, model config, data, versions, source of the value-producing modules) is
+deleted and dumped again — unless another live run is writing it, which is refused.
+
+Writers and claims (:mod:`looptrace.io.claims`): every dump of a store first joins or creates the store's
+*plan* (fingerprint + shard count) and claims its shard, in the sibling ``.<split>.zarr.claims``. One process
+(1 of 1) or N cooperating processes (``shard=(i, N)``: ``--shard i/N`` or ``RANK``/``WORLD_SIZE``) each write
+the chunks of a contiguous, chunk-aligned range (:func:`looptrace.io.claims.shard_range`) — the
+:class:`~looptrace.io.store.StoreWriter` refuses any other chunk, so no two writers ever share a chunk. A shard
+starts at the batch holding its first token, with the batch boundaries of a 1-process run, so every array is
+bit-identical to it. Whoever finds every chunk written finalises (one finaliser claim): the finalize hook,
+``nan_count``, consolidated metadata, then ``complete``. A re-run over a complete store verifies its range
+(checksums and chunk digests) and rewrites what is damaged.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import numpy as np
 import torch
 from looptrace.capture.encode import encode_states_counted
 from looptrace.config import BaseConfig, ConfigError, to_dict
+from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator, Superseded, shard_range
 from looptrace.io.precision import resolve_state_dtype
 from looptrace.io.store import (
     DIMS,
@@ -51,10 +62,15 @@ from looptrace.io.store import (
     StoreTarget,
     StoreWriter,
     TrajectoryStore,
+    assert_store_or_absent,
+    is_remote,
+    join_store,
     open_store,
+    remove_debris,
+    store_location,
 )
 from looptrace.models.adapters.hf import AdapterConfig
-from looptrace.models.interface import LoopedModelAdapter
+from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
 from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
@@ -84,6 +100,8 @@ class DumpConfig:
         adapter: a real checkpoint to dump instead of a trained looptrace model (``looptrace.models.adapters.hf``;
             the run name is ``adapter.name``); null = the default pipeline's checkpoints.
         text: the corpus of an adapter dump (:class:`looptrace.tasks.text.TextConfig`); required with ``adapter``.
+        claim_lease_s: a writer's claim held by a process on *another host* counts as dead after this many
+            seconds without a heartbeat (same host: as soon as its pid is gone); not fingerprinted.
         allow_prefix_overlap: write a test store even when some of its scored tokens have a context (the prefix
             they condition on, :meth:`looptrace.tasks.Task.context_split`) that is also scored in fit or val;
             false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
@@ -101,6 +119,7 @@ class DumpConfig:
     clevel: int = 1
     adapter: AdapterConfig | None = None
     text: TextConfig | None = None
+    claim_lease_s: float = LEASE_S
     allow_prefix_overlap: bool = False
 
     def __post_init__(self) -> None:
@@ -119,6 +138,9 @@ class DumpConfig:
             raise ConfigError("dump.adapter needs dump.text (the corpus to run the checkpoint on)")
         if not 0 <= self.clevel <= 9:
             raise ConfigError(f"dump.clevel must be in 0..9, got {self.clevel}")
+        lease = self.claim_lease_s
+        if isinstance(lease, bool) or not isinstance(lease, int | float) or not lease > 0:
+            raise ConfigError(f"dump.claim_lease_s must be a number of seconds > 0, got {lease!r}")
 
 
 #: Key of the per-row NaN/Inf count of the stored states that travels with a chunk's rows to the writer
@@ -126,7 +148,7 @@ class DumpConfig:
 NONFINITE = "_nonfinite"
 
 # Parameters that change how fast, not what, is written: left out of the resume fingerprint.
-_NOT_FINGERPRINTED = ("writer_queue", "sequences")
+_NOT_FINGERPRINTED = ("writer_queue", "sequences", "claim_lease_s")
 
 
 def _data_hash(data: TaskBatch) -> str:
@@ -155,12 +177,30 @@ def _code_hash(*extra_modules: str) -> str:
     return h.hexdigest()
 
 
+def weights_hash(adapter: LoopedModelAdapter) -> str:
+    """What identifies the model's values in the fingerprint.
+
+    For looptrace's own models: sha256 of the weights (names, dtypes, shapes, bytes), not of ``model.pt``,
+    whose bytes also hold wall-clock fields (``train_seconds``): identical weights retrained give the same
+    fingerprint. For other adapters: ``info.checkpoint_hash`` (a hash of the weight files only).
+    """
+    model = getattr(adapter, "model", None)
+    if not isinstance(adapter, LoopedTransformerAdapter) or not isinstance(model, torch.nn.Module):
+        return adapter.info.checkpoint_hash
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, attrs: Mapping,
                  code: str) -> str:
     info = adapter.info
     params = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_FINGERPRINTED}
     blob = json.dumps({"schema": SCHEMA_VERSION, "params": params, "name": info.name, "config": info.config,
-                       "checkpoint_hash": info.checkpoint_hash, "data": _data_hash(data), "code": code,
+                       "weights": weights_hash(adapter), "data": _data_hash(data), "code": code,
                        "attrs": attrs}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -212,8 +252,10 @@ class _BackgroundWriter:
         maxsize: chunks that may wait in the queue.
     """
 
-    def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int):
+    def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int,
+                 before_write: Callable[[], None] | None = None):
         self.open_writer = open_writer
+        self.before_write = before_write
         self.writer: StoreWriter | None = None
         self.q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
@@ -233,6 +275,8 @@ class _BackgroundWriter:
                 try:
                     chunk, data = item
                     counts = data.pop(NONFINITE)
+                    if self.before_write is not None:
+                        self.before_write()  # heartbeat + fencing of this process's claim
                     self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                     self.error = exc
@@ -385,14 +429,15 @@ class _ChunkAssembler:
 
 def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, cfg: DumpConfig,
                attrs: Mapping[str, Any] | None = None, progress: bool = True,
-               finalize: Callable[[StoreWriter], Mapping[str, Any] | None] | None = None) -> TrajectoryStore:
-    """Dump one split of one model to a trajectory store (resumable).
+               finalize: Callable[[StoreWriter], Mapping[str, Any] | None] | None = None,
+               shard: tuple[int, int] = (0, 1)) -> TrajectoryStore:
+    """Dump one split of one model to a trajectory store (resumable; one of N cooperating writers).
 
     Args:
         adapter: the model interface (states + per-loop readout).
         data: the sequences; ``tokens``/``targets``/``difficulty``/``token_type`` all [batch, seq];
             ``targets == IGNORE`` marks unscored positions. ``sequence`` in the store = row index here.
-        path: ``<split>.zarr`` directory or :func:`looptrace.io.store.memory_store`.
+        path: ``<split>.zarr`` directory, fsspec URL (``s3://…``) or :func:`looptrace.io.store.memory_store`.
         cfg: the ``dump`` section.
         attrs: extra group attributes (split, task, regime, difficulty_name, difficulty_levels, token_types,
             seeds...); ``task``/``regime`` default to the adapter's ``info.extra``.
@@ -400,13 +445,18 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         finalize: called with the writer after every chunk is written and before the store is marked
             complete; may :meth:`~looptrace.io.store.StoreWriter.rewrite` token columns and returns extra
             attributes (or None). Runs again on resume, so it must be idempotent.
+        shard: ``(i, N)``: write shard ``i`` of ``N`` (a contiguous range of whole chunks) of the store that
+            N processes dump together; every process must be given the same other arguments.
 
     Returns:
-        The completed store, opened (``allow_nan`` as configured).
+        The completed store, opened (``allow_nan`` as configured). With ``N > 1`` a process whose shard is
+        done while others still write returns the store opened with ``allow_incomplete`` (``complete`` false).
 
     Raises:
         StoreError: the dump produced NaN/Inf states and ``cfg.allow_nan`` is false (the store is written
-            and records ``nan_count``), or the target path is not a store.
+            and records ``nan_count``), the target path is not a store, or the disk is full.
+        looptrace.io.claims.ClaimError: another live process writes this store with other inputs, another
+            shard plan, or this very shard (one line naming it: pid, host, start time).
     """
     info = adapter.info
     reuse_freed_memory()
@@ -435,64 +485,178 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
     base_attrs["code_hash"] = code
     fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]}, code)
     base_attrs["fingerprint"] = fp
-    label = "<memory>" if not isinstance(path, str | Path) else str(path)
-
-    writer = StoreWriter.reopen(path)
-    invalid = None
-    if writer is not None and writer.attrs.get("fingerprint") == fp and writer.attrs.get("complete"):
-        try:  # same inputs and finished: nothing to recompute, unless it was damaged since
-            open_store(path, allow_nan=True)
-        except StoreError as exc:
-            invalid = str(exc)
-        else:
-            return _finished(path, label, cfg)
+    loc = store_location(path)
+    label = "<memory>" if loc is None else loc
+    assert_store_or_absent(path)  # never claim (or touch) a directory of someone else's files
     n_chunks = -(-n_tokens // cfg.chunk_tokens)
-    if invalid is None and writer is not None and writer.attrs.get("fingerprint") == fp:
-        done = writer.done_chunks()
-        _say(f"{label}: resuming ({int(done.sum())} of {writer.n_chunks} chunks already written)")
-        resumed = writer
+    own = shard_range(n_chunks, *shard)
+    coord = (NullCoordinator(fp, shard, label) if loc is None
+             else Coordinator(loc, fp, shard, cfg.claim_lease_s, label=f"store {label}"))
 
-        def open_writer() -> StoreWriter:
-            return resumed
-    else:
-        if invalid is not None:
-            _say(f"{label}: existing store is invalid ({invalid}); starting over")
-        elif writer is not None:
-            _say(f"{label}: existing store was dumped with different parameters, checkpoint, data or code; "
-                 "starting over")
-        elif Path(path).exists() if isinstance(path, str | Path) else _memory_keys(path):
-            _say(f"{label}: existing store is unreadable or from another schema; starting over")
-        done = np.zeros(n_chunks, dtype=bool)
+    def create_layout() -> StoreWriter:
+        new = StoreWriter.create(path, specs, base_attrs, cfg.chunk_tokens, cfg.clevel)
+        new.write_small("loop_group", np.asarray(info.loop_group))
+        return new
 
-        def open_writer() -> StoreWriter:
-            new = StoreWriter.create(path, specs, base_attrs, cfg.chunk_tokens, cfg.clevel)
-            new.write_small("loop_group", np.asarray(info.loop_group))
-            return new
+    try:
+        joined = _join_or_plan(coord, path, label, fp, own, create_layout)
+        if joined is None:  # complete, verified, nothing to do
+            return _finished(path, label, cfg)
+        plan_k, kind, claim, damage = joined
+        writer = StoreWriter.reopen(path)
+        if writer is None or writer.attrs.get("fingerprint") != fp:
+            raise StoreError(f"store {label}: its layout vanished while joining the dump; re-run `looptrace dump`")
+        writer.own = own
+        if claim is not None:
+            _write_range(adapter, data, cfg, writer, own, kind, damage, cum, mask, k_top=k,
+                         hidden_dtype=specs["hidden"].dtype, label=label, progress=progress, coord=coord)
+        # verify: completion is read from the data (every marker and chunk object present), not from the claims
+        missing = writer.missing_chunks(range(writer.n_chunks))
+        if claim is not None:
+            if set(missing) & set(own):
+                raise StoreError(f"store {label}: chunk {sorted(set(missing) & set(own))[0]} of this process's range "
+                                 "failed verification after writing; re-run `looptrace dump`")
+            coord.finish(claim, chunks=[own.start, own.stop])
+        if missing:
+            return open_store(path, allow_nan=True, allow_incomplete=True)
+        fin = coord.claim_final(plan_k)
+        if fin is None:  # another process finalises (or has)
+            st = open_store(path, allow_nan=True, allow_incomplete=True)
+            return _finished(path, label, cfg) if st.complete else st
+        writer = StoreWriter.reopen(path)
+        if not writer.attrs.get("complete") or not writer.metadata_ok():
+            remove_debris(path)  # every shard is done: no live writer can own a temp file now
+            # columns known only once every chunk is written (a text dump's loss-bin difficulty), before `complete`
+            writer.finish(finalize(writer) if finalize is not None else None)
+        coord.finish(fin)
+        coord.remove_plans_upto(plan_k)
+        return _finished(path, label, cfg)
+    finally:
+        coord.release_all()
 
-    if done.all():
-        writer = open_writer()
-    else:
-        first = int(np.flatnonzero(~done)[0])
-        start_token = first * cfg.chunk_tokens
-        # the sequence holding the chunk's first token, then the batch holding that sequence: batches keep
-        # the boundaries of an uninterrupted run, so the numbers are bit-identical
-        s0 = int(np.searchsorted(cum, start_token, side="right") - 1)
-        b0 = s0 // cfg.batch_size
-        bg = _BackgroundWriter(open_writer, cfg.writer_queue)
-        asm = _ChunkAssembler(n_tokens, cfg.chunk_tokens, done, int(cum[b0 * cfg.batch_size]), bg.put)
-        bar = tqdm(total=n_tokens, initial=int(cum[b0 * cfg.batch_size]), unit="tok", desc=f"dump {label}",
-                   disable=None if progress else True, leave=False)
+
+def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, own: range,
+                  create_layout: Callable[[], StoreWriter]) -> tuple[int, str, str | None, dict] | None:
+    """Join the store's live plan, or make the next one (the claims protocol, :mod:`looptrace.io.claims`).
+
+    Returns None when the store is complete with these inputs and this process's range verified (nothing to
+    write), else ``(plan, kind, shard claim or None if already done, {chunk: damage} found before planning)``.
+    """
+    while True:
+        plan = coord.current_plan()
+        if plan is not None and plan.active:
+            coord.refuse_incompatible(plan)
+            if plan.kind == "tidy":
+                coord.wait_inactive(plan)
+                continue
+            ready = coord.wait_ready(plan)
+            if ready is None:
+                continue
+            k, kind, damage = ready.gen, ready.kind, {}
+        else:
+            writer = StoreWriter.reopen(path)
+            same = writer is not None and writer.attrs.get("fingerprint") == fp
+            damage: dict[int, str] = {}
+            if same and writer.attrs.get("complete"):
+                damage = writer.damaged_chunks(own)
+                metadata = writer.metadata_ok()
+                if not damage and metadata and not coord.debris() and not _has_debris(path):
+                    return None
+                kind = "repair" if damage or not metadata else "tidy"
+                if damage:
+                    first = next(iter(damage.items()))
+                    _say(f"{label}: {len(damage)} damaged chunk(s) (chunk {first[0]}: {first[1]}); rewriting them")
+                elif not metadata:
+                    _say(f"{label}: complete but its consolidated metadata is missing or stale; finalising again")
+            elif same:
+                kind = "resume"
+            else:
+                kind = "layout"
+            if (kind == "resume" and plan is not None and plan.ready and plan.fingerprint == fp
+                    and plan.n_shards == coord.n and plan.kind != "tidy"):
+                k = plan.gen  # the inactive current plan: take over its (dead) claims
+                kind = plan.kind if plan.kind == "repair" else "resume"
+            else:
+                k = coord.new_plan(kind)
+                if k is None:
+                    continue  # another process made that plan first: look again
+                if kind == "layout":
+                    if writer is not None:
+                        _say(f"{label}: existing store was dumped with different parameters, checkpoint, data or "
+                             "code; starting over")
+                    elif _has_anything(path):
+                        _say(f"{label}: existing store is unreadable or from another schema; starting over")
+                    create_layout()
+                elif kind == "repair":
+                    writer.set_incomplete()
+                remove_debris(path)  # nothing under an older plan is live: no temp file is being written
+                if kind == "tidy":
+                    coord.finish(f"plan@{k}.json")
+                    coord.remove_plans_upto(k)
+                    return None
+                coord.set_ready()
         try:
-            for b in range(b0, -(-len(data) // cfg.batch_size)):
+            claim = coord.claim_shard(k)
+        except Superseded:
+            continue
+        return k, kind, claim, damage
+
+
+def _has_debris(path: StoreTarget) -> bool:
+    loc = store_location(path)
+    if loc is None or is_remote(path) or not Path(loc).is_dir():
+        return False
+    return any(True for _ in Path(loc).rglob("*.partial"))
+
+
+def _has_anything(path: StoreTarget) -> bool:
+    loc = store_location(path)
+    if loc is None:
+        return bool(_memory_keys(path))
+    return not is_remote(path) and Path(loc).exists()
+
+
+def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter, own: range, kind: str,
+                 damage: dict, cum: np.ndarray, mask: np.ndarray, k_top: int | None, hidden_dtype: str,
+                 label: str, progress: bool, coord: Coordinator) -> None:
+    """Compute and write every chunk of ``own`` that is not written yet (the batches covering them only)."""
+    if kind == "repair":
+        damage = damage or writer.damaged_chunks(own)
+        if damage:
+            writer.reset_chunks(damage)
+    done = writer.done_chunks()
+    outside = np.ones(writer.n_chunks, dtype=bool)
+    outside[own.start:own.stop] = False
+    done |= outside  # another shard's chunks: never written here
+    n_tokens, ct = writer.n_tokens, cfg.chunk_tokens
+    todo = np.flatnonzero(~done)
+    if todo.size:
+        if kind == "resume" and done[own.start:own.stop].any():
+            _say(f"{label}: resuming ({int(done[own.start:own.stop].sum())} of {len(own)} chunks"
+                 f"{'' if coord.n == 1 else f' of shard {coord.i}/{coord.n}'} already written)")
+        first, last = int(todo[0]), int(todo[-1])
+        # the sequence holding the chunk's first token, then the batch holding that sequence: batches keep
+        # the boundaries of an uninterrupted 1-process run, so the numbers are bit-identical
+        s0 = int(np.searchsorted(cum, first * ct, side="right") - 1)
+        b0 = s0 // cfg.batch_size
+        end_token = min((last + 1) * ct, n_tokens)
+        s1 = int(np.searchsorted(cum, end_token - 1, side="right") - 1)  # sequence holding the last token
+        b1 = s1 // cfg.batch_size
+        bg = _BackgroundWriter(lambda: writer, cfg.writer_queue, before_write=coord.beat)
+        asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put)
+        total = int(cum[min((b1 + 1) * cfg.batch_size, len(data))] - cum[b0 * cfg.batch_size])
+        bar = tqdm(total=total, unit="tok", desc=f"dump {label}", disable=None if progress else True, leave=False)
+        try:
+            for b in range(b0, b1 + 1):
                 rows = slice(b * cfg.batch_size, min((b + 1) * cfg.batch_size, len(data)))
                 lo, hi = int(cum[rows.start]), int(cum[rows.stop])
                 if hi == lo:
                     continue
-                chunks = range(lo // cfg.chunk_tokens, (hi - 1) // cfg.chunk_tokens + 1)
+                chunks = range(lo // ct, (hi - 1) // ct + 1)
                 if all(done[c] for c in chunks):  # nothing left to write in this batch
                     asm.pos = hi
                 else:
-                    asm.add(_capture(adapter, data, mask, rows, k, specs["hidden"].dtype))
+                    asm.add(_capture(adapter, data, mask, rows, k_top, hidden_dtype))
                 bar.update(hi - lo)
         except BaseException:
             # let the writer finish the chunks already queued (their markers keep them), then stop
@@ -501,10 +665,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             raise
         finally:
             bar.close()
-        writer = bg.close()
-    # columns known only once every chunk is written (a text dump's loss-bin difficulty), before `complete`
-    writer.finish(finalize(writer) if finalize is not None else None)
-    return _finished(path, label, cfg)
+        bg.close()
 
 
 def _memory_keys(store) -> list:
@@ -519,6 +680,19 @@ def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore
                          f"(dtype {cfg.hidden_dtype}) produced by the model itself (float16 overflow is refused "
                          "before writing); set dump.allow_nan: true to keep them")
     return st
+
+
+def _out_dir(out_dir: Path | str) -> Path | str:
+    """A model's output root: a local directory (created) or a URL prefix (object stores have no directories)."""
+    if is_remote(out_dir):
+        return store_location(out_dir)
+    out = Path(store_location(out_dir))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission, a full disk
+        raise StoreError(f"cannot create the output directory {out} ({exc.strerror or type(exc).__name__}); "
+                         "choose another --out") from None
+    return out
 
 
 class PrefixOverlapError(ValueError):
@@ -579,24 +753,25 @@ def overlap_line(report: Mapping[str, Any]) -> str:
 
 
 def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str, int], out_dir: Path | str,
-               cfg: DumpConfig, base: BaseConfig | None = None, progress: bool = True) -> dict[str, TrajectoryStore]:
+               cfg: DumpConfig, base: BaseConfig | None = None, progress: bool = True,
+               shard: tuple[int, int] = (0, 1)) -> dict[str, TrajectoryStore]:
     """Dump every split of ``cfg.sequences`` for one model: ``<out_dir>/<split>.zarr``.
 
     Args:
         adapter: the model interface.
         task: the model's task (its data sets, difficulty and token-type names).
         data_seeds: split -> data seed (the checkpoint's ``data_seeds``).
-        out_dir: ``artifacts/dump/<model>``.
+        out_dir: ``artifacts/dump/<model>`` (or a URL such as ``s3://bucket/dump/<model>``).
         cfg: the ``dump`` section.
         base: the ``base`` section (its seed is recorded).
+        shard: ``(i, N)``: this process's shard of every split (:func:`dump_split`).
 
     Returns:
-        split -> completed store.
+        split -> store (complete, unless other shards are still being written).
     """
     from looptrace.tasks.base import split_overlap
 
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_dir(out_dir)
     data = {}
     for split, n in cfg.sequences.items():
         if split not in data_seeds:
@@ -614,11 +789,13 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
                  "difficulty_levels": list(task.difficulty_levels), "token_types": list(task.token_types),
                  "data_seed": seed, "base_seed": None if base is None else base.seed,
                  "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
-        stores[split] = dump_split(adapter, batch, out_dir / f"{split}.zarr", cfg, attrs, progress)
+        stores[split] = dump_split(adapter, batch, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
+                                   shard=shard)
     return stores
 
 
-def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool = True) -> dict:
+def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool = True,
+                    shard: tuple[int, int] = (0, 1)) -> dict:
     """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
 
     The batches come from :func:`looptrace.tasks.text.text_splits` (content-disjoint document splits, packed);
@@ -628,8 +805,9 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
         adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters.hf``).
         cfg: the ``dump`` section (:class:`looptrace.capture.dump.DumpConfig`) with ``text`` set; the tokenizer
             defaults to ``cfg.adapter.path``.
-        out_dir: ``artifacts/dump/<model>``.
+        out_dir: ``artifacts/dump/<model>`` (or a URL).
         base: the ``base`` section (its seed is recorded).
+        shard: ``(i, N)``: this process's shard of every split (:func:`dump_split`).
 
     Returns:
         split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
@@ -639,8 +817,7 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     tok_path = cfg.text.tokenizer or (cfg.adapter.path if cfg.adapter is not None else None)
     if tok_path is None:
         raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = _out_dir(out_dir)
     trust = bool(cfg.adapter is not None and cfg.adapter.trust_remote_code)
     data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size, trust)
     overlap = shared_prefixes({s: prefix_keys(b.tokens)[b.targets != IGNORE] for s, b in data.items()})
@@ -650,11 +827,9 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     for split, batch in data.items():
         attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed,
                  "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
-        stores[split] = dump_split(adapter, batch, out_dir / f"{split}.zarr", cfg, attrs, progress,
-                                   finalize=loss_bins_finalizer(cfg.text.difficulty_bins))
+        stores[split] = dump_split(adapter, batch, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
+                                   finalize=loss_bins_finalizer(cfg.text.difficulty_bins), shard=shard)
     return stores
-
-
 
 def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[str, Any]:
     """The ``prefix_overlap`` store attribute: this split's shared-token counts plus the whole report.
@@ -666,7 +841,5 @@ def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[
             "shared_any": int(report["shared_any"][split]), "splits": list(report["n_scored"]),
             "report": report, "allowed": bool(allowed)}
 
-
-
 __all__ = ["DIMS", "DumpConfig", "PrefixOverlapError", "check_prefix_overlap", "check_training_split", "dump_model",
-           "dump_split", "dump_text_model", "overlap_attrs", "reuse_freed_memory"]
+           "dump_split", "dump_text_model", "overlap_attrs", "reuse_freed_memory", "weights_hash"]

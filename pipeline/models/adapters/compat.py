@@ -229,10 +229,26 @@ def _tf_wants_tied_mapping() -> bool:
     return hasattr(PreTrainedModel, "get_expanded_tied_weights_keys")
 
 
+@functools.cache
 def _tf_renames_output_cache() -> bool:
-    import transformers.utils.generic as g
+    """Whether ``OutputClass(past_key_values=...)`` fails on an output that declares ``past_key_values``.
 
-    return hasattr(g, "_rename_kwargs_for_bc")
+    transformers 5.0-5.24 rename the keyword to ``cache=`` in every ``ModelOutput``; 5.25 leaves classes that
+    still declare the old field alone. Probed on a throw-away class rather than read off the version number.
+    """
+    import dataclasses
+
+    from transformers.utils import ModelOutput
+
+    @dataclasses.dataclass
+    class _Probe(ModelOutput):
+        past_key_values: object = None
+
+    try:
+        _Probe(past_key_values=0)
+    except TypeError:
+        return True
+    return False
 
 
 def _tf_rope_has_default() -> bool:
