@@ -28,3 +28,17 @@ def tiny_artifacts(tmp_path_factory) -> Path:
     """dump (val, test) -> geometry -> readouts of one random-init model ``rs-tiny``
     (:func:`looptrace.testing.tiny_artifacts`), built once per test module."""
     return testing.tiny_artifacts(tmp_path_factory.mktemp("tiny") / "artifacts")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The 1-process dump (on disk) of :func:`looptrace.testing.tiny_adapter_and_data` (60 sequences) with
+    :func:`looptrace.testing.tiny_dump_config`: what the sharded, killed and repaired dumps must equal."""
+    import torch
+    from looptrace.capture.dump import dump_split
+
+    torch.set_num_threads(1)
+    adapter, data = testing.tiny_adapter_and_data(n_seq=60)
+    path = tmp_path_factory.mktemp("ref") / "val.zarr"
+    dump_split(adapter, data, path, testing.tiny_dump_config(), progress=False)
+    return path

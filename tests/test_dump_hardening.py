@@ -54,14 +54,6 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    torch.set_num_threads(1)
-    adapter, data = tiny_adapter_and_data(n_seq=60)
-    path = tmp_path_factory.mktemp("ref") / "val.zarr"
-    dump_split(adapter, data, path, tiny_dump_config(), progress=False)
-    return path
-
 
 def _dump(path, **cfg):
     adapter, data = tiny_adapter_and_data(n_seq=60)

@@ -83,15 +83,6 @@ def assert_clean(path: Path) -> None:
     assert not list(path.rglob("*.partial")) and not list(path.parent.glob(".*.claims"))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The 1-process dump of the children's model and data, on disk."""
-    torch.set_num_threads(1)
-    adapter, data = tiny_adapter_and_data(n_seq=60)
-    path = tmp_path_factory.mktemp("ref") / "val.zarr"
-    dump_split(adapter, data, path, tiny_dump_config(), progress=False)
-    return path
-
 
 # ----------------------------------------------------------------------------- plans are chunk-aligned
 
@@ -251,6 +242,25 @@ def test_claims_of_another_host_expire_after_the_lease_and_a_zombie_is_fenced(tm
     assert here.claim_shard(plan.gen) == f"p{k}.shard0of1@1.json"
     with pytest.raises(ClaimError, match="was taken over by another process"):
         remote.beat(force=True)
+
+
+def test_a_shard_that_looked_before_its_peer_made_the_layout_joins_the_peers_plan(tmp_path):
+    """torchrun starts every rank at once: rank 1 may find no plan, then lose the race to rank 0's layout plan.
+    It must join that plan (found once rank 1 makes the next plan and sees rank 0's live), not be refused."""
+    target = str(tmp_path / "out.zarr")
+    rank0, rank1 = Coordinator(target, "fp", (0, 2)), Coordinator(target, "fp", (1, 2))
+    assert rank1.current_plan() is None  # rank 1 looks: nothing yet
+    k = rank0.new_plan("layout")  # rank 0 plans meanwhile (alive: this process)
+    assert k == 0
+    assert rank1.new_plan("layout") is None  # plan@1 withdrawn: look again
+    plan = rank1.current_plan()
+    assert plan.gen == 0 and plan.active
+    rank0.set_ready()
+    assert rank1.wait_ready(plan).gen == 0 and rank1.claim_shard(0) == "p0.shard1of2@0.json"
+    # a writer that cannot join (another shard count) is still refused in one line, naming the live one
+    with pytest.raises(ClaimError, match=r"is being written as 2 shard\(s\) by pid \d+ on host"):
+        Coordinator(target, "fp", (0, 3)).new_plan("resume")
+    rank0.release_all(), rank1.release_all()
 
 
 def test_only_one_of_many_racing_processes_wins_a_claim(tmp_path):

@@ -28,8 +28,8 @@ Records (JSON objects, one per file; the owner is ``{id, host, pid, pid_start, s
 Race-freedom of a new plan (the only step that needs more than one create): a joiner creates its shard claim
 *then* checks that no newer plan exists; a planner creates ``plan@k+1`` *then* checks that nothing under the
 older plans is live. On a linearizable store (local filesystems, S3, memory) at least one of the two sees the
-other: the planner withdraws its plan and is refused naming the joiner, or the joiner releases its claim and
-starts over. Writers also *fence* before each chunk (rate-limited with the heartbeat): a writer whose claim
+other: the planner withdraws its plan and looks again (it joins a compatible live plan, and is refused naming
+the other writer by an incompatible one), or the joiner releases its claim and starts over. Writers also *fence* before each chunk (rate-limited with the heartbeat): a writer whose claim
 was taken over, or whose plan was superseded, stops.
 
 Every refusal is a :class:`ClaimError`: one line naming the output, the other process (pid, host, start
@@ -453,7 +453,8 @@ class Coordinator:
     # -- plans -----------------------------------------------------------------------------------
     def new_plan(self, kind: str) -> int | None:
         """Create the next plan (call only when the current one is inactive). Returns its generation, or None
-        when another process created it first (look again). Raises if a live writer shows up meanwhile."""
+        when another process created a plan first or an older one went live meanwhile (look again). Raises if
+        that live plan cannot be joined (other inputs or shard count)."""
         assert kind in PLAN_KINDS
         names = self.dir.names()
         gens = self._generations(names).get("plan", [])
@@ -473,10 +474,10 @@ class Coordinator:
                 rec["withdrawn"] = True
                 self._put(name, rec)
                 self.held.pop(name, None)
-                plan = Plan(g, prec, live)
-                self.refuse_incompatible(plan)
-                raise ClaimError(f"{self.label} is being written by {self._who(live)}; wait for it to finish or "
-                                 "stop it (a killed run's claim is taken over on rerun)")
+                # refused if it cannot be joined; a compatible plan went live after the caller looked (another
+                # shard of this run made the layout meanwhile): look again and join it, as a torchrun peer must
+                self.refuse_incompatible(Plan(g, prec, live))
+                return None
         self.plan_gen = k
         return k
 
