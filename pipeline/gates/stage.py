@@ -24,7 +24,7 @@ from looptrace.project import split_seed
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
-    best_chosen,
+    best_entry,
     d_at,
     evaluate_depths,
     evaluate_rule,
@@ -87,13 +87,7 @@ def _model_metrics(mg: ModelGates, results: Sequence[RuleResult], frames: dict[s
         g = mg.gates[name]
         rules[r.rule] = {"gate": g.spec.gate, "labels": g.spec.labels, "exit_form": form, "fit": g.info,
                          **headline_entry(r, cal)}
-    b = best_chosen(frames["chosen"])
-    best = None
-    if b is not None:
-        e = rules[b["rule"]]
-        best = {"rule": b["rule"], "picked_on": "val (lowest val depth within delta)",
-                "test_depth": e["chosen"]["test_depth"], "test_accuracy": e["chosen"]["test_accuracy"],
-                "d_at_oracle_threshold": e["d_at_oracle_threshold"]}
+    best = best_entry(frames["chosen"], rules)
     return {**meta, "n_loops": mg.n_loops, "d_model": mg.d_model,
             "n_tokens": {"fit_used": mg.info["fit_tokens"], "fit": mg.info["fit_tokens_available"],
                          "val": int(val.loss.shape[0]), "test": int(test.loss.shape[0])},

@@ -23,7 +23,7 @@ from looptrace.rules.registry import ExitRule, check_causal, loop_signals, resol
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
-    best_chosen,
+    best_entry,
     evaluate_depths,
     exit_depths,
     headline_entry,
@@ -129,13 +129,7 @@ def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFra
     oracle-threshold D@X, each with a 95 % interval (bootstrap over test sequences) and the seed count (1: one
     model). ``best_posthoc`` is chosen on val (:func:`~looptrace.rules.scoring.best_chosen`), never on test."""
     rules = {r.rule: headline_entry(r, cal) for r in results}
-    best = best_chosen(frames["chosen"], ["posthoc"])
-    best_entry = None
-    if best is not None:
-        e = rules[best["rule"]]
-        best_entry = {"rule": best["rule"], "picked_on": "val (lowest val depth within delta)",
-                      "test_depth": e["chosen"]["test_depth"], "test_accuracy": e["chosen"]["test_accuracy"],
-                      "d_at_oracle_threshold": e["d_at_oracle_threshold"]}
+    best = best_entry(frames["chosen"], rules, ["posthoc"])
     boot = next((r.boot.info for r in results if r.boot is not None), {"n_boot": 0, "n_sequences": 0})
     return {**meta, "n_loops": val.n_loops, "has_gate": val.has_gate,
             "n_tokens": {"val": int(val.token.size), "test": int(test.token.size)},
@@ -143,7 +137,7 @@ def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFra
                           "unit": boot.get("unit"), "level": boot.get("level"), "n_seeds": 1},
             "full_depth_accuracy": {"val": val.full_accuracy, "test": test.full_accuracy},
             "test_accuracy_per_loop": test.loop["correct"].mean(axis=0).tolist(),
-            "best_posthoc": best_entry, "rules": rules}
+            "best_posthoc": best, "rules": rules}
 
 
 def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: CalibrationConfig, out_dir: Path | str,

@@ -442,6 +442,18 @@ def best_chosen(chosen: pl.DataFrame, kinds: Sequence[str] | None = None) -> dic
     return c.sort(["val_depth", "val_accuracy", "rule"], descending=[False, True, False]).row(0, named=True)
 
 
+def best_entry(chosen: pl.DataFrame, rules: dict[str, dict], kinds: Sequence[str] | None = None) -> dict | None:
+    """The metrics entry of the val-chosen best rule (:func:`best_chosen`): its test depth, test accuracy and
+    oracle-threshold D@X, taken from ``rules`` (rule name -> :func:`headline_entry`). None when there is none."""
+    b = best_chosen(chosen, kinds)
+    if b is None:
+        return None
+    e = rules[b["rule"]]
+    return {"rule": b["rule"], "picked_on": "val (lowest val depth within delta)",
+            "test_depth": e["chosen"]["test_depth"], "test_accuracy": e["chosen"]["test_accuracy"],
+            "d_at_oracle_threshold": e["d_at_oracle_threshold"]}
+
+
 def result_frames(results: Sequence[RuleResult], dx: Sequence[float] = (95, 98, 99)) -> dict[str, pl.DataFrame]:
     """The readouts/gates output tables for a list of evaluated rules (one model).
 
