@@ -57,10 +57,11 @@ def exits(a, st):
 
 # ----------------------------------------------------------------------------------------------- Huginn
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("noise", "kind"), [(0.0, "fixed"), (0.3, "fixed"), (0.3, "geom")])
-def test_huginn_states_and_exits_are_the_real_models_own(noise, kind):
+def test_huginn_states_and_exits_are_the_real_models_own(noise, kind, dtype):
     path = _dir("huginn")
-    a = load_adapter(AdapterConfig(kind="huginn", path=str(path), trust_remote_code=True, seed=3))
+    a = load_adapter(AdapterConfig(kind="huginn", path=str(path), trust_remote_code=True, seed=3, dtype=dtype))
     m = a.model
     m.config.test_time_noise, m.config.test_time_noise_type = noise, kind
     a._verified = False  # the exit check runs with this noise setting
@@ -85,8 +86,9 @@ def test_huginn_states_and_exits_are_the_real_models_own(noise, kind):
             d["exits vs forward(num_steps=t)"] = max(d["exits vs forward(num_steps=t)"],
                                                      diff(a.readout(st.hidden[:, :, t], t)[i:i + 1], own))
     d["batch of 1 vs 3"] = diff(a.states(ids[1:2]).hidden, st.hidden[1:2])
-    report(f"huginn noise {noise} {kind}", **d)
-    assert max(d.values()) <= TOL, d
+    report(f"huginn {dtype} noise {noise} {kind}", **d)
+    # bf16: the same kernels on the same bf16 inputs; the float32 slack is for batched vs lone embedding (~1 ulp)
+    assert max(d.values()) <= (TOL if dtype == "float32" else 0.0), d
 
 
 def test_huginn_generation_runs_its_own_loops():
