@@ -364,7 +364,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
     """
     tol = cfg.gap_tol
     x = float(cfg.x)
-    chosen = _with_val(chosen)
+    chosen = with_val_columns(chosen)
     fixed_row = chosen.filter(pl.col("rule") == "fixed")
     fixed = (_chosen_interval(fixed_row.row(0, named=True)) if fixed_row.height
              else Interval(_f(model.get("n_loops")), method="none"))
@@ -386,7 +386,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
         why += (f"; errors at its chosen point: {n_err} of {n_tok} test tokens, of which {n_traj} "
                 f"({_pct(n_traj, n_err)}) trajectory failures (no loop right) and {n_read} ({_pct(n_read, n_err)}) "
                 "readout failures (some loop right)")
-    dxx = _with_val(dx.filter(pl.col("x") == x))
+    dxx = with_val_columns(dx.filter(pl.col("x") == x))
     dx_fixed, _ = dx_best(dxx, ["fixed"])
     dx_post, dx_post_rule = dx_best(dxx, ["posthoc"])
     dx_gate, _ = dx_best(dxx, ["gate"])
@@ -474,15 +474,12 @@ def check_verdict(row: dict) -> list[str]:
     return out
 
 
-def _with_val(df: pl.DataFrame) -> pl.DataFrame:
+def with_val_columns(df: pl.DataFrame) -> pl.DataFrame:
     """``chosen`` / ``dx`` rows with the val columns the val-choice needs; outputs written before those columns
     existed read their test figure in place of val (documented fallback, never used by the current stages)."""
-    if "d_at" in df.columns and "val_d_at" not in df.columns:
-        df = df.with_columns(val_d_at=pl.col("d_at"))
-    if "test_depth" in df.columns and "val_depth" not in df.columns:
-        df = df.with_columns(val_depth=pl.col("test_depth"))
-    if "test_accuracy" in df.columns and "val_accuracy" not in df.columns:
-        df = df.with_columns(val_accuracy=pl.col("test_accuracy"))
+    for val, test in (("val_d_at", "d_at"), ("val_depth", "test_depth"), ("val_accuracy", "test_accuracy")):
+        if test in df.columns:  # absent, or null in rows concatenated from such outputs
+            df = df.with_columns((pl.coalesce(val, test) if val in df.columns else pl.col(test)).alias(val))
     return df
 
 
@@ -497,7 +494,7 @@ def dx_best(dx: pl.DataFrame, kinds: Sequence[str], rules: Sequence[str] | None 
     Returns:
         (Interval, rule), or (None, None) when no such rule was run.
     """
-    sub = _with_val(dx).filter(pl.col("kind").is_in(list(kinds)))
+    sub = with_val_columns(dx).filter(pl.col("kind").is_in(list(kinds)))
     if rules is not None:
         sub = sub.filter(pl.col("rule").is_in(list(rules)))
     if not sub.height:
@@ -569,7 +566,7 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
     """
     x = float(cfg.x)
     xs = f"D@{x:g}"
-    dxx = _with_val(dx.filter(pl.col("x") == x))
+    dxx = with_val_columns(dx.filter(pl.col("x") == x))
 
     def best(model: str, kinds: Sequence[str], rules: Sequence[str] | None = None):
         return dx_best(dxx.filter(pl.col("model") == model), kinds, rules)

@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from looptrace import diagnose as D
 from looptrace.config import ConfigError, from_dict
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.tables import SplitArrays
 from looptrace.project import resolve_model
@@ -408,7 +409,7 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
         splits = token_loop_splits(n=240, T=6, seed=i, gate=m.endswith("joint"))
         write_token_loop(tmp_path / "geometry" / m / "token_loop.parquet", splits)
         readouts_model(tmp_path / "geometry" / m, ReadoutsConfig(), CalibrationConfig(n_quantiles=21), tmp_path / "readouts" / m,
-                         meta=resolve_model(m, train_meta, regimes), progress=False)
+                       meta=resolve_model(m, train_meta, regimes), progress=False, intervals=IntervalsConfig(n_boot=200))
         if i < 2:  # gates for two models only: the third has none
             _gate_outputs(tmp_path / "gates", m, splits, i)
     cfg = D.DiagnoseConfig()
@@ -432,6 +433,15 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     assert got == round(acc * 240)
     assert metrics["gates_present"] and set(metrics["claims"]) == {"a", "b", "c"}
     assert frames["verdicts"].height == 3 and "## Verdicts" in summary
+    # the verdicts carry the readouts' bootstrap intervals: the oracle ceiling's from metrics.json, fixed depth's
+    # from chosen.parquet (the same resamples)
+    v0 = frames["verdicts"].row(0, named=True)
+    rm = json.loads((tmp_path / "readouts" / models[0] / "metrics.json").read_text())
+    ceil = rm["rules"]["oracle"]["ceiling"]["test_depth"]
+    assert (v0["oracle_depth"], v0["oracle_depth_lo"], v0["oracle_depth_hi"]) == (ceil["estimate"], ceil["lo"], ceil["hi"])
+    fx = ch.filter(pl.col("rule") == "fixed").row(0, named=True)
+    assert (v0["fixed_depth_lo"], v0["fixed_depth_hi"]) == (fx["test_depth_lo"], fx["test_depth_hi"])
+    assert v0["fixed_depth_lo"] <= v0["fixed_depth"] <= v0["fixed_depth_hi"]
     # CLI: writes the four outputs + metrics.json (strict JSON)
     res = CliRunner().invoke(app, ["diagnose", "--params", str(repo_root / "params.yaml"), "--models", ",".join(models),
                                    "--readouts-root", str(tmp_path / "readouts"), "--gates-root",
