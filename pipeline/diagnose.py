@@ -382,7 +382,9 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
     n_traj = int(fail_best["trajectory"][0]) if fail_best.height else 0
     n_read = n_err - n_traj
     why = _verdict_sentence(d, best["rule"] if best else None, best_i, fixed, orc, native, tol, gates_run)
-    if fail_best.height:
+    if fail_best.height and not n_err:
+        why += f"; no errors at its chosen point ({n_tok} test tokens)"
+    elif fail_best.height:
         why += (f"; errors at its chosen point: {n_err} of {n_tok} test tokens, of which {n_traj} "
                 f"({_pct(n_traj, n_err)}) trajectory failures (no loop right) and {n_read} ({_pct(n_read, n_err)}) "
                 "readout failures (some loop right)")
@@ -524,8 +526,12 @@ def _overall(results: list[str]) -> str:
                                  if r in tested) + f" of {len(tested)})"
 
 
-def _seed_list(items: Sequence[tuple[str, Interval | None]]) -> str:
-    return "; ".join(f"{m}: {_dx_ci(i)}" for m, i in items)
+def _seed_pairs(items: Sequence[tuple[str, Interval | None, Interval | None]]) -> str:
+    """``s0 1.40 [1.31, 1.52] vs 3.00 [3.00, 3.00]; s1 …`` (a model without a seed: its name)."""
+    def name(m: str) -> str:
+        seed = split_seed(m)[1]
+        return m if seed is None else f"s{seed}"
+    return "; ".join(f"{name(m)} {_dx_ci(a)} vs {_dx_ci(b)}" for m, a, b in items)
 
 
 def _group_ci(items: Sequence[Interval | None], level: float = 0.95) -> Interval:
@@ -595,9 +601,9 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
                     "per_seed": [{"model": m, "rule": r, "confidence_dx": _f(i.estimate) if i else math.nan,
                                   "fixed_dx": _f(f.estimate) if f else math.nan} for m, i, r, f in per]})
         sent.append(f"{g} ({_seeds_word(len(per))}): best confidence readout ({rules}, chosen on val) {xs} = "
-                    f"{_dx_ci(conf)}, {_CMP_WORDS[c]} fixed depth {xs} = {_dx_ci(fix)}: {st}. Per seed: "
-                    + _seed_list([(m, i) for m, i, _, _ in per]) + " vs " + _seed_list([(m, f) for m, _, _, f in per])
-                    + ".")
+                    f"{_dx_ci(conf)}, {_CMP_WORDS[c]} fixed depth {xs} = {_dx_ci(fix)}: {st}"
+                    + (f" (per seed, confidence vs fixed: {_seed_pairs([(m, i, f) for m, i, _, f in per])})"
+                       if len(per) > 1 else "") + ".")
     status = _overall(res) if res else "untestable"
     head = (f"(a) [AD]: fixed-prior trajectories with confidence readouts reach a lower {xs} than fixed depth "
             f"([AD]: {AD_REFERENCE['confidence_d95']} vs {AD_REFERENCE['fixed_d95']} at D@95). On our models: {status}"
@@ -639,7 +645,9 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
                                   "fixed_prior_posthoc_dx": _f(q.estimate) if q else math.nan, "fixed_prior_rule": r,
                                   "fixed_prior_model": pm} for m, n, q, r, pm, _ in per]})
         sent.append(f"{g} ({_seeds_word(len(per))}): native Q-exit {xs} = {_dx_ci(nat)}, {_CMP_WORDS[c]} the best "
-                    f"post-hoc readout on a fixed-prior trajectory of the same seed ({peers_s}): {_dx_ci(post)}: {st}.")
+                    f"post-hoc readout on a fixed-prior trajectory of the same seed ({peers_s}): {_dx_ci(post)}: {st}"
+                    + (f" (per seed, native vs post-hoc: {_seed_pairs([(p[0], p[1], p[2]) for p in per])})"
+                       if len(per) > 1 else "") + ".")
     status = _overall(res) if res else "untestable"
     head = (f"(b) [AD]: the native joint gate's frontier is worse than post-hoc readouts on fixed-prior "
             f"trajectories ([AD]: native D@95 {AD_REFERENCE['native_d95']} vs {AD_REFERENCE['confidence_d95']}). "
@@ -670,7 +678,9 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
                         "expected": expect, "result": st})
             sent.append(f"{g} ({ginfo[g]['regime_kind']}, {_seeds_word(len(per))}): best refit gate ({rules}) {xs} = "
                         f"{_dx_ci(gate)} vs fixed {_dx_ci(fix)} — {strength} (strong = lower by at least "
-                        f"{cfg.gap_tol:g} loops with disjoint intervals); [AD] expects {expect}: {st}.")
+                        f"{cfg.gap_tol:g} loops with disjoint intervals); [AD] expects {expect}: {st}"
+                        + (f" (per seed, gate vs fixed: {_seed_pairs([(p[0], p[1], p[3]) for p in per])})"
+                           if len(per) > 1 else "") + ".")
         status = _overall(res) if res else "untestable"
         head = f"{text} On our models: {status}."
     else:
