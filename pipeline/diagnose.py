@@ -8,30 +8,48 @@ gates'), each test token falls in exactly one class:
 - ``readout_early``: some loop is right, the rule exited before the first right loop;
 - ``readout_overthinking``: the rule exited after a right loop, at a wrong one.
 
-Verdict per model ([AD]'s decision aid, made explicit; all depths are *chosen-point* test depths, so
-every rule is compared at accuracy within δ of full depth, which stays defined when D@95 is not):
+Verdict per model ([AD]'s decision aid, made explicit). Every figure is a val-chosen point on test with its
+95 % interval (bootstrap over test sequences; across seeds the Student-t interval, :func:`group_verdicts`); a
+gap between two figures counts only when their intervals are disjoint *and* the estimates differ by at least
+``gap_tol`` loops (:func:`looptrace.intervals.compare`); otherwise they are "within noise" (or "within
+tolerance"). Depths are chosen-point test depths, so every rule is compared at accuracy within δ of full depth
+(defined even when D@95 is not).
 
-1. ``best`` = the lowest-depth chosen point among post-hoc readouts and refit gates (kind ``posthoc``
-   or ``gate``; points within δ on val), ``fixed`` = the fixed-depth rule's chosen depth.
-2. ``best > fixed − gap_tol`` → **trajectory-limited** (``no_early_exit``): no readout and no gate
-   refit on the frozen trajectory exits materially earlier than fixed depth.
-3. the model has a native gate and ``native − best > gap_tol`` → **readout-limited** (``native_gate``):
-   the trajectory supports early exit, the model's own gate does not use it.
-4. ``best − oracle > gap_tol`` → **readout-limited** (``below_ceiling``): the oracle earliest-correct
-   ceiling shows right answers earlier than any readout finds them. (On binary tasks the oracle counts
-   chance hits at early loops, so this ceiling is optimistic; the failure shares are reported beside it.)
-5. otherwise **trajectory-limited** (``at_ceiling``): readouts already reach the oracle ceiling.
+1. ``best`` = the post-hoc readout or refit gate chosen on *val* (lowest val depth among chosen points within δ,
+   :func:`looptrace.rules.scoring.best_chosen`), ``fixed`` = fixed depth's chosen point, ``oracle`` = the
+   earliest-correct ceiling (mean first right loop), ``native`` = the native gate.
+2. ``best`` not lower than ``fixed`` → **trajectory-limited**: no rule reading the trajectory — post-hoc
+   readouts and gates refit on it with every feature — exits earlier than fixed depth beyond noise, so the exit
+   information is not decodable from the trajectory ([AD]'s decision aid: refit gates test the trajectory).
+   Reason ``no_headroom`` when even the oracle ceiling is not lower than fixed depth (right answers arrive
+   only at full depth), ``no_early_exit`` otherwise (the oracle's earlier right answers — on binary tasks partly
+   chance hits — are not recognisable from the state).
+3. the native gate higher than ``best`` → **readout-limited** (``native_gate``): the trajectory supports early
+   exit, the model's own gate does not use it.
+4. ``best`` higher than the oracle ceiling → **readout-limited** (``below_ceiling``): right answers come earlier
+   than any readout finds them.
+5. otherwise **at-ceiling** (``at_ceiling``): ``best`` exits earlier than fixed depth and within noise of (or
+   below) the oracle ceiling — the readout already gets everything this trajectory offers, so neither a better
+   readout nor, on this evidence, the trajectory is the limit at this accuracy; only a trajectory that is right
+   earlier would lower the depth. (Before issue 12 this case was called trajectory-limited, which read as a
+   contradiction beside 0 % trajectory failures.)
 
-The summary checks [AD]'s three findings on our models from the numbers (never tuned): (a) on
-fixed-prior (uniform / geometric) trajectories confidence readouts reach a lower D@X than fixed depth;
-(b) the native joint gate's frontier is worse than post-hoc readouts on fixed-prior trajectories of the
-same task; (c) gates refit on frozen fixed-prior trajectories are strong, on jointly trained ones weak.
+Each verdict's sentence cites the figures with their intervals, the comparisons it rests on, and the error
+counts at the best rule's point (trajectory vs readout failures); :func:`check_verdict` recomputes the
+comparisons from the row's own numbers and the stage refuses a row that contradicts them.
+
+The summary checks [AD]'s three findings on our models from the numbers (never tuned), per task × regime on
+the across-seed intervals (:func:`ad_claims`): (a) on fixed-prior (uniform / geometric) trajectories confidence
+readouts reach a lower D@X than fixed depth; (b) the native joint gate's frontier is worse than post-hoc
+readouts on fixed-prior trajectories of the same task; (c) gates refit on frozen fixed-prior trajectories are
+strong, on jointly trained ones weak. A claim holds on a group only when the intervals support it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,11 +57,13 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.intervals import Interval, across_seeds, compare, from_row
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.project import split_seed
 from looptrace.rules.builtin import CONFIDENCE_RULES
+from looptrace.rules.scoring import best_chosen
 
 #: Failure classes in output order (SPEC §7); codes are their indices.
 CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
@@ -207,6 +227,14 @@ def spearman_rows(difficulty: np.ndarray, signals: dict[str, np.ndarray]) -> lis
 # Verdicts and [AD] claims
 # ----------------------------------------------------------------------------------------------
 
+#: The three verdicts (module docstring) and their reasons.
+VERDICTS = ("trajectory-limited", "readout-limited", "at-ceiling")
+REASONS = {"no_early_exit": "trajectory-limited", "no_headroom": "trajectory-limited",
+           "native_gate": "readout-limited", "below_ceiling": "readout-limited", "at_ceiling": "at-ceiling"}
+#: What each outcome of :func:`looptrace.intervals.compare` reads as in a sentence ("a is ... b").
+_CMP_WORDS = {"lower": "lower than", "higher": "higher than", "within noise": "within noise of",
+              "within tolerance": "within tolerance of", "untestable": "not comparable with"}
+
 
 def _nanmin_row(df: pl.DataFrame, col: str) -> dict | None:
     """Row with the smallest finite ``col`` (ties: rule name), or None."""
@@ -219,8 +247,101 @@ def _f(v) -> float:
 
 
 def _fmt(v, nd: int = 2) -> str:
+    """A D@X or depth figure in words: NaN/None/+inf (an unreachable D@X) read ``unreachable``."""
     v = _f(v)
-    return "unreachable" if math.isnan(v) else f"{v:.{nd}f}"
+    return "unreachable" if math.isnan(v) or math.isinf(v) else f"{v:.{nd}f}"
+
+
+def _iv(v, n_seeds: int = 1) -> Interval:
+    """An :class:`Interval` from an Interval, a metrics.json interval dict or a plain number (no interval)."""
+    if isinstance(v, Interval):
+        return v
+    if isinstance(v, dict):
+        return Interval(_f(v.get("estimate")), _f(v.get("lo")), _f(v.get("hi")), int(v.get("n_seeds") or n_seeds),
+                        v.get("method") or "bootstrap", int(v.get("n_boot") or 0), int(v.get("n_sequences") or 0))
+    return Interval(_f(v), n_seeds=n_seeds, method="none")
+
+
+def _ci(i: Interval | None, nd: int = 2) -> str:
+    """``1.15 [1.11, 1.19]``; ``not run`` for an absent figure (never None or nan)."""
+    return "not run" if i is None or not i.present else i.fmt(nd)
+
+
+def _dx_ci(i: Interval | None, nd: int = 2) -> str:
+    """A D@X figure: ``not reached`` when X is unreachable (+inf estimate), ``not run`` when absent."""
+    if i is None or not i.present:
+        return "not run"
+    if math.isinf(i.estimate):
+        extra = f" in {i.n_unreachable} of {i.n_seeds} seeds" if i.n_seeds > 1 and i.n_unreachable else ""
+        return f"not reached{extra}"
+    return i.fmt(nd).replace("unreachable", "not reached")
+
+
+def _chosen_interval(row: dict | None) -> Interval | None:
+    """The test depth of a ``chosen`` row (val-chosen point) with its bootstrap interval."""
+    return None if row is None else from_row(row, "test_depth")
+
+
+def decide(best: Interval | None, fixed: Interval, oracle: Interval, native: Interval | None,
+           tol: float) -> dict:
+    """The verdict from four depth figures (loops; each with its interval), as the module docstring states.
+
+    A gap counts only when the two intervals are disjoint *and* the estimates differ by at least ``tol``
+    (:func:`looptrace.intervals.compare`); otherwise the figures are "within noise" / "within tolerance".
+
+    Args:
+        best: the val-chosen best post-hoc readout or refit gate's test depth (None: no such rule).
+        fixed: fixed depth's val-chosen test depth.
+        oracle: the oracle earliest-correct ceiling's mean test depth.
+        native: the native gate's test depth (None: no native gate).
+        tol: ``diagnose.gap_tol`` (loops).
+
+    Returns:
+        dict: verdict, reason, and the comparisons it rests on: ``best_vs_fixed``, ``oracle_vs_fixed``,
+        ``native_vs_best``, ``best_vs_oracle`` (compare outcomes; None when a side is absent).
+    """
+    bf = compare(best, fixed, tol) if best is not None and best.present else None
+    of = compare(oracle, fixed, tol) if oracle.present and fixed.present else None
+    nb = (compare(native, best, tol) if native is not None and native.present and best is not None and best.present
+          else None)
+    bo = compare(best, oracle, tol) if best is not None and best.present and oracle.present else None
+    if bf != "lower":
+        reason = "no_headroom" if of != "lower" else "no_early_exit"
+    elif nb == "higher":
+        reason = "native_gate"
+    elif bo == "higher":
+        reason = "below_ceiling"
+    else:
+        reason = "at_ceiling"
+    return {"verdict": REASONS[reason], "reason": reason, "best_vs_fixed": bf, "oracle_vs_fixed": of,
+            "native_vs_best": nb, "best_vs_oracle": bo}
+
+
+def _verdict_sentence(d: dict, best_rule: str | None, best: Interval | None, fixed: Interval, oracle: Interval,
+                      native: Interval | None, tol: float, gates_run: bool, seeds: str = "") -> str:
+    """The reason of a verdict in words, citing every figure and comparison :func:`decide` used."""
+    b = f"{best_rule or 'no rule'} at {_ci(best)}" if best is not None and best.present else "no post-hoc rule"
+    fx, orc = f"fixed depth {_ci(fixed)}", f"the oracle ceiling {_ci(oracle)}"
+    w = _CMP_WORDS
+    r = d["reason"]
+    if r in ("no_early_exit", "no_headroom"):
+        s = (f"no post-hoc readout{' or refit gate' if gates_run else ''} exits earlier than fixed depth beyond noise "
+             f"(tolerance {tol:g} loops): best {b} is {w.get(d['best_vs_fixed'], 'not comparable with')} {fx}")
+        if r == "no_headroom":
+            s += f"; even {orc} is {w.get(d['oracle_vs_fixed'], 'not comparable with')} fixed depth"
+        else:
+            s += (f"; {orc} is lower, but no rule reading the trajectory finds those right answers"
+                  + ("" if gates_run else " (no refit gates were run: the gates stage tests learned readouts)"))
+    elif r == "native_gate":
+        s = (f"the trajectory supports early exit ({b}, lower than {fx}; {orc}) but the native gate at "
+             f"{_ci(native)} is higher than it")
+    elif r == "below_ceiling":
+        s = (f"{b} is lower than {fx} but higher than {orc}: right answers come earlier than any readout finds them "
+             "(on binary tasks the oracle also counts chance hits, so this ceiling is optimistic)")
+    else:
+        s = (f"{b} is lower than {fx} and {w.get(d['best_vs_oracle'], 'not comparable with')} {orc}: the readout "
+             "already exits where the trajectory first gets the answer right")
+    return s + (f" ({seeds})" if seeds else "")
 
 
 def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, failures: pl.DataFrame,
@@ -229,136 +350,260 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
 
     Args:
         model: meta (model, task, regime, regime_kind, n_loops).
-        chosen: chosen points of the model's rules (readouts + gates): rule, kind, source, test_depth,
-            test_accuracy, within_delta.
-        dx: D@X of the model's rules: rule, kind, source, x, d_at.
-        oracle: {"depth": mean oracle depth, "accuracy": oracle accuracy} on test.
+        chosen: chosen points of the model's rules (readouts + gates): rule, kind, source, val_depth,
+            val_accuracy, test_depth, test_accuracy, within_delta, and when present test_depth_lo/hi,
+            n_boot, n_sequences (the bootstrap interval of the val-chosen test depth).
+        dx: D@X of the model's rules: rule, kind, source, x, d_at (+ d_at_lo/hi, val_d_at when present).
+        oracle: {"depth": Interval | interval dict | float, "accuracy": ...}: the oracle ceiling on test.
         failures: the model's ``failure_classes`` rows (group all).
         cfg: the ``diagnose`` section.
 
     Returns:
-        dict: verdict, reason, evidence sentence and every number it cites.
+        dict: verdict, reason, evidence sentence and every number (with interval bounds) and comparison it cites.
+        :func:`check_verdict` of the row is empty (asserted here: a verdict never contradicts its numbers).
     """
     tol = cfg.gap_tol
     x = float(cfg.x)
-    fixed = chosen.filter(pl.col("rule") == "fixed")
-    fixed_depth = _f(fixed["test_depth"][0]) if fixed.height else float(model.get("n_loops") or math.nan)
-    adaptive = chosen.filter(pl.col("kind").is_in(["posthoc", "gate"]))
-    pool = adaptive.filter(pl.col("within_delta")) if adaptive.filter(pl.col("within_delta")).height else adaptive
-    best = _nanmin_row(pool, "test_depth")
-    best_depth = _f(best["test_depth"]) if best else math.nan
-    native = chosen.filter(pl.col("kind") == "native")
-    native_depth = _f(native["test_depth"][0]) if native.height else math.nan
-    dxx = dx.filter(pl.col("x") == x)
-
-    def dx_of(kind: str) -> dict | None:
-        return _nanmin_row(dxx.filter(pl.col("kind") == kind), "d_at")
-
-    dx_fixed, dx_post, dx_gate, dx_nat = dx_of("fixed"), dx_of("posthoc"), dx_of("gate"), dx_of("native")
-    best_gate = _nanmin_row(adaptive.filter(pl.col("kind") == "gate"), "test_depth")
-    best_post = _nanmin_row(adaptive.filter(pl.col("kind") == "posthoc"), "test_depth")
+    chosen = with_val_columns(chosen)
+    fixed_row = chosen.filter(pl.col("rule") == "fixed")
+    fixed = (_chosen_interval(fixed_row.row(0, named=True)) if fixed_row.height
+             else Interval(_f(model.get("n_loops")), method="none"))
+    best = best_chosen(chosen, ["posthoc", "gate"])
+    best_i = _chosen_interval(best)
+    best_gate, best_post = best_chosen(chosen, ["gate"]), best_chosen(chosen, ["posthoc"])
+    nat_row = best_chosen(chosen, ["native"])
+    native = _chosen_interval(nat_row)
+    orc = _iv(oracle.get("depth"))
+    gates_run = bool(chosen.filter(pl.col("kind") == "gate").height)
+    d = decide(best_i, fixed, orc, native, tol)
     fail_best = failures.filter((pl.col("rule") == (best["rule"] if best else "")) & (pl.col("group") == "all"))
-    n_err = int(fail_best["n_tokens"][0] - fail_best["correct"][0]) if fail_best.height else 0
-    traj_share = fail_best["trajectory"][0] / n_err if n_err else math.nan
-    read_share = (fail_best["readout_early"][0] + fail_best["readout_overthinking"][0]) / n_err if n_err else math.nan
-    orc_depth = _f(oracle.get("depth"))
-    if best is None or not best_depth <= fixed_depth - tol:
-        v, reason = "trajectory-limited", "no_early_exit"
-        why = (f"no post-hoc readout or refit gate exits materially earlier than fixed depth "
-               f"(best {best['rule'] if best else 'none'} at {_fmt(best_depth)} loops vs fixed {_fmt(fixed_depth)}, "
-               f"tolerance {tol:g})")
-    elif native.height and native_depth - best_depth > tol:
-        v, reason = "readout-limited", "native_gate"
-        why = (f"the trajectory supports early exit ({best['rule']} at {_fmt(best_depth)} loops vs fixed "
-               f"{_fmt(fixed_depth)}) but the native gate needs {_fmt(native_depth)}")
-    elif best_depth - orc_depth > tol:
-        v, reason = "readout-limited", "below_ceiling"
-        why = (f"{best['rule']} exits at {_fmt(best_depth)} loops (fixed {_fmt(fixed_depth)}) while the oracle "
-               f"earliest-correct ceiling is {_fmt(orc_depth)} (oracle accuracy {_fmt(100 * _f(oracle.get('accuracy')), 1)}%)")
-    else:
-        v, reason = "trajectory-limited", "at_ceiling"
-        why = (f"{best['rule']} exits at {_fmt(best_depth)} loops, within {tol:g} of the oracle ceiling "
-               f"{_fmt(orc_depth)} (fixed {_fmt(fixed_depth)})")
-    if not math.isnan(traj_share):
-        why += (f"; errors at its chosen point: {100 * traj_share:.0f}% trajectory failures, "
-                f"{100 * read_share:.0f}% readout failures")
-    return {
-        "model": model["model"], "task": model.get("task"), "regime": model.get("regime"),
-        "regime_kind": model.get("regime_kind"), "verdict": v, "reason": reason,
-        "evidence": f"{model['model']}: {v} — {why}.",
-        "fixed_depth": fixed_depth, "best_rule": best["rule"] if best else None,
-        "best_source": best["source"] if best else None, "best_depth": best_depth,
+    n_tok = int(fail_best["n_tokens"][0]) if fail_best.height else 0
+    n_err = n_tok - int(fail_best["correct"][0]) if fail_best.height else 0
+    n_traj = int(fail_best["trajectory"][0]) if fail_best.height else 0
+    n_read = n_err - n_traj
+    why = _verdict_sentence(d, best["rule"] if best else None, best_i, fixed, orc, native, tol, gates_run)
+    if fail_best.height and not n_err:
+        why += f"; no errors at its chosen point ({n_tok} test tokens)"
+    elif fail_best.height:
+        why += (f"; errors at its chosen point: {n_err} of {n_tok} test tokens, of which {n_traj} "
+                f"({_pct(n_traj, n_err)}) trajectory failures (no loop right) and {n_read} ({_pct(n_read, n_err)}) "
+                "readout failures (some loop right)")
+    dxx = with_val_columns(dx.filter(pl.col("x") == x))
+    dx_fixed, _ = dx_best(dxx, ["fixed"])
+    dx_post, dx_post_rule = dx_best(dxx, ["posthoc"])
+    dx_gate, _ = dx_best(dxx, ["gate"])
+    dx_nat, _ = dx_best(dxx, ["native"])
+    row = {
+        "model": model["model"], "group": split_seed(model["model"])[0], "seed": split_seed(model["model"])[1],
+        "task": model.get("task"), "regime": model.get("regime"),
+        "regime_kind": model.get("regime_kind"), "verdict": d["verdict"], "reason": d["reason"],
+        "evidence": f"{model['model']}: {d['verdict']} — {why}.",
+        **{f"cmp_{k}": d[k] for k in ("best_vs_fixed", "oracle_vs_fixed", "native_vs_best", "best_vs_oracle")},
+        "best_rule": best["rule"] if best else None, "best_source": best["source"] if best else None,
         "best_accuracy": _f(best["test_accuracy"]) if best else math.nan,
         "best_posthoc_rule": best_post["rule"] if best_post else None,
-        "best_posthoc_depth": _f(best_post["test_depth"]) if best_post else math.nan,
         "best_gate_rule": best_gate["rule"] if best_gate else None,
-        "best_gate_depth": _f(best_gate["test_depth"]) if best_gate else math.nan,
-        "native_depth": native_depth, "oracle_depth": orc_depth, "oracle_accuracy": _f(oracle.get("accuracy")),
-        "x": x, "dx_fixed": _f(dx_fixed["d_at"]) if dx_fixed else math.nan,
-        "dx_best_posthoc": _f(dx_post["d_at"]) if dx_post else math.nan,
-        "dx_best_posthoc_rule": dx_post["rule"] if dx_post else None,
-        "dx_best_gate": _f(dx_gate["d_at"]) if dx_gate else math.nan,
-        "dx_native": _f(dx_nat["d_at"]) if dx_nat else math.nan,
-        "error_trajectory_share": traj_share, "error_readout_share": read_share,
+        **_cols("fixed_depth", fixed), **_cols("best_depth", best_i), **_cols("native_depth", native),
+        **_cols("oracle_depth", orc), **_cols("best_posthoc_depth", _chosen_interval(best_post)),
+        **_cols("best_gate_depth", _chosen_interval(best_gate)),
+        "oracle_accuracy": _iv(oracle.get("accuracy")).estimate, "x": x,
+        **_cols("dx_fixed", dx_fixed), **_cols("dx_best_posthoc", dx_post), "dx_best_posthoc_rule": dx_post_rule,
+        **_cols("dx_best_gate", dx_gate), **_cols("dx_native", dx_nat),
+        "n_errors": n_err, "n_trajectory_failures": n_traj, "n_readout_failures": n_read,
+        "error_trajectory_share": n_traj / n_err if n_err else math.nan,
+        "error_readout_share": n_read / n_err if n_err else math.nan,
+        "gap_tol": tol, "n_boot": fixed.n_boot, "n_sequences": fixed.n_sequences,
     }
+    problems = check_verdict(row)
+    if problems:  # a bug in decide / the sentence, never a property of the data
+        raise AssertionError(f"verdict of {model['model']} contradicts its numbers: {'; '.join(problems)}")
+    return row
 
 
-def _lt(a: float, b: float) -> bool | None:
-    """a < b with NaN = unreachable (+∞); None when both are unreachable (untestable)."""
-    a, b = _f(a), _f(b)
-    if math.isnan(a) and math.isnan(b):
-        return None
-    return (math.inf if math.isnan(a) else a) < (math.inf if math.isnan(b) else b)
+def _pct(k: int, n: int) -> str:
+    return f"{100 * k / n:.0f} %" if n else "—"
 
 
-def _overall(results: list[bool | None]) -> str:
-    tested = [r for r in results if r is not None]
+def _cols(name: str, i: Interval | None) -> dict:
+    """``name``, ``name_lo``, ``name_hi`` of an interval (NaN when absent; +inf kept for an unreachable D@X)."""
+    if i is None:
+        return {name: math.nan, f"{name}_lo": math.nan, f"{name}_hi": math.nan}
+    return {name: i.estimate, f"{name}_lo": i.lo, f"{name}_hi": i.hi}
+
+
+def _row_iv(row: dict, name: str) -> Interval | None:
+    v = _f(row.get(name))
+    return None if math.isnan(v) else Interval(v, _f(row.get(f"{name}_lo")), _f(row.get(f"{name}_hi")))
+
+
+def check_verdict(row: dict) -> list[str]:
+    """Contradictions between a verdict row and its own numbers (empty = consistent).
+
+    Recomputes every comparison from the row's figures and bounds (``best_depth``, ``fixed_depth``,
+    ``oracle_depth``, ``native_depth`` with ``_lo``/``_hi``, ``gap_tol``) and checks that the verdict and reason
+    follow from them, that the sentence cites the comparisons it rests on, and that the error counts add up.
+    """
+    out = []
+    tol = _f(row.get("gap_tol"))
+    tol = 0.0 if math.isnan(tol) else tol
+    fixed = _row_iv(row, "fixed_depth") or Interval(math.nan)
+    d = decide(_row_iv(row, "best_depth"), fixed, _row_iv(row, "oracle_depth") or Interval(math.nan),
+               _row_iv(row, "native_depth"), tol)
+    if (row.get("verdict"), row.get("reason")) != (d["verdict"], d["reason"]):
+        out.append(f"the numbers give {d['verdict']} ({d['reason']}), the row says {row.get('verdict')} "
+                   f"({row.get('reason')})")
+    if REASONS.get(row.get("reason")) != row.get("verdict"):
+        out.append(f"reason {row.get('reason')} does not belong to verdict {row.get('verdict')}")
+    ev = row.get("evidence") or ""
+    if f": {row.get('verdict')} — " not in ev:
+        out.append("the evidence sentence does not state the verdict")
+    for key in ("best_vs_fixed", "best_vs_oracle"):
+        c = d[key]
+        need = (key == "best_vs_fixed" or d["reason"] == "at_ceiling") and c is not None
+        if need and _CMP_WORDS[c] not in ev and not (c == "lower" and "lower than" in ev):
+            out.append(f"the sentence does not say that best is {_CMP_WORDS[c]} {key.split('_vs_')[1]}")
+    for name in ("best_depth", "fixed_depth", "oracle_depth"):
+        i = _row_iv(row, name)
+        if i is not None and i.present and _ci(i) not in ev:
+            out.append(f"the sentence does not cite {name} {_ci(i)}")
+    for bad in ("None", "nan", "inf"):
+        if re.search(rf"\b{bad}\b", ev):
+            out.append(f"the sentence prints '{bad}'")
+    n_err = row.get("n_errors")
+    if n_err is not None and row.get("n_trajectory_failures") is not None:
+        if row["n_trajectory_failures"] + row["n_readout_failures"] != n_err:
+            out.append("trajectory + readout failures do not add up to the errors")
+    return out
+
+
+def with_val_columns(df: pl.DataFrame) -> pl.DataFrame:
+    """``chosen`` / ``dx`` rows with the val columns the val-choice needs; outputs written before those columns
+    existed read their test figure in place of val (documented fallback, never used by the current stages)."""
+    for val, test in (("val_d_at", "d_at"), ("val_depth", "test_depth"), ("val_accuracy", "test_accuracy")):
+        if test in df.columns:  # absent, or null in rows concatenated from such outputs
+            df = df.with_columns((pl.coalesce(val, test) if val in df.columns else pl.col(test)).alias(val))
+    return df
+
+
+def dx_best(dx: pl.DataFrame, kinds: Sequence[str], rules: Sequence[str] | None = None
+            ) -> tuple[Interval | None, str | None]:
+    """The D@X of the rule (of ``kinds``, optionally among ``rules``) chosen on *val*: the lowest ``val_d_at``
+    (unreachable = +inf; ties: rule name), with its test D@X and bootstrap interval (+inf = not reached).
+
+    Args:
+        dx: D@X rows of one model at one X (rule, kind, d_at, d_at_lo, d_at_hi, val_d_at, n_boot, n_sequences).
+
+    Returns:
+        (Interval, rule), or (None, None) when no such rule was run.
+    """
+    sub = with_val_columns(dx).filter(pl.col("kind").is_in(list(kinds)))
+    if rules is not None:
+        sub = sub.filter(pl.col("rule").is_in(list(rules)))
+    if not sub.height:
+        return None, None
+    sub = sub.with_columns(_v=pl.col("val_d_at").fill_null(math.inf).fill_nan(math.inf))
+    r = sub.sort("_v", "rule").row(0, named=True)
+    return from_row(r, "d_at"), r["rule"]
+
+
+def _status(c: str, good: str, bad: str) -> str:
+    """A claim's result on one group from a comparison outcome: ``holds`` / ``does not hold`` / ``within noise``."""
+    if c == good:
+        return "holds"
+    if c == bad:
+        return "does not hold"
+    return "untestable" if c == "untestable" else "within noise"
+
+
+def _overall(results: list[str]) -> str:
+    """A claim over groups: holds / does not hold / within noise when every tested group agrees, else partly."""
+    tested = [r for r in results if r != "untestable"]
     if not tested:
         return "untestable"
-    if all(tested):
-        return "holds"
-    return "partly" if any(tested) else "does not hold"
+    if len(set(tested)) == 1:
+        return tested[0]
+    return "partly (" + ", ".join(f"{r} in {tested.count(r)}" for r in ("holds", "within noise", "does not hold")
+                                 if r in tested) + f" of {len(tested)})"
 
 
-def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_present: bool) -> list[dict]:
-    """Test [AD]'s findings (a), (b), (c) on our models, one dict per claim with generated sentences.
+def _seed_pairs(items: Sequence[tuple[str, Interval | None, Interval | None]]) -> str:
+    """``s0 1.40 [1.31, 1.52] vs 3.00 [3.00, 3.00]; s1 …`` (a model without a seed: its name)."""
+    def name(m: str) -> str:
+        seed = split_seed(m)[1]
+        return m if seed is None else f"s{seed}"
+    return "; ".join(f"{name(m)} {_dx_ci(a)} vs {_dx_ci(b)}" for m, a, b in items)
+
+
+def _group_ci(items: Sequence[Interval | None], level: float = 0.95) -> Interval:
+    return across_seeds([i for i in items if i is not None], level)
+
+
+def _seeds_word(n: int) -> str:
+    return f"{n} seed{'s' if n != 1 else ''}"
+
+
+def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_present: bool,
+              level: float = 0.95) -> list[dict]:
+    """Test [AD]'s findings (a), (b), (c) on our models, judged on intervals, one dict per claim.
+
+    The unit is a task × regime group (the models ``<task>-<regime>-s<seed>`` that differ by training seed,
+    :func:`looptrace.project.split_seed`): each figure is the across-seed mean with its Student-t interval
+    (one seed: that model's bootstrap interval, :func:`looptrace.intervals.across_seeds`); per seed the rule is
+    chosen on val (:func:`dx_best`). A claim *holds* on a group only when the intervals are disjoint in the
+    claimed direction, *does not hold* when they are disjoint the other way, and is *within noise* when they
+    overlap (:func:`looptrace.intervals.compare`).
+
+    (a) best confidence readout's D@X lower than fixed depth's, on fixed-prior groups. (b) the native gate's
+    D@X (joint group) higher than the best post-hoc readout's on the fixed-prior models of the same task and
+    seed. (c) the best refit gate is strong (lower than fixed by ≥ ``gap_tol``, disjoint intervals) on
+    fixed-prior groups and weak (higher, or disjoint but closer than ``gap_tol``; a gate that cannot reach X)
+    on joint ones; overlapping intervals leave it within noise.
 
     Args:
         meta: one row per model: model, task, regime, regime_kind.
-        dx: D@X of every model × rule: model, rule, kind, x, d_at (readouts and gates).
+        dx: D@X of every model × rule: model, rule, kind, x, d_at (+ d_at_lo/hi, val_d_at, n_boot, n_sequences).
         cfg: the ``diagnose`` section (x, gap_tol).
         gates_present: whether any ``artifacts/gates/<model>`` outputs were found.
+        level: interval coverage across seeds.
 
     Returns:
-        list of {"claim": "a"|"b"|"c", "status": holds | partly | does not hold | untestable,
-        "sentences": [str, ...], "details": [dict, ...]}.
+        list of {"claim": "a"|"b"|"c", "status": holds | does not hold | within noise | partly (...) |
+        untestable, "sentences": [str, ...], "details": [dict, ...]}.
     """
     x = float(cfg.x)
     xs = f"D@{x:g}"
-    dxx = dx.filter(pl.col("x") == x)
+    dxx = with_val_columns(dx.filter(pl.col("x") == x))
 
-    def best(model: str, kinds: Sequence[str], rules: Sequence[str] | None = None) -> tuple[float, str | None]:
-        sub = dxx.filter((pl.col("model") == model) & pl.col("kind").is_in(list(kinds)))
-        if rules is not None:
-            sub = sub.filter(pl.col("rule").is_in(list(rules)))
-        r = _nanmin_row(sub, "d_at")
-        return (_f(r["d_at"]), r["rule"]) if r else (math.nan, None)
+    def best(model: str, kinds: Sequence[str], rules: Sequence[str] | None = None):
+        return dx_best(dxx.filter(pl.col("model") == model), kinds, rules)
 
-    fixed_prior = meta.filter(pl.col("regime_kind").is_in(list(FIXED_PRIOR_KINDS)))
-    joint = meta.filter(pl.col("regime_kind") == "joint")
+    meta = meta.with_columns(group=pl.col("model").map_elements(lambda m: split_seed(m)[0], return_dtype=pl.String),
+                             seed=pl.col("model").map_elements(lambda m: split_seed(m)[1], return_dtype=pl.Int64))
+    groups = list(dict.fromkeys(meta["group"].to_list()))
+    ginfo = {g: meta.filter(pl.col("group") == g).row(0, named=True) for g in groups}
+    members = {g: meta.filter(pl.col("group") == g)["model"].to_list() for g in groups}
+    fixed_prior = [g for g in groups if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS]
+    joint = [g for g in groups if ginfo[g]["regime_kind"] == "joint"]
     claims = []
 
     # (a) confidence readouts vs fixed depth on fixed-prior trajectories
     res, sent, det = [], [], []
-    for m in fixed_prior.iter_rows(named=True):
-        conf, rule = best(m["model"], ["posthoc"], CONFIDENCE_RULES)
-        fix, _ = best(m["model"], ["fixed"])
-        ok = _lt(conf, fix)
-        res.append(ok)
-        det.append({"model": m["model"], "confidence_rule": rule, "confidence_dx": conf, "fixed_dx": fix, "holds": ok})
-        verb = {True: "lower than", False: "not lower than", None: "not comparable with (both unreachable)"}[ok]
-        sent.append(f"{m['model']}: best confidence readout ({rule or 'none'}) {xs} = {_fmt(conf)}, {verb} "
-                    f"fixed depth {xs} = {_fmt(fix)}.")
+    for g in fixed_prior:
+        per = [(m, *best(m, ["posthoc"], CONFIDENCE_RULES), best(m, ["fixed"])[0]) for m in members[g]]
+        conf = _group_ci([p[1] for p in per], level)
+        fix = _group_ci([p[3] for p in per], level)
+        c = compare(conf, fix)
+        st = _status(c, "lower", "higher")
+        res.append(st)
+        rules = ", ".join(dict.fromkeys(p[2] or "none" for p in per))
+        det.append({"group": g, "n_seeds": len(per), "confidence_rules": rules, "confidence_dx": conf.to_dict(),
+                    "fixed_dx": fix.to_dict(), "comparison": c, "result": st,
+                    "per_seed": [{"model": m, "rule": r, "confidence_dx": _f(i.estimate) if i else math.nan,
+                                  "fixed_dx": _f(f.estimate) if f else math.nan} for m, i, r, f in per]})
+        sent.append(f"{g} ({_seeds_word(len(per))}): best confidence readout ({rules}, chosen on val) {xs} = "
+                    f"{_dx_ci(conf)}, {_CMP_WORDS[c]} fixed depth {xs} = {_dx_ci(fix)}: {st}"
+                    + (f" (per seed, confidence vs fixed: {_seed_pairs([(m, i, f) for m, i, _, f in per])})"
+                       if len(per) > 1 else "") + ".")
     status = _overall(res) if res else "untestable"
     head = (f"(a) [AD]: fixed-prior trajectories with confidence readouts reach a lower {xs} than fixed depth "
             f"([AD]: {AD_REFERENCE['confidence_d95']} vs {AD_REFERENCE['fixed_d95']} at D@95). On our models: {status}"
@@ -367,31 +612,42 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
 
     # (b) native joint gate vs post-hoc readouts on fixed-prior trajectories of the same task
     res, sent, det = [], [], []
-    for m in joint.iter_rows(named=True):
-        nat, _ = best(m["model"], ["native"])
-        # peers: fixed-prior models of the same task and training seed (<task>-<regime>-s<seed>), so the
-        # comparison is between regimes, not between initialisations
-        peers = [p for p in fixed_prior.filter(pl.col("task") == m["task"])["model"].to_list()
-                 if split_seed(p)[1] == split_seed(m["model"])[1]]
-        cands = [(*best(p, ["posthoc"]), p) for p in peers]
-        cands = [c for c in cands if not math.isnan(c[0])]
-        post, rule, peer = min(cands) if cands else (math.nan, None, None)
-        own, own_rule = best(m["model"], ["posthoc"])
-        if not peers:
-            ok = None
-            sent.append(f"{m['model']}: no fixed-prior model of task {m['task']} to compare with.")
-        else:
-            ok = _lt(post, nat)
-            verb = {True: "worse than", False: "not worse than", None: "not comparable with (both unreachable)"}[ok]
-            own_s = (f"the best post-hoc readout on its own joint trajectory: {own_rule} {_fmt(own)}" if own_rule
-                     else f"no post-hoc readout reaches {xs} on its own joint trajectory")
-            post_s = (f"{rule} on {peer}: {_fmt(post)}" if rule
-                      else f"none reaches {xs} on {', '.join(peers)}")
-            sent.append(f"{m['model']}: native Q-exit {xs} = {_fmt(nat)}, {verb} the best post-hoc readout on a "
-                        f"fixed-prior trajectory ({post_s}); {own_s}.")
-        res.append(ok)
-        det.append({"model": m["model"], "native_dx": nat, "fixed_prior_posthoc_dx": post, "fixed_prior_rule": rule,
-                    "fixed_prior_model": peer, "own_posthoc_dx": own, "holds": ok})
+    for g in joint:
+        task = ginfo[g]["task"]
+        per = []
+        for m in members[g]:
+            seed = split_seed(m)[1]
+            # peers: fixed-prior models of the same task and training seed, so the comparison is between
+            # regimes, not between initialisations; the peer's rule is chosen on val over all peers' rules
+            peers = meta.filter((pl.col("task") == task) & pl.col("regime_kind").is_in(list(FIXED_PRIOR_KINDS))
+                                & (pl.col("seed").is_null() if seed is None else pl.col("seed") == seed)
+                                )["model"].to_list()
+            sub = dxx.filter(pl.col("model").is_in(peers))
+            post, rule = dx_best(sub, ["posthoc"])
+            peer = (sub.filter((pl.col("rule") == rule) & (pl.col("kind") == "posthoc"))
+                    .with_columns(_v=pl.col("val_d_at").fill_null(math.inf).fill_nan(math.inf))
+                    .sort("_v", "model")["model"][0]) if rule else None
+            per.append((m, best(m, ["native"])[0], post, rule, peer, peers))
+        if not any(p[5] for p in per):
+            res.append("untestable")
+            sent.append(f"{g}: no fixed-prior model of task {task} to compare with.")
+            det.append({"group": g, "result": "untestable"})
+            continue
+        nat = _group_ci([p[1] for p in per], level)
+        post = _group_ci([p[2] for p in per], level)
+        c = compare(nat, post)
+        st = _status(c, "higher", "lower")
+        res.append(st)
+        peers_s = ", ".join(f"{p[3]} on {p[4]}" if p[3] else f"none on {', '.join(p[5])}" for p in per)
+        det.append({"group": g, "n_seeds": len(per), "native_dx": nat.to_dict(), "fixed_prior_posthoc_dx": post.to_dict(),
+                    "comparison": c, "result": st,
+                    "per_seed": [{"model": m, "native_dx": _f(n.estimate) if n else math.nan,
+                                  "fixed_prior_posthoc_dx": _f(q.estimate) if q else math.nan, "fixed_prior_rule": r,
+                                  "fixed_prior_model": pm} for m, n, q, r, pm, _ in per]})
+        sent.append(f"{g} ({_seeds_word(len(per))}): native Q-exit {xs} = {_dx_ci(nat)}, {_CMP_WORDS[c]} the best "
+                    f"post-hoc readout on a fixed-prior trajectory of the same seed ({peers_s}): {_dx_ci(post)}: {st}"
+                    + (f" (per seed, native vs post-hoc: {_seed_pairs([(p[0], p[1], p[2]) for p in per])})"
+                       if len(per) > 1 else "") + ".")
     status = _overall(res) if res else "untestable"
     head = (f"(b) [AD]: the native joint gate's frontier is worse than post-hoc readouts on fixed-prior "
             f"trajectories ([AD]: native D@95 {AD_REFERENCE['native_d95']} vs {AD_REFERENCE['confidence_d95']}). "
@@ -400,60 +656,141 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
 
     # (c) refit gates: strong on fixed-prior, weak on joint trajectories
     res, sent, det = [], [], []
+    text = "(c) [AD]: gates refit on frozen fixed-prior trajectories are strong, on jointly trained ones weak."
     if gates_present:
-        for m in meta.filter(pl.col("regime_kind").is_in([*FIXED_PRIOR_KINDS, "joint"])).iter_rows(named=True):
-            gate, rule = best(m["model"], ["gate"])
-            fix, _ = best(m["model"], ["fixed"])
-            if rule is None and math.isnan(gate) and not dxx.filter((pl.col("model") == m["model"])
-                                                                     & (pl.col("kind") == "gate")).height:
-                sent.append(f"{m['model']}: no refit gate outputs.")
+        for g in [*fixed_prior, *joint]:
+            per = [(m, *best(m, ["gate"]), best(m, ["fixed"])[0]) for m in members[g]]
+            per = [p for p in per if p[1] is not None]
+            if not per:
+                sent.append(f"{g}: no refit gate outputs.")
                 continue
-            strong = _lt(gate, fix - cfg.gap_tol if not math.isnan(fix) else math.nan)
-            if strong is None:  # both unreachable at X: a gate that cannot reach X is not strong
-                strong = False
-            expect_strong = m["regime_kind"] in FIXED_PRIOR_KINDS
-            ok = strong if expect_strong else not strong
-            res.append(ok)
-            det.append({"model": m["model"], "regime_kind": m["regime_kind"], "gate_rule": rule, "gate_dx": gate,
-                        "fixed_dx": fix, "strong": strong, "holds": ok})
-            sent.append(f"{m['model']} ({m['regime_kind']}): best refit gate ({rule or 'none'}) {xs} = {_fmt(gate)} "
-                        f"vs fixed {_fmt(fix)} — {'strong' if strong else 'weak'} (strong = at least "
-                        f"{cfg.gap_tol:g} loops below fixed depth); [AD] expects "
-                        f"{'strong' if expect_strong else 'weak'}.")
+            gate = _group_ci([p[1] for p in per], level)
+            fix = _group_ci([p[3] for p in per], level)
+            c = compare(gate, fix, cfg.gap_tol)
+            strength = {"lower": "strong", "higher": "weak", "within tolerance": "weak",
+                        "untestable": "weak"}.get(c, "within noise")  # untestable: neither reaches X
+            expect = "strong" if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS else "weak"
+            st = "within noise" if strength == "within noise" else "holds" if strength == expect else "does not hold"
+            res.append(st)
+            rules = ", ".join(dict.fromkeys(p[2] for p in per))
+            det.append({"group": g, "n_seeds": len(per), "regime_kind": ginfo[g]["regime_kind"], "gate_rules": rules,
+                        "gate_dx": gate.to_dict(), "fixed_dx": fix.to_dict(), "comparison": c, "strength": strength,
+                        "expected": expect, "result": st})
+            sent.append(f"{g} ({ginfo[g]['regime_kind']}, {_seeds_word(len(per))}): best refit gate ({rules}) {xs} = "
+                        f"{_dx_ci(gate)} vs fixed {_dx_ci(fix)} — {strength} (strong = lower by at least "
+                        f"{cfg.gap_tol:g} loops with disjoint intervals); [AD] expects {expect}: {st}"
+                        + (f" (per seed, gate vs fixed: {_seed_pairs([(p[0], p[1], p[3]) for p in per])})"
+                           if len(per) > 1 else "") + ".")
         status = _overall(res) if res else "untestable"
-        head = (f"(c) [AD]: gates refit on frozen fixed-prior trajectories are strong, on jointly trained ones weak. "
-                f"On our models: {status}.")
+        head = f"{text} On our models: {status}."
     else:
         status = "untestable"
-        head = ("(c) [AD]: gates refit on frozen fixed-prior trajectories are strong, on jointly trained ones weak. "
-                "Not tested: no offline-gate outputs (artifacts/gates/<model>/) were found.")
+        head = f"{text} Not tested: no offline-gate outputs (artifacts/gates/<model>/) were found."
     claims.append({"claim": "c", "status": status, "sentences": [head, *sent], "details": det})
     return claims
 
 
+def group_verdicts(verdicts: pl.DataFrame, cfg: DiagnoseConfig, level: float = 0.95) -> pl.DataFrame:
+    """One verdict per task × regime over its training seeds.
+
+    Each depth figure of :func:`verdict` (best, fixed, oracle, native; D@X) becomes its across-seed mean with
+    the Student-t interval (:func:`looptrace.intervals.across_seeds`; one seed: that model's bootstrap
+    interval), and :func:`decide` is applied to those intervals. The per-seed verdicts are counted beside it.
+
+    Returns:
+        DataFrame: group, task, regime, regime_kind, n_seeds, seeds, verdict, reason, seed_verdicts,
+        best_rules, evidence, and ``<figure>``, ``<figure>_lo``, ``<figure>_hi`` for fixed_depth, best_depth,
+        native_depth, oracle_depth, dx_fixed, dx_best_posthoc, dx_best_gate, dx_native.
+    """
+    rows = []
+    if not verdicts.height:
+        return pl.DataFrame()
+    vs = verdicts if "group" in verdicts.columns else verdicts.with_columns(
+        group=pl.col("model").map_elements(lambda m: split_seed(m)[0], return_dtype=pl.String))
+    for g in dict.fromkeys(vs["group"].to_list()):
+        sub = vs.filter(pl.col("group") == g)
+        rs = list(sub.iter_rows(named=True))
+        figs = {}
+        for name in ("fixed_depth", "best_depth", "native_depth", "oracle_depth", "dx_fixed", "dx_best_posthoc",
+                     "dx_best_gate", "dx_native"):
+            figs[name] = _group_ci([_row_iv(r, name) for r in rs], level)
+        native = figs["native_depth"] if figs["native_depth"].present else None
+        best = figs["best_depth"] if figs["best_depth"].present else None
+        d = decide(best, figs["fixed_depth"], figs["oracle_depth"], native, cfg.gap_tol)
+        n = len(rs)
+        counts = {v: sum(r["verdict"] == v for r in rs) for v in VERDICTS}
+        seed_v = ", ".join(f"{k} × {v}" for v, k in counts.items() if k)
+        rules = ", ".join(dict.fromkeys(r["best_rule"] or "none" for r in rs))
+        gates_run = any(r.get("best_gate_rule") for r in rs)
+        why = _verdict_sentence(d, rules, best, figs["fixed_depth"], figs["oracle_depth"], native, cfg.gap_tol,
+                                gates_run, seeds=f"{_seeds_word(n)}; per-seed verdicts: {seed_v}")
+        row = {"group": g, "task": rs[0].get("task"), "regime": rs[0].get("regime"),
+               "regime_kind": rs[0].get("regime_kind"), "n_seeds": n,
+               "seeds": ", ".join(str(r["seed"]) for r in rs if r.get("seed") is not None),
+               "verdict": d["verdict"], "reason": d["reason"], "seed_verdicts": seed_v, "best_rules": rules,
+               "evidence": f"{g}: {d['verdict']} — {why}.", "gap_tol": cfg.gap_tol,
+               **{f"cmp_{k}": d[k] for k in ("best_vs_fixed", "oracle_vs_fixed", "native_vs_best", "best_vs_oracle")}}
+        for name, i in figs.items():
+            row.update(_cols(name, i if i.present else None))
+        problems = check_verdict(row)
+        if problems:
+            raise AssertionError(f"verdict of {g} contradicts its numbers: {'; '.join(problems)}")
+        rows.append(row)
+    return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _headline_rho(spearman: pl.DataFrame, cfg: DiagnoseConfig) -> pl.DataFrame:
+    sel = spearman.filter((pl.col("signal") == cfg.spearman_headline)
+                          & (pl.col("aggregation") == cfg.spearman_aggregation))
+    return sel.filter(pl.col("loop").is_null() if cfg.spearman_loop is None else pl.col("loop") == cfg.spearman_loop)
+
+
 def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.DataFrame, cfg: DiagnoseConfig,
-                     failures: pl.DataFrame | None = None) -> str:
+                     failures: pl.DataFrame | None = None, groups: pl.DataFrame | None = None) -> str:
     """``summary.md``: every sentence generated from the tables (verdicts, claims, Spearman headline).
 
     Args:
-        verdicts: ``verdicts.parquet`` rows.
+        verdicts: ``verdicts.parquet`` rows (one per model, i.e. per seed).
         claims: ``ad_claims`` output.
         spearman: ``spearman.parquet`` rows (model, signal, loop, aggregation, rho, n).
         cfg: the ``diagnose`` section.
         failures: ``failure_classes.parquet`` rows (for the best-rule table), optional.
+        groups: :func:`group_verdicts` rows (computed here when None).
     """
-    lines = ["# Diagnosis: trajectory or readout?", ""]
-    lines += ["## Verdicts", "",
+    if groups is None:
+        groups = group_verdicts(verdicts, cfg)
+    xs = f"D@{cfg.x:g}"
+    lines = ["# Diagnosis: trajectory or readout?", "",
+             "Figures are `estimate [lo, hi]`: 95 % intervals, a bootstrap over test sequences for one model and "
+             "the Student-t interval over training seeds for a task × regime. Two figures whose intervals overlap "
+             "are within noise of each other; a gap counts only when they do not (and, for verdicts, when it is at "
+             f"least gap_tol = {cfg.gap_tol:g} loops). \"not reached\" = no operating point reaches the accuracy "
+             "target; \"not run\" = the rule does not exist for that model.", ""]
+    if groups.height:
+        lines += ["## Verdicts per task × regime (across seeds)", "",
+                  "| task × regime | regime | seeds | verdict | best rule(s) | best depth | fixed | native | oracle | "
+                  f"{xs} fixed | {xs} best post-hoc | {xs} best gate | {xs} native |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for g in groups.iter_rows(named=True):
+            lines.append(f"| {g['group']} | {g['regime_kind'] or '?'} | {g['n_seeds']} | {g['verdict']} | "
+                         f"{g['best_rules']} | {_ci(_row_iv(g, 'best_depth'))} | {_ci(_row_iv(g, 'fixed_depth'))} | "
+                         f"{_ci(_row_iv(g, 'native_depth'))} | {_ci(_row_iv(g, 'oracle_depth'))} | "
+                         + " | ".join(_dx_ci(_dx_iv(g, k)) for k in ("dx_fixed", "dx_best_posthoc", "dx_best_gate",
+                                                                       "dx_native")) + " |")
+        lines += ["", "Evidence:", ""] + [f"- {g['evidence']}" for g in groups.iter_rows(named=True)]
+    lines += ["", "## Verdicts per model (one seed each; bootstrap over test sequences)", "",
               "| model | regime | verdict | best rule (depth) | fixed | native | oracle | "
-              f"D@{cfg.x:g} fixed / post-hoc / gate / native |",
+              f"{xs} fixed / post-hoc / gate / native |",
               "|---|---|---|---|---|---|---|---|"]
     for v in verdicts.iter_rows(named=True):
-        lines.append(f"| {v['model']} | {v['regime_kind'] or '?'} | {v['verdict']} | {v['best_rule'] or '—'} "
-                     f"({_fmt(v['best_depth'])}) | {_fmt(v['fixed_depth'])} | {_fmt(v['native_depth'])} | "
-                     f"{_fmt(v['oracle_depth'])} | {_fmt(v['dx_fixed'])} / {_fmt(v['dx_best_posthoc'])} / "
-                     f"{_fmt(v['dx_best_gate'])} / {_fmt(v['dx_native'])} |")
-    lines += ["", "Depths are mean test exit depths (loops) at each rule's chosen point (val accuracy within δ of "
-              "full depth). Evidence:", ""]
+        lines.append(f"| {v['model']} | {v['regime_kind'] or '?'} | {v['verdict']} | {v['best_rule'] or 'none'} "
+                     f"({_ci(_row_iv(v, 'best_depth'))}) | {_ci(_row_iv(v, 'fixed_depth'))} | "
+                     f"{_ci(_row_iv(v, 'native_depth'))} | {_ci(_row_iv(v, 'oracle_depth'))} | "
+                     + " / ".join(_dx_ci(_dx_iv(v, k)) for k in ("dx_fixed", "dx_best_posthoc", "dx_best_gate",
+                                                                   "dx_native")) + " |")
+    lines += ["", "Depths are mean test exit depths (loops) at each rule's val-chosen point (val accuracy within δ of "
+              f"full depth); the best rule is chosen on val. {xs} picks its threshold on test labels (an "
+              "oracle-threshold figure). Evidence:", ""]
     lines += [f"- {v['evidence']}" for v in verdicts.iter_rows(named=True)]
     if failures is not None and failures.height:
         lines += ["", "## Failure classes at each model's best rule (test tokens, % of all)", "",
@@ -465,7 +802,10 @@ def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.Da
                 r = f.row(0, named=True)
                 lines.append(f"| {v['model']} | {v['best_rule']} | "
                              + " | ".join(f"{100 * r['frac_' + c]:.1f}" for c in CLASSES) + " |")
-    lines += ["", "## Do [AD]'s findings hold on our models?", ""]
+    lines += ["", "## Do [AD]'s findings hold on our models?", "",
+              "Judged on intervals per task × regime: *holds* only when the intervals are disjoint in the claimed "
+              "direction, *within noise* when they overlap, *does not hold* when they are disjoint the other way.",
+              ""]
     for c in claims:
         lines.append(f"- {c['sentences'][0]}")
         lines += [f"  - {s}" for s in c["sentences"][1:]]
@@ -476,14 +816,31 @@ def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.Da
     lines.append(f"Headline: {cfg.spearman_headline} at {where}, Spearman {desc} ([AD]: entropy ≈ 1.0 under fixed "
                  "priors). Every signal × loop × aggregation is in spearman.parquet.")
     lines.append("")
-    sel = spearman.filter((pl.col("signal") == cfg.spearman_headline) & (pl.col("aggregation") == agg))
-    sel = sel.filter(pl.col("loop").is_null() if cfg.spearman_loop is None else pl.col("loop") == cfg.spearman_loop)
+    sel = _headline_rho(spearman, cfg)
     regime = dict(zip(verdicts["model"].to_list(), verdicts["regime_kind"].to_list(), strict=True))
+    unit = "difficulty levels" if agg == "difficulty_mean" else "tokens"
+    by_group: dict[str, list[dict]] = {}
     for r in sel.sort("model").iter_rows(named=True):
-        unit = "difficulty levels" if agg == "difficulty_mean" else "tokens"
+        by_group.setdefault(split_seed(r["model"])[0], []).append(r)
         lines.append(f"- {r['model']} ({regime.get(r['model']) or '?'}): ρ = {_fmt(r['rho'])} "
                      f"(n = {r['n']} {unit}).")
+    multi = {g: rs for g, rs in by_group.items() if len(rs) > 1}
+    if multi:
+        lines += ["", "Across seeds (mean with the Student-t 95 % interval over seeds):", ""]
+        for g, rs in multi.items():
+            iv = across_seeds([Interval(_f(r["rho"]), method="none") for r in rs])
+            lines.append(f"- {g}: ρ = {_ci(iv)} ({_seeds_word(iv.n_seeds)}; n = "
+                         f"{', '.join(str(r['n']) for r in rs)} {unit}).")
     return "\n".join(lines) + "\n"
+
+
+def _dx_iv(row: dict, name: str) -> Interval | None:
+    """A D@X figure of a verdict row: NaN/+inf estimate with bounds = not reached; no row value = not run."""
+    v = _f(row.get(name))
+    lo, hi = _f(row.get(f"{name}_lo")), _f(row.get(f"{name}_hi"))
+    if math.isnan(v):
+        return None
+    return Interval(v, lo, hi)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -553,6 +910,17 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
 _ROW_KEYS = ("fail_rows", "sp_rows", "verdict_rows", "meta_rows", "dx_all")
 
 
+#: Columns of chosen.parquet / dx.parquet diagnose reads (the interval and val columns when the stage wrote them).
+_CHOSEN_COLS = ("rule", "kind", "source", "val_depth", "val_accuracy", "test_depth", "test_accuracy", "within_delta",
+                "test_depth_lo", "test_depth_hi", "n_boot", "n_sequences")
+_DX_COLS = ("rule", "kind", "source", "x", "d_at", "d_at_lo", "d_at_hi", "val_d_at", "reach_share", "n_boot",
+            "n_sequences")
+
+
+def _present(df: pl.DataFrame, cols: Sequence[str]) -> list[str]:
+    return [c for c in cols if c in df.columns]
+
+
 def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Path | str, geometry_root: Path | str,
                cfg: DiagnoseConfig) -> dict:
     """The per-model work of :func:`diagnose_models` (in this process or as a Dask task): each model's failure
@@ -579,8 +947,8 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         correct = test.loop["correct"]
         chosen, dxs = [], []
         for source, o in outs:
-            chosen.append(o["chosen"].select("rule", "kind", "source", "test_depth", "test_accuracy", "within_delta"))
-            dxs.append(o["dx"].select("rule", "kind", "source", "x", "d_at"))
+            chosen.append(o["chosen"].select(_present(o["chosen"], _CHOSEN_COLS)))
+            dxs.append(o["dx"].select(_present(o["dx"], _DX_COLS)))
             kinds = dict(zip(o["chosen"]["rule"].to_list(), o["chosen"]["kind"].to_list(), strict=True))
             ex = o["chosen_exits"]
             for rule in ex["rule"].unique(maintain_order=True).to_list():
@@ -600,9 +968,11 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         sp_rows += [{"model": model, **r} for r in spearman_rows(test.fields["difficulty"], signals)]
         ch, dx = pl.concat(chosen, how="diagonal_relaxed"), pl.concat(dxs, how="diagonal_relaxed")
         dx_all.append(dx.with_columns(model=pl.lit(model)))
-        orc = rm.get("rules", {}).get("oracle", {})
-        oracle = {"depth": orc.get("test_depth", float(signals["oracle_depth"].mean())),
-                  "accuracy": orc.get("test_accuracy", float(c.any(1).mean()))}
+        # the ceiling with its bootstrap interval as the readouts stage wrote it (same resamples as every rule
+        # of the model); outputs without one fall back to the point value from the test split
+        orc = (rm.get("rules") or {}).get("oracle", {}).get("ceiling") or {}
+        oracle = {"depth": orc.get("test_depth") or float(signals["oracle_depth"].mean()),
+                  "accuracy": orc.get("test_accuracy") or float(c.any(1).mean())}
         mf = pl.DataFrame([r for r in fail_rows if r["model"] == model])
         verdict_rows.append(verdict(info, ch, dx, oracle, mf, cfg))
     return {"fail_rows": fail_rows, "sp_rows": sp_rows, "verdict_rows": verdict_rows, "meta_rows": meta_rows,
@@ -622,13 +992,28 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
         "spearman": pl.DataFrame(sp_rows, schema_overrides={"loop": pl.Int64}, infer_schema_length=None),
         "verdicts": pl.DataFrame(verdict_rows, infer_schema_length=None),
     }
-    summary = summary_markdown(frames["verdicts"], claims, frames["spearman"], cfg, frames["failure_classes"])
+    groups = group_verdicts(frames["verdicts"], cfg)
+    frames["verdict_groups"] = groups
+    summary = summary_markdown(frames["verdicts"], claims, frames["spearman"], cfg, frames["failure_classes"],
+                               groups)
+    figs = ("best_depth", "fixed_depth", "native_depth", "oracle_depth", "dx_fixed", "dx_best_posthoc",
+            "dx_best_gate", "dx_native")
+
+    def entry(row: dict, n_seeds: int) -> dict:
+        out = {k: row[k] for k in ("verdict", "reason")}
+        out["best_rule" if "best_rule" in row else "best_rules"] = row.get("best_rule", row.get("best_rules"))
+        for k in figs:
+            i = _row_iv(row, k)
+            out[k] = None if i is None else {**Interval(i.estimate, i.lo, i.hi, n_seeds,
+                                                        "t over seeds" if n_seeds > 1 else "bootstrap").to_dict(),
+                                             "text": (_dx_ci if k.startswith("dx_") else _ci)(i)}
+        return out
+
     metrics = {**(meta or {}), "gates_present": gates_present,
                "claims": {c["claim"]: c["status"] for c in claims},
-               "models": {v["model"]: {k: v[k] for k in ("verdict", "reason", "best_rule", "best_depth", "fixed_depth",
-                                                         "native_depth", "oracle_depth", "dx_fixed", "dx_best_posthoc",
-                                                         "dx_best_gate", "dx_native")}
-                          for v in verdict_rows}}
+               "models": {v["model"]: entry(v, 1) for v in verdict_rows},
+               "groups": {g["group"]: {"n_seeds": g["n_seeds"], "seed_verdicts": g["seed_verdicts"],
+                                       **entry(g, g["n_seeds"])} for g in groups.iter_rows(named=True)}}
     return frames, summary, {**metrics, "claim_details": [{k: c[k] for k in ("claim", "status", "details")}
                                                           for c in claims]}
 

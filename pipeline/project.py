@@ -37,6 +37,32 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def machine() -> dict:
+    """Where and when a report was made: ``date`` (UTC, ISO 8601; ``SOURCE_DATE_EPOCH`` fixes it, the
+    reproducible-builds convention), ``platform``, ``machine`` (architecture), ``cpu`` (the CPU model from
+    /proc/cpuinfo, else :func:`platform.processor`) and ``cpu_count``.
+
+    Recorded beside the headline figures because the same params give different weights on another CPU
+    (issue 12): the figures' bytes depend on the machine, the findings must hold within their intervals.
+    """
+    import datetime as dt
+    import os
+    import platform
+
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (dt.datetime.fromtimestamp(int(epoch), dt.UTC) if epoch and epoch.strip().isdigit()
+            else dt.datetime.now(dt.UTC)).replace(microsecond=0)
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in fh if ln.lower().startswith("model name")), "")
+    except OSError:
+        pass
+    return {"date": when.isoformat().replace("+00:00", "Z"), "platform": platform.platform(),
+            "machine": platform.machine(), "cpu": cpu or platform.processor() or "unknown",
+            "cpu_count": os.cpu_count()}
+
+
 def model_name(task: str, regime: str, seed: int | None = None) -> str:
     """``<task>-<regime>`` (one seed) or ``<task>-<regime>-s<seed>`` (a seed axis): the artifact name of every stage."""
     return f"{task}-{regime}" if seed is None else f"{task}-{regime}-s{seed}"

@@ -31,6 +31,10 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.diagnose import dx_best, with_val_columns
+from looptrace.intervals import Interval, across_seeds, from_row
+from looptrace.project import split_seed
+from looptrace.rules.scoring import best_chosen
 
 #: Figure file names (``figures/<name>.png``); Pareto fronts add one per task: ``pareto_<task>.png``.
 FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes", "cross_regime", "latency")
@@ -82,7 +86,10 @@ class Inputs:
         loop_summary: loop_summary rows of ``split`` (group_by all and token_type).
         convergence: per model × group (difficulty | token_type) mean depth of the chosen signal.
         pareto, chosen, dx: readouts (+ gates, ``source`` column) rows.
-        failures, verdicts: diagnose tables; summary: diagnose summary.md text.
+        failures, verdicts, verdict_groups: diagnose tables; summary: diagnose summary.md text; claims: its
+            [AD] claim statuses (metrics.json).
+        full_depth: model, accuracy (+ accuracy_lo/hi, n_boot, n_sequences): fixed depth's test point at T
+            (``operating_points.parquet``), the full-depth accuracy with its interval.
         cross_regime: gates' cross-regime table.
         latency: latency.parquet; latency_metrics: its metrics.json.
         missing: input -> what to run.
@@ -101,6 +108,9 @@ class Inputs:
     cross_regime: pl.DataFrame | None = None
     latency: pl.DataFrame | None = None
     latency_metrics: dict | None = None
+    full_depth: pl.DataFrame | None = None
+    verdict_groups: pl.DataFrame | None = None
+    claims: dict | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -127,7 +137,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         FileNotFoundError: a model has no ``readouts/<model>/metrics.json`` (the report's spine).
     """
     root = Path(root)
-    meta_rows, acc_rows, ls, conv, pareto, chosen, dx = [], [], [], [], [], [], []
+    meta_rows, acc_rows, ls, conv, pareto, chosen, dx, full = [], [], [], [], [], [], [], []
     missing: dict[str, str] = {}
     for model in models:
         rdir = root / "readouts" / model
@@ -154,6 +164,12 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
                     raise FileNotFoundError(f"{p} not found; run the readouts stage for {model} first")
                 else:
                     missing[f"gates/{model}"] = "run the gates stage"
+        ops = rdir / "operating_points.parquet"
+        if ops.is_file():
+            f = (pl.scan_parquet(ops).filter((pl.col("rule") == "fixed") & (pl.col("split") == "test")
+                                             & (pl.col("threshold") == float(T))).collect())
+            if f.height:
+                full.append(f.head(1).with_columns(model=pl.lit(model)))
         gdir = root / "geometry" / model
         lp, cp = gdir / "loop_summary.parquet", gdir / "convergence.parquet"
         summ = None
@@ -188,16 +204,18 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
                                            "full_depth_accuracy": pl.Float64, "has_gate": pl.Boolean})
     inp = Inputs(meta=meta, acc_per_loop=pl.DataFrame(acc_rows) if acc_rows else None, loop_summary=_concat(ls),
                  convergence=_concat(conv), pareto=_concat(pareto), chosen=_concat(chosen), dx=_concat(dx),
-                 missing=missing)
+                 full_depth=_concat(full), missing=missing)
     ddir = root / "diagnose"
-    for name in ("failure_classes", "verdicts"):
+    for name in ("failure_classes", "verdicts", "verdict_groups"):
         p = ddir / f"{name}.parquet"
         if p.is_file():
             f = pl.read_parquet(p)
             setattr(inp, "failures" if name == "failure_classes" else name,
                     f.filter(pl.col("model").is_in(list(models))) if "model" in f.columns else f)
-        else:
+        elif name != "verdict_groups":  # diagnose outputs before issue 12 have no group table
             missing[f"diagnose/{name}.parquet"] = "run the diagnose stage"
+    if (ddir / "metrics.json").is_file():
+        inp.claims = json.loads((ddir / "metrics.json").read_text()).get("claims")
     if (ddir / "summary.md").is_file():
         inp.summary = (ddir / "summary.md").read_text()
     cr = root / "gates" / "cross_regime.parquet"
@@ -597,55 +615,200 @@ def _fmt(v, nd: int = 2, unit: str = "") -> str:
     return "—" if not math.isfinite(f) else f"{f:.{nd}f}{unit}"
 
 
+#: Headline figures of the report, in table order: (column, header, kind) — kind ``pct`` (accuracy, shown in %),
+#: ``depth`` (loops) or ``dx`` (D@X in loops; +inf = not reached).
+HEADLINE_FIGURES = (("full_depth_accuracy", "full-depth accuracy (%)", "pct"),
+                    ("best_posthoc_depth", "best post-hoc depth", "depth"),
+                    ("best_posthoc_accuracy", "best post-hoc accuracy (%)", "pct"),
+                    ("dx_fixed", "D@{x} fixed", "dx"), ("dx_best_posthoc", "D@{x} best post-hoc", "dx"),
+                    ("dx_native", "D@{x} native gate", "dx"), ("dx_best_gate", "D@{x} best gate", "dx"),
+                    ("oracle_depth", "oracle depth", "depth"))
+
+
+def _interval_of(row: dict | None, col: str) -> Interval | None:
+    return None if row is None else from_row(row, col)
+
+
 def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
-    """One row per model: full-depth accuracy, D@X of fixed depth, the best post-hoc rule, the native
-    gate and the best refit gate, the oracle's depth, and diagnose's verdict.
+    """One row per model: full-depth accuracy, the best post-hoc rule chosen on *val* with its test depth and
+    accuracy, D@X of fixed depth / best post-hoc rule / native gate / best refit gate (each rule chosen on val,
+    :func:`looptrace.diagnose.dx_best`; D@X itself picks its threshold on test labels), the oracle ceiling's
+    depth, and diagnose's verdict. Every figure has ``_lo``/``_hi`` bounds (the 95 % bootstrap interval over
+    test sequences the readouts/gates stages wrote; NaN when intervals were off) and a ``_text`` column
+    (``1.15 [1.11, 1.19]``, "not reached", "not run").
 
     Returns:
-        DataFrame model, task, regime, regime_kind, full_depth_accuracy, dx_fixed, best_posthoc_rule,
-        dx_best_posthoc, dx_native, best_gate_rule, dx_best_gate, oracle_depth, oracle_accuracy,
-        verdict, reason (D@X in loops; NaN = unreachable or absent).
+        DataFrame model, group, seed, task, regime, regime_kind, best_posthoc_rule, dx_best_posthoc_rule,
+        best_gate_rule, verdict, reason, n_boot, n_sequences, and for every figure of :data:`HEADLINE_FIGURES`
+        ``<figure>``, ``<figure>_lo``, ``<figure>_hi``, ``<figure>_text`` (accuracies as fractions, D@X NaN =
+        not run, +inf = not reached).
     """
     x = float(cfg.x)
     rows = []
     for m in inp.meta.iter_rows(named=True):
-        dx = (inp.dx.filter((pl.col("model") == m["model"]) & (pl.col("x") == x)) if inp.dx is not None
+        model = m["model"]
+        dx = (inp.dx.filter((pl.col("model") == model) & (pl.col("x") == x)) if inp.dx is not None
               else pl.DataFrame(schema={"rule": pl.String, "kind": pl.String, "d_at": pl.Float64}))
-
-        def best(kind: str, dx=dx):
-            d = dx.filter((pl.col("kind") == kind) & pl.col("d_at").is_not_nan() & pl.col("d_at").is_not_null())
-            if not d.height:
-                return None, math.nan
-            r = d.sort("d_at", "rule").row(0, named=True)
-            return r["rule"], float(r["d_at"])
-
-        _, fixed = best("fixed")
-        ph_rule, ph = best("posthoc")
-        _, native = best("native")
-        g_rule, g = best("gate")
-        o_depth = o_acc = math.nan
+        ch = inp.chosen.filter(pl.col("model") == model) if inp.chosen is not None else pl.DataFrame()
+        figs: dict[str, Interval | None] = {}
+        figs["dx_fixed"], _ = dx_best(dx, ["fixed"])
+        figs["dx_best_posthoc"], dx_rule = dx_best(dx, ["posthoc"])
+        figs["dx_native"], _ = dx_best(dx, ["native"])
+        figs["dx_best_gate"], _ = dx_best(dx, ["gate"])
+        best = best_chosen(with_val_columns(ch), ["posthoc"]) if ch.height else None
+        gate = best_chosen(with_val_columns(ch), ["gate"]) if ch.height else None
+        figs["best_posthoc_depth"] = _interval_of(best, "test_depth")
+        figs["best_posthoc_accuracy"] = _interval_of(best, "test_accuracy")
+        full = Interval(_num(m["full_depth_accuracy"]), method="none")
+        if inp.full_depth is not None:
+            f = inp.full_depth.filter(pl.col("model") == model)
+            if f.height:
+                full = from_row(f.row(0, named=True), "accuracy")
+        figs["full_depth_accuracy"] = full if full.present else None
+        figs["oracle_depth"] = None
         if inp.pareto is not None:
-            o = inp.pareto.filter((pl.col("model") == m["model"]) & (pl.col("kind") == "oracle"))
+            o = inp.pareto.filter((pl.col("model") == model) & (pl.col("kind") == "oracle"))
             if o.height:
-                o_depth, o_acc = float(o["mean_depth"][0]), float(o["accuracy"][0])
+                figs["oracle_depth"] = from_row(o.row(0, named=True), "mean_depth")
         verdict = reason = None
         if inp.verdicts is not None and "model" in inp.verdicts.columns:
-            v = inp.verdicts.filter(pl.col("model") == m["model"])
+            v = inp.verdicts.filter(pl.col("model") == model)
             if v.height:
                 verdict = v["verdict"][0]
                 reason = v["reason"][0] if "reason" in v.columns else None
-        rows.append({"model": m["model"], "task": m["task"], "regime": m["regime"], "regime_kind": m["regime_kind"],
-                     "full_depth_accuracy": _num(m["full_depth_accuracy"]), "dx_fixed": fixed,
-                     "best_posthoc_rule": ph_rule, "dx_best_posthoc": ph, "dx_native": native,
-                     "best_gate_rule": g_rule, "dx_best_gate": g, "oracle_depth": o_depth, "oracle_accuracy": o_acc,
-                     "verdict": verdict, "reason": reason})
-    return pl.DataFrame(rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
-                                      "regime_kind": pl.String, "full_depth_accuracy": pl.Float64,
-                                      "dx_fixed": pl.Float64, "best_posthoc_rule": pl.String,
-                                      "dx_best_posthoc": pl.Float64, "dx_native": pl.Float64,
-                                      "best_gate_rule": pl.String, "dx_best_gate": pl.Float64,
-                                      "oracle_depth": pl.Float64, "oracle_accuracy": pl.Float64,
-                                      "verdict": pl.String, "reason": pl.String})
+        group, seed = split_seed(model)
+        ref = next((i for i in figs.values() if i is not None and i.n_boot), None)
+        row = {"model": model, "group": group, "seed": seed, "task": m["task"], "regime": m["regime"],
+               "regime_kind": m["regime_kind"], "best_posthoc_rule": best["rule"] if best else None,
+               "dx_best_posthoc_rule": dx_rule, "best_gate_rule": gate["rule"] if gate else None,
+               "verdict": verdict, "reason": reason, "n_boot": ref.n_boot if ref else 0,
+               "n_sequences": ref.n_sequences if ref else 0}
+        for name, _, kind in HEADLINE_FIGURES:
+            row.update(_figure_cols(name, figs.get(name), kind))
+        rows.append(row)
+    schema = {"model": pl.String, "group": pl.String, "seed": pl.Int64, "task": pl.String, "regime": pl.String,
+              "regime_kind": pl.String, "best_posthoc_rule": pl.String, "dx_best_posthoc_rule": pl.String,
+              "best_gate_rule": pl.String, "verdict": pl.String, "reason": pl.String, "n_boot": pl.Int64,
+              "n_sequences": pl.Int64}
+    for name, _, _ in HEADLINE_FIGURES:
+        schema.update({name: pl.Float64, f"{name}_lo": pl.Float64, f"{name}_hi": pl.Float64, f"{name}_text": pl.String})
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _figure_text(i: Interval | None, kind: str) -> str:
+    """A headline cell: ``1.15 [1.11, 1.19]`` (accuracies in %), "not reached" (D@X), "not run" (absent)."""
+    if i is None or not i.present:
+        return "not run"
+    if kind == "dx" and math.isinf(i.estimate):
+        return (f"not reached in {i.n_unreachable} of {i.n_seeds} seeds" if i.n_seeds > 1 and i.n_unreachable
+                else "not reached")
+    return i.fmt(2, 100.0 if kind == "pct" else 1.0).replace("unreachable", "not reached")
+
+
+def _figure_cols(name: str, i: Interval | None, kind: str) -> dict:
+    est, lo, hi = (math.nan,) * 3 if i is None else (i.estimate, i.lo, i.hi)
+    return {name: est, f"{name}_lo": lo, f"{name}_hi": hi, f"{name}_text": _figure_text(i, kind)}
+
+
+def _row_interval(row: dict, name: str) -> Interval | None:
+    v = _num(row.get(name))
+    return None if math.isnan(v) else Interval(v, _num(row.get(f"{name}_lo")), _num(row.get(f"{name}_hi")))
+
+
+def group_headline(head: pl.DataFrame, inp: Inputs, level: float = 0.95) -> pl.DataFrame:
+    """One row per task × regime (the models that differ only by training seed): every headline figure as the
+    across-seed mean with its Student-t 95 % interval (:func:`looptrace.intervals.across_seeds`; one seed: that
+    model's bootstrap interval), the seed count, the rules chosen per seed, and diagnose's group verdict
+    (``verdict_groups.parquet``) when present.
+
+    Returns:
+        DataFrame group, task, regime, regime_kind, n_seeds, best_posthoc_rules, verdict, reason, seed_verdicts
+        and ``<figure>``, ``_lo``, ``_hi``, ``_text`` for every figure of :data:`HEADLINE_FIGURES`.
+    """
+    rows = []
+    for g in dict.fromkeys(head["group"].to_list()):
+        sub = list(head.filter(pl.col("group") == g).iter_rows(named=True))
+        row = {"group": g, "task": sub[0]["task"], "regime": sub[0]["regime"], "regime_kind": sub[0]["regime_kind"],
+               "n_seeds": len(sub), "best_posthoc_rules": ", ".join(dict.fromkeys(r["best_posthoc_rule"] or "none"
+                                                                                   for r in sub)),
+               "verdict": None, "reason": None, "seed_verdicts": None}
+        for name, _, kind in HEADLINE_FIGURES:
+            iv = across_seeds([i for i in (_row_interval(r, name) for r in sub) if i is not None], level)
+            row.update(_figure_cols(name, iv if iv.present else None, kind))
+        if inp.verdict_groups is not None and "group" in inp.verdict_groups.columns:
+            v = inp.verdict_groups.filter(pl.col("group") == g)
+            if v.height:
+                row.update({k: v[k][0] for k in ("verdict", "reason", "seed_verdicts") if k in v.columns})
+        rows.append(row)
+    schema = {"group": pl.String, "task": pl.String, "regime": pl.String, "regime_kind": pl.String,
+              "n_seeds": pl.Int64, "best_posthoc_rules": pl.String, "verdict": pl.String, "reason": pl.String,
+              "seed_verdicts": pl.String}
+    for name, _, _ in HEADLINE_FIGURES:
+        schema.update({name: pl.Float64, f"{name}_lo": pl.Float64, f"{name}_hi": pl.Float64, f"{name}_text": pl.String})
+    return pl.DataFrame(rows, schema=schema)
+
+
+def _md_table(df: pl.DataFrame, cols: Sequence[tuple[str, str]]) -> list[str]:
+    """A Markdown pipe table of ``df``'s columns (column, header); None reads "—"."""
+    out = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    for r in df.iter_rows(named=True):
+        out.append("| " + " | ".join("—" if r.get(c) is None else str(r.get(c)) for c, _ in cols) + " |")
+    return out
+
+
+def run_summary_markdown(head: pl.DataFrame, groups: pl.DataFrame, inp: Inputs, cfg: ReportConfig,
+                         machine_info: dict, versions_info: dict, claims: dict | None = None) -> str:
+    """``artifacts/report/summary.md``: the headline tables with intervals and seed counts, the verdicts and
+    [AD] claim statuses, and the machine and versions the run was made with (every figure from the artifacts).
+
+    Args:
+        head: :func:`headline` rows; groups: :func:`group_headline` rows.
+        inp: the report's inputs (latency findings).
+        cfg: the ``report`` section.
+        machine_info: :func:`looptrace.project.machine` (date, platform, CPU).
+        versions_info: :func:`looptrace.project.versions`.
+        claims: diagnose's claim statuses ({"a": "holds", ...}), optional.
+    """
+    x = f"{cfg.x:g}"
+    figs = [(f"{n}_text", h.format(x=x)) for n, h, _ in HEADLINE_FIGURES]
+    nb = sorted({int(v) for v in head["n_boot"].to_list() if v})
+    ns = sorted({int(v) for v in head["n_sequences"].to_list() if v})
+    boot = (f"bootstrap over test sequences, {', '.join(map(str, nb))} resamples of "
+            f"{', '.join(map(str, ns))} sequences" if nb else "no bootstrap (intervals.n_boot = 0: point values only)")
+    lines = [f"# {cfg.title}: run summary", "",
+             f"Run of {machine_info.get('date')} on {machine_info.get('platform')} "
+             f"({machine_info.get('cpu')}, {machine_info.get('cpu_count')} CPUs); versions below. "
+             f"{head.height} models in {groups.height} task × regime groups. Every figure is read from the "
+             "pipeline's artifacts and printed as `estimate [lo, hi]`, a 95 % interval. Exact bytes depend on the "
+             "CPU (the same params give different weights on another machine); findings must hold within the "
+             "intervals, and two figures whose intervals overlap are within noise of each other.", "",
+             f"D@{x} = the smallest mean exit depth (loops) whose test accuracy ≥ {x} %, its threshold picked on test "
+             "labels (an oracle-threshold figure); \"not reached\" = no operating point reaches it. The best post-hoc "
+             "rule and each D@X's rule are chosen on validation, never on test. Depths are loops; accuracies %.", "",
+             "## Headline per task × regime (across seeds)", "",
+             "Mean over training seeds with the Student-t 95 % interval (mean ± t · sd / √n); with one seed, that "
+             "model's bootstrap interval.", ""]
+    lines += _md_table(groups, [("group", "task × regime"), ("regime_kind", "regime"), ("n_seeds", "seeds"),
+                                ("best_posthoc_rules", "best post-hoc rule(s)"), *figs, ("verdict", "verdict")])
+    lines += ["", f"## Headline per model ({boot})", ""]
+    lines += _md_table(head, [("model", "model"), ("regime_kind", "regime"), ("best_posthoc_rule", "best post-hoc rule"),
+                              *figs, ("verdict", "verdict")])
+    if groups["verdict"].drop_nulls().len() or claims:
+        lines += ["", "## Verdicts and [AD]'s claims", ""]
+        for g in groups.iter_rows(named=True):
+            if g["verdict"]:
+                lines.append(f"- {g['group']} ({g['n_seeds']} seed{'s' if g['n_seeds'] != 1 else ''}): "
+                             f"{g['verdict']} ({g['reason']}); per seed: {g['seed_verdicts']}.")
+        for k, v in (claims or {}).items():
+            lines.append(f"- [AD] claim ({k}): {v}.")
+        lines += ["", "The sentences behind them (figures, comparisons, error counts): artifacts/diagnose/summary.md."]
+    lf = latency_findings(inp.latency, inp.latency_metrics)
+    if lf:
+        lines += ["", "## Real early exit", ""] + [f"- {s}" for s in lf]
+    lines += ["", "## Machine and versions", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in machine_info.items()]
+    lines += [f"| {k} | {v if v is not None else 'not installed'} |" for k, v in versions_info.items()]
+    return "\n".join(lines) + "\n"
 
 
 def latency_findings(lat: pl.DataFrame | None, lat_metrics: dict | None) -> list[str]:
@@ -818,22 +981,34 @@ _CAPTIONS = {
 }
 
 
-def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: pl.DataFrame, out_dir: Path) -> str:
-    """The page: headline tables, findings (diagnose's summary.md + latency sentences) and every figure,
-    with image paths relative to ``out_dir``."""
+def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: pl.DataFrame, out_dir: Path,
+                groups: pl.DataFrame | None = None) -> str:
+    """The page: headline tables (per task × regime across seeds, and per model; every figure with its 95 %
+    interval), findings (diagnose's summary.md + latency sentences) and every figure, with image paths relative
+    to ``out_dir``."""
     x = f"{cfg.x:g}"
+    figs = [(f"{n}_text", h.format(x=x), None) for n, h, _ in HEADLINE_FIGURES]
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(cfg.title)}</title>"
              f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(cfg.title)}</h1>",
-             f"<p>{inp.meta.height} models; every number below is read from the pipeline's artifacts. D@{x} = the "
-             f"smallest mean exit depth (loops) whose test accuracy ≥ {x} % (— = unreachable or not run).</p>",
-             "<h2>Headline</h2>",
-             _table(head, [("model", "model", None), ("regime_kind", "regime", None),
-                           ("full_depth_accuracy", "full-depth accuracy (%)", "pct"),
-                           ("dx_fixed", f"D@{x} fixed", "2"), ("best_posthoc_rule", "best post-hoc rule", None),
-                           ("dx_best_posthoc", f"D@{x} best post-hoc", "2"), ("dx_native", f"D@{x} native gate", "2"),
-                           ("best_gate_rule", "best refit gate", None), ("dx_best_gate", f"D@{x} best gate", "2"),
-                           ("oracle_depth", "oracle depth", "2"), ("verdict", "verdict", None),
-                           ("reason", "reason", None)])]
+             f"<p>{inp.meta.height} models; every number below is read from the pipeline's artifacts, as "
+             f"<code>estimate [lo, hi]</code> (95 % interval; figures whose intervals overlap are within noise). "
+             f"D@{x} = the smallest mean exit depth (loops) whose test accuracy ≥ {x} %, threshold picked on test "
+             "labels (oracle-threshold); \"not reached\" = no operating point reaches it, \"not run\" = no such "
+             "rule. Best rules are chosen on validation. The same tables, with the machine and versions, are in "
+             "<code>summary.md</code> beside this page.</p>"]
+    if groups is not None and groups.height:
+        parts += ["<h2>Headline per task × regime (across seeds)</h2>",
+                  "<p>Mean over training seeds with the Student-t 95 % interval; one seed: its bootstrap "
+                  "interval.</p>",
+                  _table(groups, [("group", "task × regime", None), ("regime_kind", "regime", None),
+                                  ("n_seeds", "seeds", None), ("best_posthoc_rules", "best post-hoc rule(s)", None),
+                                  *figs, ("verdict", "verdict", None)])]
+    parts += ["<h2>Headline per model</h2>",
+              "<p>95 % bootstrap intervals over test sequences.</p>",
+              _table(head, [("model", "model", None), ("regime_kind", "regime", None),
+                            ("best_posthoc_rule", "best post-hoc rule", None), *figs,
+                            ("best_gate_rule", "best refit gate", None), ("verdict", "verdict", None),
+                            ("reason", "reason", None)])]
     if inp.latency is not None and inp.latency.height:
         lt, lcols = latency_table(inp.latency, inp.meta)
         parts += ["<h2>Real early exit</h2>",
@@ -864,15 +1039,32 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
     return "\n".join(parts) + "\n"
 
 
-def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: dict[str, Path]) -> dict:
-    """``metrics.json`` (``dvc metrics show``): the headline numbers per model and the latency summary."""
+def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: dict[str, Path],
+                   groups: pl.DataFrame | None = None) -> dict:
+    """``metrics.json`` (``dvc metrics show``): the headline numbers per model (point values under the keys
+    of before issue 12, and every figure with its interval under ``intervals``), per task × regime across seeds
+    (``groups``: estimate, lo, hi, n_seeds, text) and the latency summary."""
     x = f"{cfg.x:g}"
+
+    def ivs(r: dict, n_seeds: int) -> dict:
+        return {n: {"estimate": r[n], "lo": r[f"{n}_lo"], "hi": r[f"{n}_hi"], "n_seeds": n_seeds,
+                    "text": r[f"{n}_text"]} for n, _, _ in HEADLINE_FIGURES}
+
     models = {}
     for r in head.iter_rows(named=True):
-        models[r["model"]] = {"full_depth_accuracy": r["full_depth_accuracy"], f"d{x}_fixed": r["dx_fixed"],
-                              f"d{x}_best_posthoc": r["dx_best_posthoc"], "best_posthoc_rule": r["best_posthoc_rule"],
-                              f"d{x}_native": r["dx_native"], f"d{x}_best_gate": r["dx_best_gate"],
-                              "oracle_depth": r["oracle_depth"], "verdict": r["verdict"]}
+        def point(n, r=r):  # D@X not reached: null, as before
+            v = r[n]
+            return None if v is None or not math.isfinite(v) else v
+        models[r["model"]] = {"full_depth_accuracy": point("full_depth_accuracy"), f"d{x}_fixed": point("dx_fixed"),
+                              f"d{x}_best_posthoc": point("dx_best_posthoc"),
+                              "best_posthoc_rule": r["best_posthoc_rule"], f"d{x}_best_posthoc_rule": r["dx_best_posthoc_rule"],
+                              f"d{x}_native": point("dx_native"), f"d{x}_best_gate": point("dx_best_gate"),
+                              "oracle_depth": point("oracle_depth"), "verdict": r["verdict"], "n_seeds": 1,
+                              "intervals": ivs(r, 1)}
+    grp = {}
+    for g in (groups.iter_rows(named=True) if groups is not None else []):
+        grp[g["group"]] = {"n_seeds": g["n_seeds"], "best_posthoc_rules": g["best_posthoc_rules"],
+                           "verdict": g["verdict"], "intervals": ivs(g, g["n_seeds"])}
     lat = {}
     if inp.latency is not None and inp.latency.height:
         for bs in sorted(inp.latency["batch_size"].unique().to_list()):
@@ -881,13 +1073,17 @@ def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: 
                               "max_realised_speedup": float(d["realised_speedup"].max()),
                               "median_ratio_to_exact_causal_ideal": float(d["ratio_to_work_ideal"].median())}
         lat["all_exact"] = bool(inp.latency["exact"].all())
-    return {"x": cfg.x, "models": models, "latency": lat, "n_figures": len(figures),
+    return {"x": cfg.x, "models": models, "groups": grp, "latency": lat, "n_figures": len(figures),
             "missing_inputs": sorted(inp.missing)}
 
 
 def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, cfg: ReportConfig,
                  meta: dict | None = None) -> dict:
-    """The ``report`` stage: read the artifacts, draw the figures, write index.html and metrics.json.
+    """The ``report`` stage: read the artifacts, draw the figures, write index.html, summary.md and metrics.json.
+
+    ``summary.md`` and metrics.json record the machine and the date of the run (:func:`looptrace.project.machine`;
+    ``SOURCE_DATE_EPOCH`` fixes the date), so those two bytes differ between runs; index.html and the figures
+    depend on the artifacts only.
 
     Everything is written into a temporary sibling directory that replaces ``out_dir`` at the end.
 
@@ -903,13 +1099,19 @@ def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, c
     """
     from looptrace.io.artifacts import atomic_dir
     from looptrace.io.artifacts import jsonable as _jsonable
+    from looptrace.project import machine, versions
 
     out_dir = Path(out_dir)
     inp = load_inputs(models, root, cfg)
     head = headline(inp, cfg)
+    groups = group_headline(head, inp)
+    mach = machine()
     with atomic_dir(out_dir) as tmp:
         figs = make_figures(inp, cfg, tmp / "figures")
-        (tmp / "index.html").write_text(render_html(inp, cfg, figs, head, tmp))
-        metrics = _jsonable({**report_metrics(head, inp, cfg, figs), **(meta or {})})  # NaN -> null
+        (tmp / "index.html").write_text(render_html(inp, cfg, figs, head, tmp, groups))
+        (tmp / "summary.md").write_text(run_summary_markdown(head, groups, inp, cfg, mach,
+                                                             (meta or {}).get("versions") or versions(), inp.claims))
+        metrics = _jsonable({**report_metrics(head, inp, cfg, figs, groups), "machine": mach,
+                             **(meta or {})})  # NaN -> null
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics

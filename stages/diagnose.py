@@ -34,6 +34,9 @@ def main(
         typer.echo(f"[AD] claim ({name}): {status}")
     for name, m in metrics["models"].items():
         typer.echo(f"{name}: {m['verdict']} ({m['reason']})")
+    for name, g in metrics["groups"].items():
+        typer.echo(f"{name} ({g['n_seeds']} seed{'s' if g['n_seeds'] != 1 else ''}): {g['verdict']} ({g['reason']}); "
+                   f"per seed: {g['seed_verdicts']}")
 
 
 if __name__ == "__main__":

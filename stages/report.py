@@ -1,4 +1,4 @@
-"""DVC stage ``report``: figures, headline tables and findings -> artifacts/report/{index.html, figures/}."""
+"""DVC stage ``report``: figures, headline tables and findings -> artifacts/report/{index.html, summary.md, figures/}."""
 
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ def main(
         names = model_names(params, models)
         metrics = build_report(names, root, out, cfg,
                                meta={"seed": base.seed, "params": to_dict(cfg), "versions": versions()})
-    typer.echo(f"report: {metrics['n_figures']} figures -> {out / 'index.html'}")
+    typer.echo(f"report: {metrics['n_figures']} figures -> {out / 'index.html'}; headline tables -> "
+               f"{out / 'summary.md'}")
+    for group, g in metrics["groups"].items():
+        dx = g["intervals"]["dx_best_posthoc"]["text"]
+        typer.echo(f"{group} ({g['n_seeds']} seed{'s' if g['n_seeds'] != 1 else ''}): D@{metrics['x']:g} best "
+                   f"post-hoc {dx}; verdict {g['verdict'] or 'not diagnosed'}")
     for k in metrics["missing_inputs"]:
         typer.echo(f"report: not shown: {k}")
 

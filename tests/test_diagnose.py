@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import polars as pl
 import pytest
 from looptrace import diagnose as D
 from looptrace.config import ConfigError, from_dict
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.tables import SplitArrays
 from looptrace.project import resolve_model
@@ -76,119 +78,272 @@ def test_spearman_rows():
     assert math.isnan(D.spearman_rows(diff, {"c": np.ones(200)})[0]["rho"])
 
 
-def _tables(fixed, posthoc, gate=None, native=None, oracle=(1.0, 0.99), x=95.0, dx=None, within=True):
+def _iv3(v):
+    """(estimate, lo, hi) from a number (no interval) or a 3-tuple."""
+    return (float(v), math.nan, math.nan) if not isinstance(v, tuple) else tuple(float(a) for a in v)
+
+
+def _tables(fixed, posthoc, gate=None, native=None, oracle=(1.0, 0.98, 1.02), x=95.0, dx=None, within=True,
+            val=None, fails=(100, 90, 6)):
+    """Hand-built chosen / dx / oracle / failure tables of one model. Depth figures are numbers or
+    (estimate, lo, hi); ``val`` maps a rule to its val depth (default: its test estimate); ``fails`` is
+    (n_tokens, correct, trajectory) at entropy's point (the rest of the errors: readout, 3 early + rest late)."""
     rows = [("fixed", "fixed", "readouts", fixed), ("entropy", "posthoc", "readouts", posthoc)]
     if gate is not None:
         rows.append(("gate:m-ponder", "gate", "gates", gate))
     if native is not None:
         rows.append(("q_exit", "native", "readouts", native))
+    ivs = [_iv3(r[3]) for r in rows]
+    val = val or {}
     chosen = pl.DataFrame({"rule": [r[0] for r in rows], "kind": [r[1] for r in rows], "source": [r[2] for r in rows],
-                           "test_depth": [float(r[3]) for r in rows], "test_accuracy": [0.96] * len(rows),
-                           "within_delta": [within] * len(rows)})
+                           "val_depth": [float(val.get(r[0], i[0])) for r, i in zip(rows, ivs, strict=True)],
+                           "val_accuracy": [0.96] * len(rows),
+                           "test_depth": [i[0] for i in ivs], "test_depth_lo": [i[1] for i in ivs],
+                           "test_depth_hi": [i[2] for i in ivs], "test_accuracy": [0.96] * len(rows),
+                           "within_delta": [within] * len(rows), "n_boot": [1000] * len(rows),
+                           "n_sequences": [50] * len(rows)})
     dxv = dx or {}
+    dxi = [_iv3(dxv.get(r[0], math.nan)) for r in rows]
     dxf = pl.DataFrame({"rule": [r[0] for r in rows], "kind": [r[1] for r in rows], "source": [r[2] for r in rows],
-                        "x": [x] * len(rows), "d_at": [float(dxv.get(r[0], math.nan)) for r in rows]})
-    fails = pl.DataFrame({"rule": ["entropy"], "group": ["all"], "n_tokens": [100], "correct": [90], "trajectory": [6],
-                          "readout_early": [3], "readout_overthinking": [1]})
-    return chosen, dxf, {"depth": oracle[0], "accuracy": oracle[1]}, fails
+                        "x": [x] * len(rows), "d_at": [i[0] for i in dxi], "d_at_lo": [i[1] for i in dxi],
+                        "d_at_hi": [i[2] for i in dxi], "val_d_at": [i[0] for i in dxi]})
+    n, ok, traj = fails
+    early = min(3, n - ok - traj)
+    fails = pl.DataFrame({"rule": ["entropy"], "group": ["all"], "n_tokens": [n], "correct": [ok], "trajectory": [traj],
+                          "readout_early": [early], "readout_overthinking": [n - ok - traj - early]})
+    o = _iv3(oracle)
+    return chosen, dxf, {"depth": {"estimate": o[0], "lo": o[1], "hi": o[2]}, "accuracy": 0.99}, fails
 
 
-@pytest.mark.parametrize("case,expect", [
-    (dict(fixed=4.0, posthoc=3.8), ("trajectory-limited", "no_early_exit")),
-    (dict(fixed=4.0, posthoc=2.0, native=3.5), ("readout-limited", "native_gate")),
-    (dict(fixed=4.0, posthoc=2.0, oracle=(1.2, 0.99)), ("readout-limited", "below_ceiling")),
-    (dict(fixed=4.0, posthoc=2.0, oracle=(1.7, 0.99)), ("trajectory-limited", "at_ceiling")),
-    (dict(fixed=4.0, posthoc=3.9, gate=1.8, oracle=(1.6, 0.99)), ("trajectory-limited", "at_ceiling")),
+M = {"model": "m", "regime_kind": "uniform", "n_loops": 6}
+FIX = (4.0, 3.9, 4.1)
+
+
+@pytest.mark.parametrize("case,expect,phrases", [
+    # best overlaps fixed: no early exit beyond noise, oracle far below
+    (dict(fixed=FIX, posthoc=(3.6, 3.3, 3.95), oracle=(1.5, 1.4, 1.6)), ("trajectory-limited", "no_early_exit"),
+     ["best entropy at 3.60 [3.30, 3.95] is within noise of fixed depth 4.00 [3.90, 4.10]",
+      "the oracle ceiling 1.50 [1.40, 1.60] is lower", "no refit gates were run"]),
+    # disjoint but closer than gap_tol (0.5 loops)
+    (dict(fixed=FIX, posthoc=(3.7, 3.6, 3.8), oracle=(1.5, 1.4, 1.6)), ("trajectory-limited", "no_early_exit"),
+     ["is within tolerance of fixed depth 4.00 [3.90, 4.10]"]),
+    # even the oracle is at fixed depth: answers arrive only at full depth
+    (dict(fixed=FIX, posthoc=(3.95, 3.8, 4.1), oracle=(3.9, 3.8, 4.0)), ("trajectory-limited", "no_headroom"),
+     ["even the oracle ceiling 3.90 [3.80, 4.00] is within noise of fixed depth"]),
+    # the native gate lags the post-hoc readout beyond noise
+    (dict(fixed=FIX, posthoc=(2.0, 1.8, 2.2), native=(3.5, 3.3, 3.7), oracle=(1.9, 1.7, 2.1)),
+     ("readout-limited", "native_gate"), ["the native gate at 3.50 [3.30, 3.70] is higher than it"]),
+    # native within noise of best: not readout-limited by the native gate; best is at the ceiling
+    (dict(fixed=FIX, posthoc=(2.0, 1.8, 2.2), native=(2.3, 2.1, 2.5), oracle=(1.9, 1.7, 2.1)),
+     ("at-ceiling", "at_ceiling"), ["and within noise of the oracle ceiling 1.90 [1.70, 2.10]"]),
+    # best above the oracle beyond noise and gap_tol
+    (dict(fixed=FIX, posthoc=(2.0, 1.9, 2.1), oracle=(1.2, 1.1, 1.3)), ("readout-limited", "below_ceiling"),
+     ["entropy at 2.00 [1.90, 2.10] is lower than fixed depth 4.00 [3.90, 4.10] but higher than the oracle "
+      "ceiling 1.20 [1.10, 1.30]"]),
+    # the same gap of 0.8 loops, but the oracle's interval reaches best's: within noise -> at the ceiling
+    (dict(fixed=FIX, posthoc=(2.0, 1.9, 2.1), oracle=(1.2, 1.1, 1.95)), ("at-ceiling", "at_ceiling"),
+     ["within noise of the oracle ceiling 1.20 [1.10, 1.95]"]),
+    # issue 12's running_parity-uniform: at the ceiling with every error a readout failure (0 trajectory)
+    (dict(fixed=FIX, posthoc=(1.9, 1.8, 2.0), oracle=(1.8, 1.7, 1.9), fails=(100, 80, 0)), ("at-ceiling", "at_ceiling"),
+     ["errors at its chosen point: 20 of 100 test tokens, of which 0 (0 %) trajectory failures (no loop right) and "
+      "20 (100 %) readout failures"]),
+    # without intervals (n_boot 0) the comparisons are on the point values with gap_tol
+    (dict(fixed=4.0, posthoc=2.0, oracle=1.2), ("readout-limited", "below_ceiling"), ["higher than the oracle"]),
+    (dict(fixed=4.0, posthoc=2.0, oracle=1.7), ("at-ceiling", "at_ceiling"), ["within tolerance of the oracle"]),
 ])
-def test_verdict_cases(case, expect):
+def test_verdict_cases(case, expect, phrases):
     chosen, dx, oracle, fails = _tables(**case)
-    v = D.verdict({"model": "m", "regime_kind": "uniform", "n_loops": 6}, chosen, dx, oracle, fails, D.DiagnoseConfig())
+    v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig())
     assert (v["verdict"], v["reason"]) == expect
-    assert v["best_depth"] == min(case["posthoc"], case.get("gate", math.inf))
-    # errors at the best rule's point: 6 of 10 trajectory, 4 of 10 readout (only entropy has failure rows)
-    if v["best_rule"] == "entropy":
-        assert v["error_trajectory_share"] == pytest.approx(0.6) and v["error_readout_share"] == pytest.approx(0.4)
-        assert "60% trajectory failures" in v["evidence"]
-    assert f"{v['best_depth']:.2f}" in v["evidence"] and f"{case['fixed']:.2f}" in v["evidence"]
+    assert v["evidence"].startswith(f"m: {expect[0]} — ")
+    for p in phrases:
+        assert p in v["evidence"], (p, v["evidence"])
+    n, ok, traj = case.get("fails", (100, 90, 6))
+    assert (v["n_errors"], v["n_trajectory_failures"], v["n_readout_failures"]) == (n - ok, traj, n - ok - traj)
+    assert D.check_verdict(v) == []
+    for bad in ("None", "nan", " inf"):
+        assert bad not in v["evidence"]
+
+
+def test_verdict_best_rule_is_chosen_on_val_not_test():
+    # the gate has the lower *test* depth (1.8) but the higher *val* depth (2.2): entropy is best
+    chosen, dx, oracle, fails = _tables(fixed=FIX, posthoc=(2.5, 2.3, 2.7), gate=(1.8, 1.6, 2.0),
+                                        val={"entropy": 2.0, "gate:m-ponder": 2.2}, oracle=(1.7, 1.6, 1.8))
+    v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig())
+    assert v["best_rule"] == "entropy" and v["best_depth"] == 2.5 and (v["best_depth_lo"], v["best_depth_hi"]) == (2.3, 2.7)
+    # entropy [2.3, 2.7] vs oracle [1.6, 1.8]: disjoint, 0.8 ≥ 0.5 loops -> below the ceiling
+    assert (v["verdict"], v["reason"]) == ("readout-limited", "below_ceiling")
+
+
+def test_check_verdict_catches_contradictions():
+    chosen, dx, oracle, fails = _tables(fixed=FIX, posthoc=(1.9, 1.8, 2.0), oracle=(1.8, 1.7, 1.9), fails=(100, 80, 0))
+    v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig())
+    assert v["verdict"] == "at-ceiling" and D.check_verdict(v) == []
+    # the pre-issue-12 reading of the same numbers: "trajectory-limited" at the ceiling
+    old = {**v, "verdict": "trajectory-limited", "reason": "at_ceiling",
+           "evidence": v["evidence"].replace("at-ceiling", "trajectory-limited")}
+    probs = D.check_verdict(old)
+    assert any("the numbers give at-ceiling (at_ceiling)" in p for p in probs)
+    assert any("does not belong" in p for p in probs)
+    # a sentence that drops a figure, or prints nan
+    assert any("does not cite oracle_depth" in p
+               for p in D.check_verdict({**v, "evidence": v["evidence"].replace("1.80 [1.70, 1.90]", "?")}))
+    assert any("prints 'nan'" in p for p in D.check_verdict({**v, "evidence": v["evidence"] + " nan"}))
+    assert any("add up" in p for p in D.check_verdict({**v, "n_readout_failures": 3}))
+
+
+def test_verdicts_never_contradict_their_numbers_on_random_tables():
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(300):
+        def iv(lo_, hi_):
+            e = rng.uniform(lo_, hi_)
+            w = rng.choice([0.0, 0.05, 0.3, 1.0])
+            return (e, e - w * rng.uniform(0, 1), e + w * rng.uniform(0, 1)) if w else e
+        case = dict(fixed=iv(2.5, 4.0), posthoc=iv(1.0, 4.0), oracle=iv(1.0, 3.5))
+        if rng.random() < 0.5:
+            case["native"] = iv(1.0, 5.0)
+        if rng.random() < 0.5:
+            case["gate"] = iv(1.0, 4.0)
+        chosen, dx, oracle, fails = _tables(**case, fails=(100, int(rng.integers(50, 100)), 0))
+        v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig(gap_tol=float(rng.choice([0.0, 0.5]))))
+        assert D.check_verdict(v) == []
+        seen.add(v["reason"])
+    assert seen == set(D.REASONS)  # every outcome was exercised
+
+
+def test_group_verdict_across_seeds_by_hand():
+    """Three seeds: best 2.0/2.2/2.4, fixed 4/4/4, oracle 1.5/1.6/1.7 -> Student-t intervals (t_{0.975, 2})."""
+    t2 = 4.302652729911275
+    rows = []
+    for s, (b, o) in enumerate(((2.0, 1.5), (2.2, 1.6), (2.4, 1.7))):
+        chosen, dx, oracle, fails = _tables(fixed=(4.0, 4.0, 4.0), posthoc=(b, b - 0.1, b + 0.1), oracle=(o, o - 0.05, o + 0.05),
+                                            dx={"fixed": (3.0, 3.0, 3.0), "entropy": (1.5 + s / 10, 1.4, 1.8)})
+        rows.append(D.verdict({**M, "model": f"t-uniform-s{s}", "task": "t", "regime": "uniform"}, chosen, dx, oracle,
+                              fails, D.DiagnoseConfig()))
+    # seed-level: best [b ± 0.1] vs oracle [o ± 0.05]: gaps 0.5, 0.6, 0.7 with disjoint intervals -> below ceiling
+    assert [r["reason"] for r in rows] == ["below_ceiling"] * 3
+    g = D.group_verdicts(pl.DataFrame(rows), D.DiagnoseConfig()).row(0, named=True)
+    half_b, half_o = t2 * 0.2 / math.sqrt(3), t2 * 0.1 / math.sqrt(3)
+    assert g["group"] == "t-uniform" and g["n_seeds"] == 3 and g["seeds"] == "0, 1, 2"
+    assert g["best_depth"] == pytest.approx(2.2) and g["best_depth_lo"] == pytest.approx(2.2 - half_b)
+    assert g["oracle_depth_hi"] == pytest.approx(1.6 + half_o) and g["fixed_depth_lo"] == pytest.approx(4.0)
+    assert g["dx_best_posthoc"] == pytest.approx(1.6)
+    # across seeds, best [1.70, 2.70] overlaps oracle [1.35, 1.85]: within noise -> at the ceiling
+    assert (g["verdict"], g["reason"]) == ("at-ceiling", "at_ceiling")
+    assert g["seed_verdicts"] == "3 × readout-limited"
+    assert f"entropy at 2.20 [{2.2 - half_b:.2f}, {2.2 + half_b:.2f}] is lower than fixed depth 4.00 [4.00, 4.00]" \
+        in g["evidence"]
+    assert "(3 seeds; per-seed verdicts: 3 × readout-limited)" in g["evidence"]
+    assert D.check_verdict(g) == []
 
 
 def _dx(rows):
-    return pl.DataFrame(rows, schema={"model": pl.String, "rule": pl.String, "kind": pl.String, "x": pl.Float64,
-                                      "d_at": pl.Float64}, orient="row")
+    """D@X rows (model, rule, kind, x, d_at as a number or (estimate, lo, hi)); val_d_at = the estimate."""
+    out = []
+    for m, r, k, x, v in rows:
+        e, lo, hi = _iv3(v)
+        out.append((m, r, k, float(x), e, lo, hi, e))
+    return pl.DataFrame(out, schema={"model": pl.String, "rule": pl.String, "kind": pl.String, "x": pl.Float64,
+                                     "d_at": pl.Float64, "d_at_lo": pl.Float64, "d_at_hi": pl.Float64,
+                                     "val_d_at": pl.Float64}, orient="row")
 
 
 META = pl.DataFrame({"model": ["t-uniform", "t-geometric", "t-joint"], "task": ["t", "t", "t"],
                      "regime": ["uniform", "geometric", "joint"], "regime_kind": ["uniform", "geometric", "joint"]})
 
 
-def test_ad_claims_hold_and_sentences():
+def test_ad_claims_on_intervals():
     dx = _dx([
-        ("t-uniform", "fixed", "fixed", 95, 3.0), ("t-uniform", "top1", "posthoc", 95, 1.4),
-        ("t-uniform", "entropy", "posthoc", 95, 1.6), ("t-uniform", "kl_prev", "posthoc", 95, 1.2),
-        ("t-uniform", "gate:t-uniform-ponder", "gate", 95, 1.5),
-        ("t-geometric", "fixed", "fixed", 95, 2.5), ("t-geometric", "margin", "posthoc", 95, 1.3),
-        ("t-geometric", "gate:t-geometric-ponder", "gate", 95, 1.4),
-        ("t-joint", "fixed", "fixed", 95, 4.0), ("t-joint", "q_exit", "native", 95, 4.5),
-        ("t-joint", "entropy", "posthoc", 95, 3.9), ("t-joint", "gate:t-joint-ponder", "gate", 95, 3.8),
+        ("t-uniform", "fixed", "fixed", 95, (3.0, 3.0, 3.0)), ("t-uniform", "top1", "posthoc", 95, (1.4, 1.3, 1.5)),
+        ("t-uniform", "entropy", "posthoc", 95, (1.6, 1.5, 1.7)), ("t-uniform", "kl_prev", "posthoc", 95, (1.2, 1.1, 1.3)),
+        ("t-uniform", "gate:t-uniform-ponder", "gate", 95, (1.5, 1.4, 1.6)),
+        # geometric: the confidence readout overlaps fixed depth -> within noise
+        ("t-geometric", "fixed", "fixed", 95, (2.5, 2.4, 2.6)), ("t-geometric", "margin", "posthoc", 95, (2.2, 1.9, 2.45)),
+        ("t-geometric", "gate:t-geometric-ponder", "gate", 95, (1.4, 1.3, 1.5)),
+        ("t-joint", "fixed", "fixed", 95, (4.0, 4.0, 4.0)), ("t-joint", "q_exit", "native", 95, (4.5, 4.3, 4.7)),
+        ("t-joint", "entropy", "posthoc", 95, (3.9, 3.8, 4.0)),
+        ("t-joint", "gate:t-joint-ponder", "gate", 95, (3.8, 3.7, 3.9)),
         ("t-uniform", "fixed", "fixed", 98, 1.0),  # other X: ignored
     ])
     claims = {c["claim"]: c for c in D.ad_claims(META, dx, D.DiagnoseConfig(), gates_present=True)}
-    assert [claims[k]["status"] for k in "abc"] == ["holds", "holds", "holds"]
+    assert claims["a"]["status"] == "partly (holds in 1, within noise in 1 of 2)"
     a = claims["a"]["sentences"]
-    # confidence rules only (kl_prev 1.2 is not a confidence readout): top1 1.40 on uniform
-    assert "t-uniform: best confidence readout (top1) D@95 = 1.40, lower than fixed depth D@95 = 3.00." in a
-    assert "t-geometric: best confidence readout (margin) D@95 = 1.30, lower than fixed depth D@95 = 2.50." in a
-    b = claims["b"]["sentences"][1]
-    # best post-hoc over fixed-prior models of the task: kl_prev 1.20 on t-uniform (any post-hoc rule)
-    assert b.startswith("t-joint: native Q-exit D@95 = 4.50, worse than the best post-hoc readout on a fixed-prior "
-                        "trajectory (kl_prev on t-uniform: 1.20)")
-    c = " ".join(claims["c"]["sentences"])
-    assert "t-joint (joint): best refit gate (gate:t-joint-ponder) D@95 = 3.80 vs fixed 4.00 — weak" in c
-    assert "t-uniform (uniform): best refit gate (gate:t-uniform-ponder) D@95 = 1.50 vs fixed 3.00 — strong" in c
-
-
-def test_ad_claims_disagreement_and_untestable():
-    dx = _dx([
-        ("t-uniform", "fixed", "fixed", 95, 2.0), ("t-uniform", "entropy", "posthoc", 95, 2.5),  # worse than fixed
-        ("t-geometric", "fixed", "fixed", 95, 2.0), ("t-geometric", "top1", "posthoc", 95, 1.5),
-        ("t-joint", "fixed", "fixed", 95, math.nan), ("t-joint", "q_exit", "native", 95, math.nan),
-    ])
-    claims = {c["claim"]: c for c in D.ad_claims(META, dx, D.DiagnoseConfig(), gates_present=False)}
-    assert claims["a"]["status"] == "partly"
-    assert "t-uniform: best confidence readout (entropy) D@95 = 2.50, not lower than fixed depth D@95 = 2.00." \
-        in claims["a"]["sentences"]
-    # native unreachable (NaN = ∞) vs post-hoc 1.5 -> the native gate is worse: holds
+    # confidence rules only (kl_prev is not a confidence readout), chosen on val: top1 on uniform
+    assert a[1].startswith("t-uniform (1 seed): best confidence readout (top1, chosen on val) D@95 = 1.40 [1.30, 1.50], "
+                           "lower than fixed depth D@95 = 3.00 [3.00, 3.00]: holds.")
+    assert a[2].startswith("t-geometric (1 seed): best confidence readout (margin, chosen on val) D@95 = 2.20 "
+                           "[1.90, 2.45], within noise of fixed depth D@95 = 2.50 [2.40, 2.60]: within noise.")
+    # (b): native 4.5 [4.3, 4.7] vs the val-chosen post-hoc rule among the same-seed fixed-prior peers (kl_prev on
+    # t-uniform, 1.2 [1.1, 1.3]): native higher -> holds
     assert claims["b"]["status"] == "holds"
     assert claims["b"]["sentences"][1] == (
-        "t-joint: native Q-exit D@95 = unreachable, worse than the best post-hoc readout on a fixed-prior trajectory "
-        "(top1 on t-geometric: 1.50); no post-hoc readout reaches D@95 on its own joint trajectory.")
-    assert claims["c"]["status"] == "untestable" and "Not tested" in claims["c"]["sentences"][0]
-    # only uniform confidence fails and nothing else fixed-prior: does not hold
-    dx2 = dx.filter(pl.col("model") != "t-geometric")
-    claims = {c["claim"]: c for c in D.ad_claims(META.filter(pl.col("model") != "t-geometric"), dx2,
-                                                  D.DiagnoseConfig(), False)}
+        "t-joint (1 seed): native Q-exit D@95 = 4.50 [4.30, 4.70], higher than the best post-hoc readout on a "
+        "fixed-prior trajectory of the same seed (kl_prev on t-uniform): 1.20 [1.10, 1.30]: holds.")
+    # (c): uniform 1.5 vs 3.0 strong (holds), geometric 1.4 vs 2.5 strong (holds), joint 3.8 [3.7, 3.9] vs 4.0 [4, 4]:
+    # disjoint but 0.2 < gap_tol 0.5 -> weak (holds)
+    assert claims["c"]["status"] == "holds"
+    c = " ".join(claims["c"]["sentences"])
+    assert "t-joint (joint, 1 seed): best refit gate (gate:t-joint-ponder) D@95 = 3.80 [3.70, 3.90] vs fixed 4.00 " \
+           "[4.00, 4.00] — weak" in c
+    assert "t-uniform (uniform, 1 seed): best refit gate (gate:t-uniform-ponder) D@95 = 1.50 [1.40, 1.60] vs fixed " \
+           "3.00 [3.00, 3.00] — strong" in c
+
+
+def test_ad_claims_disagreement_unreachable_and_untestable():
+    dx = _dx([
+        ("t-uniform", "fixed", "fixed", 95, (2.0, 2.0, 2.0)), ("t-uniform", "entropy", "posthoc", 95, (2.5, 2.3, 2.7)),
+        ("t-geometric", "fixed", "fixed", 95, (2.0, 2.0, 2.0)), ("t-geometric", "top1", "posthoc", 95, (2.6, 2.2, 2.9)),
+        ("t-joint", "fixed", "fixed", 95, math.nan), ("t-joint", "q_exit", "native", 95, (math.nan, 4.0, math.inf)),
+    ])
+    claims = {c["claim"]: c for c in D.ad_claims(META, dx, D.DiagnoseConfig(), gates_present=False)}
+    # both confidence readouts are higher than fixed depth beyond noise
     assert claims["a"]["status"] == "does not hold"
-    # no joint model: (b) untestable
+    assert "t-uniform (1 seed): best confidence readout (entropy, chosen on val) D@95 = 2.50 [2.30, 2.70], higher " \
+           "than fixed depth D@95 = 2.00 [2.00, 2.00]: does not hold." in claims["a"]["sentences"][1]
+    # native not reached [4.0, ∞) vs the peers' top1 2.6 [2.2, 2.9] (entropy's val D@X 2.5 is lower: chosen) ->
+    # entropy 2.5 [2.3, 2.7]; native's interval lies above it: holds, and "not reached" is printed in words
+    assert claims["b"]["status"] == "holds"
+    assert claims["b"]["sentences"][1].startswith("t-joint (1 seed): native Q-exit D@95 = not reached, higher than")
+    assert "(entropy on t-uniform): 2.50 [2.30, 2.70]" in claims["b"]["sentences"][1]
+    assert claims["c"]["status"] == "untestable" and "Not tested" in claims["c"]["sentences"][0]
+    for c in claims.values():
+        for s in c["sentences"]:
+            assert "None" not in s and "nan" not in s and " inf" not in s
     claims = {c["claim"]: c for c in D.ad_claims(META.filter(pl.col("regime_kind") != "joint"), dx,
                                                   D.DiagnoseConfig(), False)}
     assert claims["b"]["status"] == "untestable" and "no jointly trained model" in claims["b"]["sentences"][0]
 
 
-def test_ad_claim_b_compares_a_joint_model_with_fixed_prior_models_of_its_own_seed():
-    """Seeded names: t-joint-s1's peers are t-uniform-s1 only, even though t-uniform-s0 has the lower depth."""
-    meta = pl.DataFrame({"model": ["t-uniform-s0", "t-uniform-s1", "t-joint-s1"], "task": ["t"] * 3,
-                         "regime": ["uniform", "uniform", "joint"], "regime_kind": ["uniform", "uniform", "joint"]})
-    dx = _dx([("t-uniform-s0", "top1", "posthoc", 95, 1.1), ("t-uniform-s1", "top1", "posthoc", 95, 1.7),
-              ("t-joint-s1", "q_exit", "native", 95, 2.0)])
+def test_ad_claims_across_seeds():
+    """Two seeds per group: figures are the across-seed mean with the Student-t interval (t_{0.975, 1} = 12.706);
+    (b) pairs each joint seed with the fixed-prior models of its own seed."""
+    t1 = 12.706204736174707
+    meta = pl.DataFrame({"model": ["t-uniform-s0", "t-uniform-s1", "t-joint-s0", "t-joint-s1"], "task": ["t"] * 4,
+                         "regime": ["uniform", "uniform", "joint", "joint"],
+                         "regime_kind": ["uniform", "uniform", "joint", "joint"]})
+    dx = _dx([("t-uniform-s0", "fixed", "fixed", 95, 3.0), ("t-uniform-s1", "fixed", "fixed", 95, 3.0),
+              ("t-uniform-s0", "top1", "posthoc", 95, 1.1), ("t-uniform-s1", "top1", "posthoc", 95, 1.3),
+              ("t-joint-s0", "q_exit", "native", 95, 2.0), ("t-joint-s1", "q_exit", "native", 95, 2.2)])
     claims = {c["claim"]: c for c in D.ad_claims(meta, dx, D.DiagnoseConfig(), gates_present=False)}
-    (det,) = claims["b"]["details"]
-    assert det["fixed_prior_model"] == "t-uniform-s1" and det["fixed_prior_posthoc_dx"] == pytest.approx(1.7)
+    (a,) = claims["a"]["details"]
+    half = t1 * np.std([1.1, 1.3], ddof=1) / math.sqrt(2)
+    assert a["n_seeds"] == 2 and a["confidence_dx"]["estimate"] == pytest.approx(1.2)
+    assert a["confidence_dx"]["lo"] == pytest.approx(1.2 - half) and a["confidence_dx"]["hi"] == pytest.approx(1.2 + half)
+    # 1.2 ± 1.27 overlaps fixed 3.0 ± 0? no: hi = 2.47 < 3.0 -> lower: holds
+    assert a["result"] == "holds" and claims["a"]["status"] == "holds"
+    (b,) = claims["b"]["details"]
+    assert [p["fixed_prior_model"] for p in b["per_seed"]] == ["t-uniform-s0", "t-uniform-s1"]
+    # native 2.1 ± 1.27 vs post-hoc 1.2 ± 1.27: overlap -> within noise
+    assert b["comparison"] == "within noise" and claims["b"]["status"] == "within noise"
+    assert "t-joint (2 seeds): native Q-exit D@95 = 2.10 [" in claims["b"]["sentences"][1]
 
 
 def test_summary_markdown_from_numbers():
-    chosen, dx, oracle, fails = _tables(fixed=4.0, posthoc=2.25, native=3.75, oracle=(1.5, 0.97))
-    v = D.verdict({"model": "t-joint", "regime_kind": "joint", "n_loops": 6}, chosen, dx, oracle,
-                  fails.with_columns(model=pl.lit("t-joint")), D.DiagnoseConfig())
+    chosen, dx, oracle, fails = _tables(fixed=FIX, posthoc=(2.25, 2.0, 2.5), native=(3.75, 3.5, 4.0),
+                                        oracle=(1.5, 1.4, 1.6), dx={"fixed": (3.0, 3.0, 3.0), "q_exit": math.nan})
+    v = D.verdict({"model": "t-joint", "task": "t", "regime": "joint", "regime_kind": "joint", "n_loops": 6}, chosen,
+                  dx, oracle, fails.with_columns(model=pl.lit("t-joint")), D.DiagnoseConfig())
     verdicts = pl.DataFrame([v])
     sp = pl.DataFrame({"model": ["t-joint", "t-joint"], "signal": ["entropy", "entropy"], "loop": [None, 1],
                        "aggregation": ["difficulty_mean", "difficulty_mean"], "rho": [0.875, 0.1], "pvalue": [0.1, 0.2],
@@ -198,13 +353,26 @@ def test_summary_markdown_from_numbers():
     failures = fails.with_columns(model=pl.lit("t-joint"), frac_correct=pl.lit(0.9), frac_trajectory=pl.lit(0.06),
                                   frac_readout_early=pl.lit(0.03), frac_readout_overthinking=pl.lit(0.01))
     md = D.summary_markdown(verdicts, claims, sp, D.DiagnoseConfig(), failures)
-    assert "| t-joint | joint | readout-limited | entropy (2.25) | 4.00 | 3.75 | 1.50 |" in md
-    assert "the native gate needs 3.75" in md
+    # entropy's and q_exit's D@95 are NaN in dx (not reached); no gate was run
+    assert ("| t-joint | joint | readout-limited | entropy (2.25 [2.00, 2.50]) | 4.00 [3.90, 4.10] | 3.75 [3.50, 4.00] | "
+            "1.50 [1.40, 1.60] | 3.00 [3.00, 3.00] / not reached / not run / not reached |") in md
+    assert ("| t-joint | joint | 1 | readout-limited | entropy | 2.25 [2.00, 2.50] | 4.00 [3.90, 4.10] | "
+            "3.75 [3.50, 4.00] | 1.50 [1.40, 1.60] | 3.00 [3.00, 3.00] | not reached | not run | not reached |") in md
+    assert "the native gate at 3.75 [3.50, 4.00] is higher than it" in md
     assert "- t-joint (joint): ρ = 0.88 (n = 4 difficulty levels)." in md  # loop null row, not loop 1
     assert "| t-joint | entropy | 90.0 | 6.0 | 3.0 | 1.0 |" in md
     assert "(a) [AD]" in md and "untestable — no fixed-prior (uniform/geometric) model in this run" in md
+    assert not re.search(r"\b(None|nan|inf)\b", md)
     cfg1 = D.DiagnoseConfig(spearman_loop=1)
     assert "ρ = 0.10 (n = 4 difficulty levels)" in D.summary_markdown(verdicts, claims, sp, cfg1)
+    # two seeds of one group: the Spearman headline across seeds, t_{0.975, 1} · sd / √2
+    sp2 = pl.DataFrame({"model": ["t-joint-s0", "t-joint-s1"], "signal": ["entropy"] * 2, "loop": [None, None],
+                        "aggregation": ["difficulty_mean"] * 2, "rho": [0.8, 0.9], "pvalue": [0.1, 0.1], "n": [4, 4]},
+                       schema_overrides={"loop": pl.Int64})
+    v2 = pl.DataFrame([{**v, "model": f"t-joint-s{s}", "group": "t-joint", "seed": s} for s in (0, 1)])
+    md2 = D.summary_markdown(v2, claims, sp2, D.DiagnoseConfig())
+    half = 12.706204736174707 * np.std([0.8, 0.9], ddof=1) / math.sqrt(2)
+    assert f"- t-joint: ρ = 0.85 [{0.85 - half:.2f}, {0.85 + half:.2f}] (2 seeds; n = 4, 4 difficulty levels)." in md2
 
 
 def test_config_validation():
@@ -241,7 +409,7 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
         splits = token_loop_splits(n=240, T=6, seed=i, gate=m.endswith("joint"))
         write_token_loop(tmp_path / "geometry" / m / "token_loop.parquet", splits)
         readouts_model(tmp_path / "geometry" / m, ReadoutsConfig(), CalibrationConfig(n_quantiles=21), tmp_path / "readouts" / m,
-                         meta=resolve_model(m, train_meta, regimes), progress=False)
+                       meta=resolve_model(m, train_meta, regimes), progress=False, intervals=IntervalsConfig(n_boot=200))
         if i < 2:  # gates for two models only: the third has none
             _gate_outputs(tmp_path / "gates", m, splits, i)
     cfg = D.DiagnoseConfig()
@@ -265,6 +433,15 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     assert got == round(acc * 240)
     assert metrics["gates_present"] and set(metrics["claims"]) == {"a", "b", "c"}
     assert frames["verdicts"].height == 3 and "## Verdicts" in summary
+    # the verdicts carry the readouts' bootstrap intervals: the oracle ceiling's from metrics.json, fixed depth's
+    # from chosen.parquet (the same resamples)
+    v0 = frames["verdicts"].row(0, named=True)
+    rm = json.loads((tmp_path / "readouts" / models[0] / "metrics.json").read_text())
+    ceil = rm["rules"]["oracle"]["ceiling"]["test_depth"]
+    assert (v0["oracle_depth"], v0["oracle_depth_lo"], v0["oracle_depth_hi"]) == (ceil["estimate"], ceil["lo"], ceil["hi"])
+    fx = ch.filter(pl.col("rule") == "fixed").row(0, named=True)
+    assert (v0["fixed_depth_lo"], v0["fixed_depth_hi"]) == (fx["test_depth_lo"], fx["test_depth_hi"])
+    assert v0["fixed_depth_lo"] <= v0["fixed_depth"] <= v0["fixed_depth_hi"]
     # CLI: writes the four outputs + metrics.json (strict JSON)
     res = CliRunner().invoke(app, ["diagnose", "--params", str(repo_root / "params.yaml"), "--models", ",".join(models),
                                    "--readouts-root", str(tmp_path / "readouts"), "--gates-root",
@@ -272,8 +449,12 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
                                    "--out", str(tmp_path / "diagnose")])
     assert res.exit_code == 0, res.output
     out = tmp_path / "diagnose"
-    for n in ("failure_classes.parquet", "spearman.parquet", "verdicts.parquet", "summary.md", "metrics.json"):
+    for n in ("failure_classes.parquet", "spearman.parquet", "verdicts.parquet", "verdict_groups.parquet", "summary.md",
+              "metrics.json"):
         assert (out / n).is_file()
+    for row in pl.read_parquet(out / "verdicts.parquet").iter_rows(named=True):
+        assert row["verdict"] in D.VERDICTS and D.check_verdict(row) == []
+    assert not re.search(r"\b(None|nan|inf)\b", (out / "summary.md").read_text())
     json.loads((out / "metrics.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     res = CliRunner().invoke(app, ["diagnose", "--params", str(repo_root / "params.yaml"), "--models", "nope",
                                    "--readouts-root", str(tmp_path / "readouts"), "--out", str(tmp_path / "d2")])

@@ -206,7 +206,7 @@ def test_readouts_gates_diagnose_same_bytes(runner, tmp_path):
         write_diagnosis(root / "diagnose", frames, summary, metrics)
     a, b = tmp_path / "a", tmp_path / "b"
     da, db = digests(a, skip=("metrics.json", "gates.pkl")), digests(b, skip=("metrics.json", "gates.pkl"))
-    assert da == db and len(da) == 2 * 4 + 2 * 5 + 2 * 5 + 1 + 3 + 1  # geometry, readouts, gates, cross, diagnose
+    assert da == db and len(da) == 2 * 4 + 2 * 5 + 2 * 5 + 1 + 4 + 1  # geometry, readouts, gates, cross, diagnose (4 tables + summary)
     for p in sorted(a.rglob("metrics.json")):
         q = b / p.relative_to(a)
         if "gates" in p.parts:  # the gates stage records fit times

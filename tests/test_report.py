@@ -193,3 +193,73 @@ def test_report_stage_cli(artifacts, tmp_path):
     res = CliRunner().invoke(app, ["report", "--params", str(params), "--models", "ta-uniform",
                                    "--root", str(artifacts), "--out", str(tmp_path / "r")])
     assert res.exit_code == 2 and "unknown key 'bogus' in params section 'report'" in res.output
+
+
+def _seeded_outputs(root: Path, model: str, dx_entropy: float, native: float | None) -> None:
+    """A seeded model whose tables carry the interval and val columns the readouts stage writes: top1 has the
+    lower *test* figures, entropy the lower *val* figures (so a val choice picks entropy)."""
+    _model_outputs(root, model, "tc", "uniform", "joint", shift=0.0)
+    rd = root / "readouts" / model
+    nan = float("nan")
+    dx = [("fixed", "fixed", 3.0, 3.0, 3.0, 3.0), ("entropy", "posthoc", dx_entropy, dx_entropy - 0.1, dx_entropy + 0.1, 1.9),
+          ("top1", "posthoc", 1.2, 1.1, 1.3, 2.0), ("oracle", "oracle", 1.05, 1.0, 1.1, 1.05),
+          ("q_exit", "native", nan if native is None else native, 3.2 if native is None else native - 0.2,
+           float("inf") if native is None else native + 0.2, 3.5)]
+    _write(rd / "dx.parquet", pl.DataFrame(
+        [{"rule": r, "kind": k, "x": 95.0, "d_at": d, "d_at_lo": lo, "d_at_hi": hi, "val_d_at": v, "n_boot": 500,
+          "n_sequences": 40} for r, k, d, lo, hi, v in dx]))
+    _write(rd / "chosen.parquet", pl.DataFrame({
+        "rule": ["fixed", "entropy", "top1"], "kind": ["fixed", "posthoc", "posthoc"], "threshold": [3.0, 1.0, 2.0],
+        "val_depth": [3.0, 1.7, 1.9], "val_accuracy": [0.97, 0.96, 0.96], "within_delta": [True] * 3,
+        "test_depth": [3.0, 1.8, 1.6], "test_depth_lo": [3.0, 1.7, 1.5], "test_depth_hi": [3.0, 1.9, 1.7],
+        "test_accuracy": [0.97, 0.96, 0.95], "test_accuracy_lo": [0.95, 0.94, 0.93],
+        "test_accuracy_hi": [0.99, 0.98, 0.97], "n_boot": [500] * 3, "n_sequences": [40] * 3}))
+    p = pl.read_parquet(rd / "pareto.parquet")
+    o = p["kind"] == "oracle"
+    _write(rd / "pareto.parquet", p.with_columns(mean_depth_lo=pl.when(o).then(1.0).otherwise(None),
+                                                 mean_depth_hi=pl.when(o).then(1.1).otherwise(None),
+                                                 n_boot=pl.lit(500), n_sequences=pl.lit(40)))
+    _write(rd / "operating_points.parquet", pl.DataFrame({
+        "rule": ["fixed", "fixed"], "kind": ["fixed", "fixed"], "threshold": [4.0, 4.0], "split": ["val", "test"],
+        "mean_depth": [4.0, 4.0], "accuracy": [0.985, 0.99], "mean_loss": [0.1, 0.1], "accuracy_lo": [None, 0.98],
+        "accuracy_hi": [None, 1.0], "n_boot": [500, 500], "n_sequences": [40, 40]}))
+
+
+def test_report_intervals_seeds_and_summary(artifacts, tmp_path, monkeypatch):
+    models = ["tc-joint-s0", "tc-joint-s1"]
+    _seeded_outputs(artifacts, models[0], 1.6, 3.6)
+    _seeded_outputs(artifacts, models[1], 1.8, None)  # native gate never reaches 95 % on seed 1
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")
+    out = tmp_path / "report"
+    metrics = build_report(models, artifacts, out, ReportConfig(dpi=50), meta={"versions": {"torch": "9.9", "x": None}})
+    m0 = metrics["models"]["tc-joint-s0"]
+    # chosen on val: entropy (val depth 1.7 < top1's 1.9; val D@95 1.9 < 2.0) although top1 is lower on test
+    assert m0["best_posthoc_rule"] == "entropy" and m0["d95_best_posthoc_rule"] == "entropy"
+    iv = m0["intervals"]
+    assert iv["dx_best_posthoc"]["text"] == "1.60 [1.50, 1.70]" and iv["dx_fixed"]["text"] == "3.00 [3.00, 3.00]"
+    assert iv["best_posthoc_depth"]["text"] == "1.80 [1.70, 1.90]"
+    assert iv["best_posthoc_accuracy"]["text"] == "96.00 [94.00, 98.00]"
+    assert iv["full_depth_accuracy"]["text"] == "99.00 [98.00, 100.00]"
+    assert iv["oracle_depth"]["text"] == "1.05 [1.00, 1.10]"
+    assert metrics["models"]["tc-joint-s1"]["intervals"]["dx_native"]["text"] == "not reached"
+    assert metrics["models"]["tc-joint-s1"]["d95_native"] is None
+    # across seeds: D@95 best post-hoc 1.6, 1.8 -> 1.70 ± t_{0.975, 1} · sd / √2 = 1.70 ± 12.706 · 0.1
+    g = metrics["groups"]["tc-joint"]
+    half = 12.706204736174707 * np.std([1.6, 1.8], ddof=1) / np.sqrt(2)
+    assert g["n_seeds"] == 2 and g["intervals"]["dx_best_posthoc"]["estimate"] == pytest.approx(1.7)
+    assert g["intervals"]["dx_best_posthoc"]["lo"] == pytest.approx(1.7 - half)
+    text = f"1.70 [{1.7 - half:.2f}, {1.7 + half:.2f}]"
+    assert g["intervals"]["dx_best_posthoc"]["text"] == text
+    assert g["intervals"]["dx_native"]["text"] == "not reached in 1 of 2 seeds"
+    assert g["intervals"]["dx_fixed"]["text"] == "3.00 [3.00, 3.00]"
+    summary = (out / "summary.md").read_text()
+    assert "Run of 1970-01-01T00:00:00Z on " in summary and "| date | 1970-01-01T00:00:00Z |" in summary
+    assert "| torch | 9.9 |" in summary and "| x | not installed |" in summary
+    assert "bootstrap over test sequences, 500 resamples of 40 sequences" in summary
+    assert "| tc-joint | joint | 2 | entropy | 99.00 [" in summary and text in summary
+    assert "| tc-joint-s1 | joint | entropy |" in summary
+    assert "findings must hold within the intervals" in summary
+    assert not re.search(r"\b(None|nan|inf)\b", summary)
+    page = (out / "index.html").read_text()
+    assert text in page and "not reached in 1 of 2 seeds" in page and "Headline per task × regime" in page
+    assert not re.search(r"\b(None|nan|inf)\b", re.sub(r"<[^>]+>", " ", page))
