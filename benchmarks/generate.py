@@ -249,12 +249,13 @@ def main() -> None:
               f"{float((tok == full_tok).mean()):6.2f} {1e3 * te / n_tok:9.1f}")
     print(f"# timed section: {twall:.1f} s wall, {tcpu:.1f} s CPU -> {tcpu / twall:.2f} cores obtained")
 
-    # per-phase breakdown (instrumented runs)
-    bfull, _ = breakdown(dec, prompts, N, None)
+    # per-phase breakdown (instrumented runs; each rule right after its own full-depth run, so that load drift on
+    # a shared machine hits the pair alike)
     loops_full = n_tok * T
     print("\nper-phase cost, ms per token (instrumented run; per loop = / loops run); excess_p = t_exit,p − "
           "(d/T)·t_full,p, its share of t_exit is what phase p takes off realised/ideal")
     for n in rules:
+        bfull, _ = breakdown(dec, prompts, N, None)
         b, depth = breakdown(dec, prompts, N, factories[n])
         d = float(depth.mean())
         te, tf = sum(b.values()), sum(bfull.values())
@@ -268,8 +269,9 @@ def main() -> None:
             print(f"  {p:8s} {1e3 * bfull[p] / n_tok:11.2f} {1e3 * b[p] / n_tok:11.2f} {1e3 * bfull[p] / loops_full:12.3f} "
                   f"{1e3 * b[p] / loops:12.3f} {1e3 * ex:13.2f} {-ex * n_tok / te:8.3f}")
         print(f"  {'total':8s} {1e3 * tf / n_tok:11.2f} {1e3 * te / n_tok:11.2f}")
-        # per-loop cost model without the fixed per-token costs: full = T·c_b + c_r, exit = d·(c_b + c_r + c_rule)
-        c_b, c_r, c_rule = bfull["block"] / loops_full, b["readout"] / loops, b["rule"] / loops
+        # per-loop cost model without the fixed per-token costs: full = T·c_b + c_r, exit = d·(c_b + c_r + c_rule);
+        # every c from the early-exit run itself (no cross-run load drift in the bound)
+        c_b, c_r, c_rule = b["block"] / loops, b["readout"] / loops, b["rule"] / loops
         print(f"  per loop: block {1e3 * c_b:.2f} ms, readout {1e3 * c_r:.2f} ms ({c_r / c_b:.2f} of a loop), rule "
               f"{1e3 * c_rule:.3f} ms -> bound (c_b + c_r/T) / (c_b + c_r + c_rule) = "
               f"{(c_b + c_r / T) / (c_b + c_r + c_rule):.2f}")
