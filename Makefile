@@ -29,6 +29,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dump.py
 	$(BIN)/python benchmarks/geometry.py
+	$(BIN)/python benchmarks/generate.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -12,6 +12,7 @@ Everything shown is read from the other stages' artifacts (never recomputed from
 | failure classes | ``diagnose/failure_classes.parquet`` |
 | cross-regime gate matrix | ``gates/cross_regime.parquet`` |
 | realised vs ideal speedup | ``latency/latency.parquet`` |
+| generation with early exit (table, findings) | ``generate/generate.parquet``, ``generate/metrics.json`` |
 
 A figure whose inputs are missing is left out and the page says which stage to run, so the report
 works on partial pipelines (the tests build tiny constructed outputs). The page uses relative image
@@ -92,6 +93,7 @@ class Inputs:
             (``operating_points.parquet``), the full-depth accuracy with its interval.
         cross_regime: gates' cross-regime table.
         latency: latency.parquet; latency_metrics: its metrics.json.
+        generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
         missing: input -> what to run.
     """
 
@@ -111,6 +113,8 @@ class Inputs:
     full_depth: pl.DataFrame | None = None
     verdict_groups: pl.DataFrame | None = None
     claims: dict | None = None
+    generate: pl.DataFrame | None = None
+    generate_metrics: dict | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -230,6 +234,13 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         inp.latency_metrics = json.loads(lm.read_text()) if lm.is_file() else None
     else:
         missing["latency/latency.parquet"] = "run the latency stage"
+    gen = root / "generate" / "generate.parquet"
+    if gen.is_file():
+        inp.generate = pl.read_parquet(gen).filter(pl.col("model").is_in(list(models)))
+        gm = root / "generate" / "metrics.json"
+        inp.generate_metrics = json.loads(gm.read_text()) if gm.is_file() else None
+    else:
+        missing["generate/generate.parquet"] = "run the generate stage"
     return inp
 
 
@@ -874,6 +885,56 @@ def latency_table(lat: pl.DataFrame, meta: pl.DataFrame) -> tuple[pl.DataFrame, 
     return df, cols
 
 
+def generate_table(gen: pl.DataFrame, meta: pl.DataFrame) -> tuple[pl.DataFrame, list[tuple[str, str, str | None]]]:
+    """One row per model × rule × KV policy with the batch sizes side by side (for the page)."""
+    sizes = sorted(gen["batch_size"].unique().to_list())
+    order = {m: i for i, m in enumerate(meta["model"].to_list())}
+    rows = []
+    for (model, rule, policy), d in gen.group_by(["model", "rule", "policy"], maintain_order=True):
+        first = d.sort("batch_size").row(0, named=True)
+        r = {"model": model, "rule": rule, "policy": policy, "depth": first["mean_exit_depth"],
+             "n_loops": first["n_loops"], "ideal": first["ideal_speedup"], "agreement": first["token_agreement"],
+             "loss_gap": first["loss_gap"]}
+        for bs in sizes:
+            e = d.filter(pl.col("batch_size") == bs)
+            for key, col in (("tps", "tokens_per_s"), ("realised", "realised_speedup"), ("ratio", "speedup_ratio")):
+                r[f"{key}_{bs}"] = e[col][0] if e.height else None
+        rows.append(r)
+    df = (pl.DataFrame(rows).with_columns(_o=pl.col("model").replace_strict(order, default=len(order)))
+          .sort("_o", "rule", "policy").drop("_o"))
+    cols = [("model", "model", None), ("rule", "rule", None), ("policy", "KV policy", None),
+            ("depth", f"mean exit depth (batch {sizes[0]})", "2"), ("ideal", "ideal T / depth", "x")]
+    for bs in sizes:
+        cols += [(f"tps_{bs}", f"tokens/s, batch {bs}", "1"), (f"realised_{bs}", f"realised, batch {bs}", "x"),
+                 (f"ratio_{bs}", f"realised / ideal, batch {bs}", "2")]
+    cols += [("agreement", "token agreement with full depth (%)", "pct"),
+             ("loss_gap", "loss gap of the full-depth continuation (nats/token)", "3")]
+    return df, cols
+
+
+def generate_findings(gen: pl.DataFrame | None, gen_metrics: dict | None) -> list[str]:
+    """Sentences about generation-time early exit, generated from generate.parquet (never hand-written numbers)."""
+    if gen is None or not gen.height:
+        return []
+    out = []
+    for (policy, bs), d in gen.group_by(["policy", "batch_size"], maintain_order=True):
+        r = d["speedup_ratio"]
+        out.append(f"KV policy {policy}, batch {bs}: realised / ideal speedup {r.min():.2f}–{r.max():.2f} (median "
+                   f"{r.median():.2f}; {int((r >= 0.8).sum())} of {d.height} runs ≥ 0.8), token agreement with "
+                   f"full-depth greedy decoding median {100 * d['token_agreement'].median():.1f} %, loss gap of the "
+                   f"full-depth continuation median {d['loss_gap'].median():.3f} nats/token.")
+    b = gen.sort("realised_speedup", descending=True).row(0, named=True)
+    out.append(f"Largest realised generation speedup: {b['realised_speedup']:.2f}× ({b['model']}, {b['rule']}, "
+               f"{b['policy']}, batch {b['batch_size']}; mean exit depth {b['mean_exit_depth']:.2f} of {b['n_loops']} "
+               f"loops, ideal {b['ideal_speedup']:.2f}×, {b['tokens_per_s']:.1f} tokens/s).")
+    for model, m in ((gen_metrics or {}).get("models") or {}).items():
+        for what, reason in (m.get("skipped") or {}).items():
+            if what == "q_exit" and "no native halting gate" in reason:
+                continue
+            out.append(f"generate: {what} not run on {model}: {reason}.")
+    return out
+
+
 def _inline(s: str) -> str:
     s = html.escape(s, quote=False)
     s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
@@ -1016,10 +1077,22 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
                   "depth, at each rule's chosen point. Ideal = T / mean exit depth (SPEC §8); exact-causal ideal = "
                   "the best any exit that reproduces the offline evaluation can do under causal attention "
                   "(docs/latency.md).</p>", _table(lt, lcols)]
+    if inp.generate is not None and inp.generate.height:
+        gt, gcols = generate_table(inp.generate, inp.meta)
+        parts += ["<h2>Generation with early exit</h2>",
+                  "<p>Greedy decoding token by token: each new token loops until its rule fires; the KV policy says "
+                  "what later tokens see at the loops it skipped (share = copy of the exit loop's keys/values, "
+                  "Huginn's; recompute = computed, no saving, exact cache; native = the model's own). Realised = "
+                  "wall time of full-depth decoding / early exit in the same run; ideal = T / mean exit depth; "
+                  "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
+                  _table(gt, gcols)]
     parts.append("<h2>Findings</h2>")
     lf = latency_findings(inp.latency, inp.latency_metrics)
     if lf:
         parts.append("<h3>Latency</h3><ul>" + "".join(f"<li>{_inline(s)}</li>" for s in lf) + "</ul>")
+    gf = generate_findings(inp.generate, inp.generate_metrics)
+    if gf:
+        parts.append("<h3>Generation</h3><ul>" + "".join(f"<li>{_inline(s)}</li>" for s in gf) + "</ul>")
     if inp.summary:
         parts.append(markdown_to_html(inp.summary, shift=2))
     else:
@@ -1073,7 +1146,14 @@ def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: 
                               "max_realised_speedup": float(d["realised_speedup"].max()),
                               "median_ratio_to_exact_causal_ideal": float(d["ratio_to_work_ideal"].median())}
         lat["all_exact"] = bool(inp.latency["exact"].all())
-    return {"x": cfg.x, "models": models, "groups": grp, "latency": lat, "n_figures": len(figures),
+    gen = {}
+    if inp.generate is not None and inp.generate.height:
+        for (policy, bs), d in inp.generate.group_by(["policy", "batch_size"], maintain_order=True):
+            gen[f"{policy}_bs{bs}"] = {"median_speedup_ratio": float(d["speedup_ratio"].median()),
+                                       "max_realised_speedup": float(d["realised_speedup"].max()),
+                                       "median_token_agreement": float(d["token_agreement"].median()),
+                                       "median_loss_gap": float(d["loss_gap"].median())}
+    return {"x": cfg.x, "models": models, "groups": grp, "latency": lat, "generate": gen, "n_figures": len(figures),
             "missing_inputs": sorted(inp.missing)}
 
 

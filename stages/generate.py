@@ -14,7 +14,7 @@ import typer
 from looptrace.capture.dump import DumpConfig
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
-from looptrace.online.generate import GenerateConfig, generate_models, write_generate
+from looptrace.online.generate import GenerateConfig, dump_text_windows, generate_models, write_generate
 from looptrace.project import model_meta, model_names, versions
 
 
@@ -32,13 +32,15 @@ def main(
     with user_errors():
         base = load_base(params)
         cfg = load_section(GenerateConfig, "generate", params)
-        adapter = load_section(DumpConfig, "dump", params).adapter
+        dump_cfg = load_section(DumpConfig, "dump", params)
+        adapter = dump_cfg.adapter
         torch.set_num_threads(base.analysis_threads)
         torch.manual_seed(base.seed)
         names = model_names(params, models) if models or adapter is None else [adapter.run_name]
         df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
                                       adapter=adapter, device=base.device, seed=base.seed,
-                                      regime_meta=lambda name: model_meta(name, params))
+                                      regime_meta=lambda name: model_meta(name, params),
+                                      text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text else None)
         metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
                        versions=versions())
         write_generate(out, df, metrics)

@@ -468,3 +468,130 @@ def test_prefix_agreement():
     a = np.array([[1, 2, 3, 4], [1, 2, 3, 4]])
     b = np.array([[1, 2, 0, 4], [1, 2, 3, 4]])
     assert prefix_agreement(a, b) == pytest.approx((2 / 4 + 1) / 2)
+
+
+# ---------------------------------------------------------------------------------------------- the report
+
+def _greedy_with_exit(m: LoopedTransformer, prompts: torch.Tensor, n: int, thr: float | None,
+                      force: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Greedy decoding with top1 early exit, from the model's uncached forward (every loop's logits of every
+    position) and the offline exit rule — the recompute policy by another route: each position's states are the
+    full-depth states of the sequence so far, and it exits at the offline ``exit_depths`` of its max-prob.
+
+    Returns:
+        tokens [B, n], exit depths [B, n], log-probabilities of the fed token (emitted or ``force``d) [B, n].
+    """
+    ids = prompts.clone()
+    T = m.n_loops
+    tok, dep, lp = [], [], []
+    with torch.inference_mode():
+        for i in range(n):
+            z = m(ids).logits[:, -1].double()  # [B, T, V]
+            logp = torch.log_softmax(z, -1)
+            p = torch.softmax(z.float(), -1).max(-1).values.double().numpy()  # [B, T]
+            d = (np.full(p.shape[0], T) if thr is None else exit_depths(p, np.array([thr]), "ge")[0]).astype(np.int64)
+            zd = logp[torch.arange(p.shape[0]), torch.from_numpy(d - 1)]  # [B, V]
+            emitted = zd.argmax(-1)
+            fed = emitted if force is None else torch.from_numpy(force[:, i])
+            tok.append(emitted.numpy())
+            dep.append(d)
+            lp.append(zd.gather(1, fed[:, None]).squeeze(1).numpy())
+            ids = torch.cat([ids, fed[:, None]], dim=1)
+    return np.stack(tok, 1), np.stack(dep, 1), np.stack(lp, 1)
+
+
+def test_generate_model_report_equals_an_independent_computation():
+    """Every quality figure of a generate.parquet row — mean exit depth, ideal speedup, token and prefix agreement,
+    the full-depth continuation's loss under full depth and under early exit, the teacher-forced exit depth —
+    equals the same figure computed from the uncached forward and the offline rule (policy recompute, batch 1
+    and a batch of 4 with per-row exits); the work ratios are the loop counts' closed forms for both policies."""
+    from looptrace.online.generate import GenerateConfig, generate_model
+    from looptrace.online.latency import RuleSpec
+
+    m = own_model(T=5, coda=0, seed=3)
+    T, B, S0, N = 5, 4, 3, 4
+    p = prompts_of(B=B, S=S0, seed=9)
+    thr = _thresholds(decoder_for(m, "recompute"), p, N, "max_prob", q=0.4)
+    spec = RuleSpec(rule="top1", kind="posthoc", source="explicit", threshold=thr,
+                    factory=lambda: RegistryRule("top1", thr, "float32"), offline_exit=np.zeros(0, np.int64),
+                    offline_correct=np.zeros(0, bool))
+    cfg = GenerateConfig(rules=(f"top1@{thr}",), policies=("recompute", "share"), batch_sizes=(1, 4), prompts=B,
+                         prompt_len=S0, new_tokens=N, repeats=2)
+    decs = {pol: decoder_for(m, pol) for pol in cfg.policies}
+    rows = generate_model(decs, p.numpy(), [spec], cfg, {"model": "m"}, progress=False)
+    assert [(r["policy"], r["batch_size"]) for r in rows] == [("recompute", 1), ("recompute", 4), ("share", 1),
+                                                             ("share", 4)]
+    full_tok, _, full_lp = _greedy_with_exit(m, p, N, None)
+    tok, dep, _ = _greedy_with_exit(m, p, N, thr)
+    _, fdep, flp = _greedy_with_exit(m, p, N, thr, force=full_tok)
+    assert 1 < dep.mean() < T and (tok != full_tok).any()  # a real test: early exits that change tokens
+    same = tok == full_tok
+    prefix = np.mean([(np.argmin(s) if not s.all() else N) / N for s in same])
+    share_rows = {}
+    for r in rows:
+        assert r["n_tokens"] == B * N and r["n_loops"] == T and r["repeats"] == 2
+        assert r["ideal_speedup"] == pytest.approx(T / r["mean_exit_depth"], rel=1e-12)
+        assert r["speedup_ratio"] == pytest.approx(r["realised_speedup"] / r["ideal_speedup"], rel=1e-12)
+        assert r["tokens_per_s"] == pytest.approx(B * N / r["exit_time_s"], rel=1e-12)
+        assert r["full_tokens_per_s"] == pytest.approx(B * N / r["full_time_s"], rel=1e-12)
+        assert r["loss_full_depth"] == pytest.approx(float(-full_lp.mean()), abs=1e-5)
+        if r["policy"] == "recompute":
+            assert r["mean_exit_depth"] == pytest.approx(dep.mean(), abs=1e-12)
+            assert (r["min_exit_depth"], r["max_exit_depth"]) == (dep.min(), dep.max())
+            assert r["token_agreement"] == pytest.approx(same.mean(), abs=1e-12)
+            assert r["prefix_agreement"] == pytest.approx(prefix, abs=1e-12)
+            assert r["forced_mean_exit_depth"] == pytest.approx(fdep.mean(), abs=1e-12)
+            assert r["loss_early_exit"] == pytest.approx(float(-flp.mean()), abs=1e-5)
+            assert r["loss_gap"] == pytest.approx(r["loss_early_exit"] - r["loss_full_depth"], abs=1e-12)
+            assert r["work_speedup"] == 1.0  # the skipped loops are computed for their KV
+        else:
+            # share computes exactly the loops run: T·tokens over the sum of exit depths
+            assert r["work_speedup"] == pytest.approx(T * B * N / (r["mean_exit_depth"] * B * N), rel=1e-12)
+            share_rows[r["batch_size"]] = r
+    # per-row exits in the batch of 4 decide exactly as one row at a time
+    for k in ("mean_exit_depth", "token_agreement", "prefix_agreement", "loss_early_exit", "forced_mean_exit_depth"):
+        assert share_rows[1][k] == pytest.approx(share_rows[4][k], abs=1e-6), k
+
+
+def test_generate_stage_on_a_tiny_pipeline(tmp_path):
+    """generate_models on train -> dump -> readouts artifacts: prompts are the store's first test sequences, each
+    rule runs at its chosen threshold, unsupported rules/policies are skipped with reasons, and the recompute row's
+    exits equal the independent greedy-with-exit computation; the CLI writes both files, bad input is one line."""
+    import json
+
+    import polars as pl
+    from looptrace.cli import app
+    from looptrace.io.store import open_store
+    from looptrace.models.looped import load_checkpoint
+    from looptrace.online.generate import GenerateConfig, generate_models, write_generate
+    from typer.testing import CliRunner
+
+    from tests.test_latency import _tiny_pipeline
+
+    name, rows, _ = _tiny_pipeline(tmp_path)
+    roots = {k: tmp_path / k for k in ("train", "dump", "readouts", "gates")}
+    cfg = GenerateConfig(rules=("top1", "q_exit", "entropy", "gate"), policies=("share", "recompute", "native"),
+                         batch_sizes=(1, 3), prompts=3, prompt_len=3, new_tokens=4, repeats=1)
+    df, metrics = generate_models([name], cfg, roots["dump"], roots["readouts"], roots["gates"],
+                                  train_root=roots["train"], progress=False)
+    assert df.height == 2 * 2 * 2  # (top1, q_exit) × (share, recompute) × batch (1, 3)
+    chosen = {r["rule"]: r["threshold"] for r in rows}
+    assert {r["rule"]: r["threshold"] for r in df.iter_rows(named=True)} == chosen
+    sk = metrics["models"][name]["skipped"]
+    assert set(sk) == {"entropy", "gate", "policy:native"} and "no chosen point" in sk["entropy"]
+    st = open_store(roots["dump"] / name / "test.zarr")
+    seq, pos, tok = st.read("sequence"), st.read("position"), st.read("token_id")
+    prompts = np.zeros((3, 3), np.int64)
+    for s, p_, t in zip(seq, pos, tok, strict=True):
+        if s < 3 and p_ < 3:
+            prompts[s, p_] = t
+    model, _ = load_checkpoint(roots["train"] / name / "model.pt")
+    _, dep, _ = _greedy_with_exit(model.eval(), torch.from_numpy(prompts), 4, chosen["top1"])
+    r = df.filter((pl.col("rule") == "top1") & (pl.col("policy") == "recompute") & (pl.col("batch_size") == 3))
+    assert r["mean_exit_depth"][0] == pytest.approx(dep.mean(), abs=1e-12)
+    assert set(metrics["summary"]) == {"share_bs1", "share_bs3", "recompute_bs1", "recompute_bs3"}
+    write_generate(tmp_path / "generate", df, metrics)
+    assert pl.read_parquet(tmp_path / "generate" / "generate.parquet").shape == df.shape
+    assert json.loads((tmp_path / "generate" / "metrics.json").read_text())["n_runs"] == df.height
+    res = CliRunner().invoke(app, ["generate", "--models", "nope", "--train-root", str(tmp_path)])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output

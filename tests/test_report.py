@@ -10,8 +10,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from looptrace.online.generate import GENERATE_SCHEMA
 from looptrace.online.latency import LATENCY_SCHEMA
-from looptrace.report import ReportConfig, build_report, latency_findings, markdown_to_html
+from looptrace.report import ReportConfig, build_report, generate_findings, latency_findings, markdown_to_html
 
 T = 4
 MODELS = {"ta-uniform": ("ta", "uniform", "uniform"), "ta-joint": ("ta", "joint", "joint"),
@@ -108,6 +109,18 @@ def artifacts(tmp_path) -> Path:
     _write(root / "latency" / "latency.parquet", pl.DataFrame(lat, schema=LATENCY_SCHEMA))
     (root / "latency" / "metrics.json").write_text(json.dumps({"models": {
         "ta-uniform": {"skipped": {"q_exit": "model has no native halting gate", "gate": "no fitted gate"}}}}))
+    gen = []
+    for policy, real in (("share", 1.6), ("recompute", 0.9)):
+        for bs, f in ((1, 1.0), (8, 0.5)):
+            gen.append({**{k: None for k in GENERATE_SCHEMA}, "model": "ta-uniform", "rule": "top1", "kind": "posthoc",
+                        "source": "readouts", "policy": policy, "batch_size": bs, "n_loops": T, "n_tokens": 64,
+                        "mean_exit_depth": 2.0, "ideal_speedup": T / 2.0, "realised_speedup": real * f,
+                        "speedup_ratio": real * f / (T / 2.0), "tokens_per_s": 100.0 * real * f,
+                        "token_agreement": 0.75, "loss_gap": 0.125 if policy == "share" else 0.0})
+    _write(root / "generate" / "generate.parquet", pl.DataFrame(gen, schema=GENERATE_SCHEMA))
+    (root / "generate" / "metrics.json").write_text(json.dumps({"models": {
+        "ta-uniform": {"skipped": {"policy:native": "KV policy native: none (looptrace's LoopedTransformer has no KV "
+                                                    "policy of its own)"}}}}))
     return root
 
 
@@ -139,6 +152,14 @@ def test_report_end_to_end(artifacts, tmp_path):
     assert m["ta-uniform"]["oracle_depth"] == 1.05 and m["ta-joint"]["verdict"] == "trajectory-limited"
     assert metrics["latency"]["bs256"]["median_speedup_ratio"] == pytest.approx(0.9)
     assert metrics["latency"]["all_exact"] is True
+    assert metrics["generate"]["share_bs1"] == {"median_speedup_ratio": pytest.approx(1.6 / (T / 2)),
+                                                "max_realised_speedup": 1.6, "median_token_agreement": 0.75,
+                                                "median_loss_gap": 0.125}
+    assert metrics["generate"]["recompute_bs8"]["max_realised_speedup"] == pytest.approx(0.45)
+    # the generation table: one row per model × rule × policy, batch sizes side by side
+    assert "<h2>Generation with early exit</h2>" in page and page.count("<td>top1</td><td>share</td>") == 1
+    assert "<td>1.60×</td><td>" in page and "<td>160.0</td>" in page and "<td>0.80×</td>" in page
+    assert "policy:native not run on ta-uniform" in page
     assert metrics["missing_inputs"] == sorted(f"gates/{k}" for k in MODELS)
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["models"]["ta-uniform"]["d95_fixed"] == 3.0
@@ -149,7 +170,7 @@ def test_report_end_to_end(artifacts, tmp_path):
 def test_report_partial_inputs_and_missing_readouts(artifacts, tmp_path):
     import shutil
 
-    for d in ("diagnose", "latency", "gates"):
+    for d in ("diagnose", "latency", "gates", "generate"):
         shutil.rmtree(artifacts / d)
     out = tmp_path / "report"
     metrics = build_report(["ta-uniform"], artifacts, out, ReportConfig(dpi=60))
@@ -158,7 +179,8 @@ def test_report_partial_inputs_and_missing_readouts(artifacts, tmp_path):
                                                        "pareto_ta"}
     assert all((out / s).is_file() for s in _img_srcs(page))
     assert "run the diagnose stage" in page and "latency/latency.parquet" in page
-    assert metrics["latency"] == {}
+    assert metrics["latency"] == {} and metrics["generate"] == {}
+    assert "generate/generate.parquet" in page and "run the generate stage" in page
     with pytest.raises(FileNotFoundError, match="run the readouts stage for nope"):
         build_report(["nope"], artifacts, tmp_path / "r2", ReportConfig())
     assert not (tmp_path / "r2").exists()  # nothing half-written
@@ -173,6 +195,19 @@ def test_latency_findings_numbers():
     # ratios: 0.9, 0.5, 0.5 -> min 0.50, max 0.90, median 0.50; one run ≥ 0.8
     assert "is 0.50–0.90 (median 0.50); 1 of 3 runs reach ≥ 0.8 × ideal" in s[1]
     assert "Largest realised speedup: 2.70× (m, a, batch 1" in s[2]
+
+
+def test_generate_findings_numbers():
+    rows = [{"model": "m", "rule": r, "policy": "share", "batch_size": 1, "n_loops": 8, "mean_exit_depth": d,
+             "realised_speedup": rs, "ideal_speedup": 8 / d, "speedup_ratio": rs * d / 8, "tokens_per_s": 10 * rs,
+             "token_agreement": a, "loss_gap": g} for r, d, rs, a, g in (("a", 4.0, 1.8, 0.5, 0.2), ("b", 2.0, 2.0, 0.25, 0.4),
+                                                                          ("c", 8.0, 1.0, 1.0, 0.0))]
+    s = generate_findings(pl.DataFrame(rows), None)
+    # ratios: 0.9, 0.5, 1.0 -> min 0.50, max 1.00, median 0.90; two runs ≥ 0.8; agreement median 50 %; gap 0.2
+    assert s[0] == ("KV policy share, batch 1: realised / ideal speedup 0.50–1.00 (median 0.90; 2 of 3 runs ≥ 0.8), "
+                    "token agreement with full-depth greedy decoding median 50.0 %, loss gap of the full-depth "
+                    "continuation median 0.200 nats/token.")
+    assert s[1].startswith("Largest realised generation speedup: 2.00× (m, b, share, batch 1; mean exit depth 2.00 of 8")
 
 
 def test_markdown_subset():

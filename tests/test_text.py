@@ -212,6 +212,39 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
     assert "q_exit" not in set(ops["rule"].unique())  # Dory has no native gate
     assert (art / "diagnose" / "summary.md").is_file()
 
+    # the rest of the LM recipe (profiles/lm/dvc.yaml): gates -> generate -> report on the same artifacts
+    p = yaml.safe_load(params.read_text())
+    p["generate"].update(prompts=3, prompt_len=4, new_tokens=3, batch_sizes=[1, 3], repeats=1)
+    params.write_text(yaml.safe_dump(p, sort_keys=False))
+    for cmd in (["gates", "--models", "tiny", "--dump-root", str(art / "dump"), "--out", str(art / "gates")],
+                ["generate", "--dump-root", str(art / "dump"), "--readouts-root", str(art / "readouts"),
+                 "--gates-root", str(art / "gates"), "--out", str(art / "generate")],
+                ["report", "--models", "tiny", "--root", str(art), "--out", str(art / "report")]):
+        r = run(app, [*cmd, "--params", str(params)])
+        assert r.exit_code == 0, (cmd[0], r.output)
+    gen = pl.read_parquet(art / "generate" / "generate.parquet")
+    chosen = pl.read_parquet(art / "readouts" / "tiny" / "chosen.parquet")
+    want = {r: t for r, t in zip(chosen["rule"], chosen["threshold"], strict=True) if r in ("top1", "entropy", "kl_prev")}
+    assert {r: t for r, t in zip(gen["rule"], gen["threshold"], strict=True) if not r.startswith("gate")} == want
+    assert set(gen["policy"]) == {"share", "recompute"} and set(gen["batch_size"]) == {1, 3}
+    assert (gen["n_loops"] == 3).all() and (gen["n_tokens"] == 9).all()
+    skipped = json.loads((art / "generate" / "metrics.json").read_text())["models"]["tiny"]["skipped"]
+    assert "q_exit" in skipped and "native" in skipped["policy:native"]  # no gate; Dory's per_loop cache
+    # the prompts are the corpus's windows, checked against the store (whose de-duplicated positions are absent)
+    from looptrace.online.generate import load_prompts
+
+    store = art / "dump" / "tiny" / "test.zarr"
+    assert open_store(store).n_tokens < 4 * 16
+    with pytest.raises(ValueError, match="changed since the dump"):
+        load_prompts(store, 3, 4, lambda: np.zeros((4, 16), np.int64))
+    with pytest.raises(ValueError, match="need the corpus"):
+        load_prompts(store, 3, 4)
+    page = (art / "report" / "index.html").read_text()
+    assert "<h2>Generation with early exit</h2>" in page and page.count("<td>tiny</td><td>top1</td>") == 2
+    rep = json.loads((art / "report" / "metrics.json").read_text())
+    assert set(rep["generate"]) == {"share_bs1", "share_bs3", "recompute_bs1", "recompute_bs3"}
+    assert rep["models"]["tiny"]["full_depth_accuracy"] is not None
+
     # resume: a second dump finds the complete stores and writes nothing
     before = {p: p.stat().st_mtime_ns for p in (art / "dump" / "tiny").rglob("*") if p.is_file()}
     r = run(app, ["dump", "--params", str(params), "--out", str(art / "dump")])

@@ -1,0 +1,285 @@
+"""Generation-time early exit on a wide random-init looped model: realised vs ideal speedup at batch 1, and where
+the gap goes (issue 14; docs/generate.md).
+
+A looptrace :class:`~looptrace.models.looped.LoopedTransformer` of LM-like width (default d_model 1024, 16 heads,
+a looped block of 8 layers run T = 8 times, one prelude layer, vocab 32000; random init, seeded) decodes
+``--new-tokens`` tokens greedily after each of ``--prompts`` random prompts, one position at a time
+(:func:`looptrace.online.generate.decode_tokens`), at batch 1 and on CPU:
+
+- **full**: the named baseline — every token runs all T loops, one readout (the same decode path, no rule);
+- each rule (registry names of :mod:`looptrace.rules`: ``top1`` = max-prob ≥ τ, ``entropy`` ≤ τ) with the KV
+  policy ``share`` (the exit loop's keys/values are copied into the skipped loops: Huginn's sharing).
+
+Random weights make no rule meaningful at a fixed threshold (it may never or always fire), so each rule's
+threshold is **calibrated** on a first, untimed full-depth decode: the rule's signal is recorded at every loop
+of every decoded token and τ is the value whose offline exit depths (``looptrace.rules.scoring.exit_depths``)
+on those trajectories have the mean closest to ``--target-frac`` · T (default T/2). The early-exit run then
+changes later tokens (the shared KV differs from full depth's), so its own mean exit depth is what is reported.
+
+Reported per rule: mean exit depth, ideal = T / mean depth, realised = median over repeats of the paired
+ratio t_full / t_exit (per repeat: full, then each rule — pairing cancels load drift on a shared machine),
+realised / ideal (target ≥ 0.8), tokens/s, and the agreement of the tokens with full depth's.
+
+Then a **per-phase cost breakdown** from one instrumented run of each (perf_counter around every decoder call
+and every rule evaluation; "python" is the rest of the decode loop: bookkeeping, compaction, the batch's
+``any()`` checks): embed (start), block compute (loop steps), readout (norm + head; every loop for a rule that
+reads the logits, once for full depth), rule (signals + comparison), KV (share copies), python. Because
+realised / ideal = 1 − Σ_p excess_p / t_exit with excess_p = t_exit,p − (d̄/T)·t_full,p (what phase p costs
+beyond its proportional share), the table's last column says how much of the ratio each phase takes away.
+
+Cores obtained = process CPU seconds / wall seconds over the timed section (the machine may be shared).
+
+Usage: ``python benchmarks/generate.py [--d-model 1024 --layers 8 --loops 8 --vocab 32000 --prompts 2
+--prompt-len 8 --new-tokens 8 --rules top1,entropy --repeats 3 --threads 2]`` (~2–3 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+
+import numpy as np
+import torch
+from looptrace.models.decode import decoder_for
+from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+from looptrace.online.engine import OnlineRule, RegistryRule
+from looptrace.online.generate import decode_tokens
+from looptrace.online.signals import LiveSignals
+from looptrace.rules.registry import get_rule
+from looptrace.rules.scoring import exit_depths
+
+# ----------------------------------------------------------------------------------------------
+# Calibration: a threshold giving a chosen mean exit depth on full-depth trajectories
+# ----------------------------------------------------------------------------------------------
+
+
+class SignalProbe(OnlineRule):
+    """Never fires; records the rule's signal after every loop it is asked at (1..T−1) of every token."""
+
+    def __init__(self, signal: str):
+        super().__init__("probe", 0.0, "ge")
+        self.signal_name, self.rows = signal, []
+        self.needs_logits = LiveSignals((signal,)).needs_logits
+
+    def reset(self, model, h0):
+        self.live = LiveSignals((self.signal_name,), model, "float32")
+        self.live.reset(h0)
+        self.rows.append([])
+
+    def fires(self, t, h, z, model):
+        self.rows[-1].append(self.live.update(t, h, z)[self.signal_name].reshape(-1).double().numpy())
+        return torch.zeros(h.shape[:2], dtype=torch.bool)
+
+
+def calibrate(dec, prompts: torch.Tensor, new_tokens: int, rule_name: str, target: float) -> tuple[float, float]:
+    """(τ, offline mean depth at τ): the threshold whose exit depths on a full-depth decode's signal trajectories
+    have the mean closest to ``target`` loops (candidates: midpoints between consecutive observed values)."""
+    rule = get_rule(rule_name)
+    sig = []
+    for i in range(prompts.shape[0]):  # batch 1, as timed
+        probe = SignalProbe(rule.signals[0])
+        decode_tokens(dec, prompts[i:i + 1], new_tokens, probe)
+        sig += [np.stack(r, axis=1) for r in probe.rows]  # per token: [1, T−1]
+    s = np.concatenate(sig, axis=0)
+    s = np.concatenate([s, np.full((s.shape[0], 1), np.nan)], axis=1)  # loop T: always exits there
+    v = np.unique(s[np.isfinite(s)])
+    cand = np.concatenate([(v[:-1] + v[1:]) / 2, v[[0, -1]]])
+    d = exit_depths(s, cand, rule.op, rule.min_loop, rule.two_hit).mean(axis=1)
+    k = int(np.argmin(np.abs(d - target)))
+    return float(cand[k]), float(d[k])
+
+
+# ----------------------------------------------------------------------------------------------
+# Instrumentation: time every decoder call and every rule evaluation
+# ----------------------------------------------------------------------------------------------
+
+
+class Timed:
+    """A decoder (or rule) proxy that adds the wall time of the named methods to ``acc[phase]``."""
+
+    def __init__(self, inner, acc: dict, phases: dict[str, str]):
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_acc", acc)
+        object.__setattr__(self, "_phases", phases)
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        phase = self._phases.get(name)
+        if phase is None or not callable(attr):
+            return attr
+        acc = self._acc
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return attr(*a, **k)
+            finally:
+                acc[phase] += time.perf_counter() - t0
+        return timed
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+DEC_PHASES = {"start": "embed", "step": "block", "readout": "readout", "share": "kv", "advance": "python"}
+PHASES = ("embed", "block", "readout", "rule", "kv", "python")
+
+
+def breakdown(dec, prompts, new_tokens, factory) -> tuple[dict[str, float], np.ndarray]:
+    """Seconds per phase (summed over prompts; prefill excluded) of one instrumented decode at batch 1, and the
+    exit depths."""
+    acc: dict[str, float] = defaultdict(float)
+    tdec = Timed(dec, acc, DEC_PHASES)
+    total, depths = 0.0, []
+    for i in range(prompts.shape[0]):
+        rule = None if factory is None else Timed(factory(), acc, {"fires": "rule", "reset": "rule",
+                                                                   "compact": "rule"})
+        r = decode_tokens(tdec, prompts[i:i + 1], new_tokens, rule)
+        total += r.seconds
+        depths.append(r.exit_depth)
+    out = {p: acc[p] for p in PHASES}
+    # the prefill runs the model directly (untimed, and outside r.seconds); python = the rest of the decode loop
+    out["python"] = total - sum(out[p] for p in PHASES if p != "python")
+    return out, np.concatenate(depths, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+
+
+def build_model(args) -> LoopedTransformer:
+    torch.manual_seed(args.seed)
+    cfg = ModelConfig(vocab_size=args.vocab, block_size=args.prompt_len + args.new_tokens, d_model=args.d_model,
+                      n_head=args.heads, n_prelude=args.prelude, n_coda=args.coda,
+                      groups=(GroupConfig(args.layers, args.loops),), loop_form=args.loop_form)
+    return LoopedTransformer(cfg).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8, help="layers of the looped block")
+    ap.add_argument("--loops", type=int, default=8, help="T")
+    ap.add_argument("--prelude", type=int, default=1)
+    ap.add_argument("--coda", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--loop-form", default="add")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--rules", default="top1,entropy")
+    ap.add_argument("--policy", default="share")
+    ap.add_argument("--target-frac", type=float, default=0.5, help="calibrated mean exit depth / T")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: on a loaded shared machine 2 OpenMP threads lose to spinning)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+
+    model = build_model(args)
+    T, N = args.loops, args.new_tokens
+    n_params = sum(p.numel() for p in model.parameters())
+    loop_params = sum(p.numel() for p in model.blocks[0].parameters())
+    print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()} ({platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs visible), torch {torch.__version__}, {args.threads} threads")
+    print(f"# model: d_model {args.d_model}, {args.heads} heads, loop block {args.layers} layers x T = {T}, prelude "
+          f"{args.prelude}, coda {args.coda}, vocab {args.vocab}, loop_form {args.loop_form}; {n_params / 1e6:.0f}M "
+          f"params ({loop_params / 1e6:.0f}M in the block); random init, seed {args.seed}; float32, CPU")
+    print(f"# decode: batch 1, {args.prompts} prompts x {args.prompt_len} tokens, {N} new tokens each; KV policy "
+          f"{args.policy}; {args.repeats} paired repeats")
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, args.vocab, (args.prompts, args.prompt_len), generator=gen)
+    dec = decoder_for(model, args.policy)
+    rules = args.rules.split(",")
+
+    def run(factory):
+        out = []
+        t0 = time.perf_counter()
+        for i in range(prompts.shape[0]):
+            out.append(decode_tokens(dec, prompts[i:i + 1], N, None if factory is None else factory()))
+        return time.perf_counter() - t0 - sum(r.prefill_seconds for r in out), out
+
+    # full depth (warm-up and the quality reference), then each rule's calibration
+    _, full_runs = run(None)
+    full_tok = np.concatenate([r.tokens for r in full_runs])
+    factories, thr = {}, {}
+    for name in rules:
+        tau, d_off = calibrate(dec, prompts, N, name, args.target_frac * T)
+        thr[name] = (tau, d_off)
+        factories[name] = lambda name=name, tau=tau: RegistryRule(name, tau, "float32")
+    print(f"# calibrated thresholds (target mean depth {args.target_frac * T:.1f}): " + ", ".join(
+        f"{n} {get_rule(n).signals[0]} {get_rule(n).op} {tau:.6g} (offline depth {d:.2f})" for n, (tau, d) in thr.items()))
+
+    # paired timing
+    twall0, tcpu0 = time.perf_counter(), time.process_time()
+    times: dict[str | None, list[float]] = {None: [], **{n: [] for n in rules}}
+    last: dict[str, list] = {}
+    run(None)
+    for n in rules:
+        run(factories[n])
+    for _ in range(args.repeats):
+        times[None].append(run(None)[0])
+        for n in rules:
+            s, last[n] = run(factories[n])
+            times[n].append(s)
+    twall, tcpu = time.perf_counter() - twall0, time.process_time() - tcpu0
+    n_tok = args.prompts * N
+    t_full = statistics.median(times[None])
+    print(f"\n{'run':8s} {'depth':>6s} {'ideal':>6s} {'real':>6s} {'r/ideal':>7s} {'tok/s':>7s} {'agree':>6s} "
+          f"{'ms/token':>9s}")
+    print(f"{'full':8s} {T:6.2f} {1:5.2f}x {1:5.2f}x {1:7.2f} {n_tok / t_full:7.2f} {1:6.2f} {1e3 * t_full / n_tok:9.1f}")
+    summary = {}
+    for n in rules:
+        d = float(np.concatenate([r.exit_depth for r in last[n]]).mean())
+        tok = np.concatenate([r.tokens for r in last[n]])
+        real = statistics.median(f / e for f, e in zip(times[None], times[n], strict=True))
+        ideal = T / d
+        te = statistics.median(times[n])
+        summary[n] = (d, real, ideal)
+        print(f"{n:8s} {d:6.2f} {ideal:5.2f}x {real:5.2f}x {real / ideal:7.2f} {n_tok / te:7.2f} "
+              f"{float((tok == full_tok).mean()):6.2f} {1e3 * te / n_tok:9.1f}")
+    print(f"# timed section: {twall:.1f} s wall, {tcpu:.1f} s CPU -> {tcpu / twall:.2f} cores obtained")
+
+    # per-phase breakdown (instrumented runs; each rule right after its own full-depth run, so that load drift on
+    # a shared machine hits the pair alike)
+    loops_full = n_tok * T
+    print("\nper-phase cost, ms per token (instrumented run; per loop = / loops run); excess_p = t_exit,p − "
+          "(d/T)·t_full,p, its share of t_exit is what phase p takes off realised/ideal")
+    for n in rules:
+        bfull, _ = breakdown(dec, prompts, N, None)
+        b, depth = breakdown(dec, prompts, N, factories[n])
+        d = float(depth.mean())
+        te, tf = sum(b.values()), sum(bfull.values())
+        loops = float(depth.sum())
+        print(f"\n{n}: mean depth {d:.2f} of {T}; instrumented realised {tf / te:.2f}x vs ideal {T / d:.2f}x "
+              f"(ratio {(tf / te) / (T / d):.2f})")
+        print(f"  {'phase':8s} {'full ms/tok':>11s} {'rule ms/tok':>11s} {'full ms/loop':>12s} {'rule ms/loop':>12s} "
+              f"{'excess ms/tok':>13s} {'of ratio':>8s}")
+        for p in PHASES:
+            ex = (b[p] - d / T * bfull[p]) / n_tok
+            print(f"  {p:8s} {1e3 * bfull[p] / n_tok:11.2f} {1e3 * b[p] / n_tok:11.2f} {1e3 * bfull[p] / loops_full:12.3f} "
+                  f"{1e3 * b[p] / loops:12.3f} {1e3 * ex:13.2f} {-ex * n_tok / te:8.3f}")
+        print(f"  {'total':8s} {1e3 * tf / n_tok:11.2f} {1e3 * te / n_tok:11.2f}")
+        # per-loop cost model without the fixed per-token costs: full = T·c_b + c_r, exit = d·(c_b + c_r + c_rule);
+        # every c from the early-exit run itself (no cross-run load drift in the bound)
+        c_b, c_r, c_rule = b["block"] / loops, b["readout"] / loops, b["rule"] / loops
+        print(f"  per loop: block {1e3 * c_b:.2f} ms, readout {1e3 * c_r:.2f} ms ({c_r / c_b:.2f} of a loop), rule "
+              f"{1e3 * c_rule:.3f} ms -> bound (c_b + c_r/T) / (c_b + c_r + c_rule) = "
+              f"{(c_b + c_r / T) / (c_b + c_r + c_rule):.2f}")
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    print(f"\n# whole run: {wall:.1f} s wall, {cpu:.1f} s CPU -> {cpu / wall:.2f} cores obtained")
+    for n, (_d, real, ideal) in summary.items():
+        print(f"# {n}: realised/ideal {real / ideal:.2f} ({'meets' if real / ideal >= 0.8 else 'below'} the 0.8 target)")
+
+
+if __name__ == "__main__":
+    main()
