@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.config import InputError, MissingInputError
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
@@ -498,7 +499,7 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
         if source == "gates":
             return None
         missing = next(n for n in need if not (model_dir / f"{n}.parquet").is_file())
-        raise FileNotFoundError(f"{model_dir / (missing + '.parquet')} not found; run the readouts stage first")
+        raise MissingInputError(f"{model_dir / (missing + '.parquet')} not found; run the readouts stage first")
     out = {n: pl.read_parquet(model_dir / f"{n}.parquet") for n in need}
     for n in ("chosen", "dx"):
         df = out[n]
@@ -564,7 +565,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
     for model in models:
         mpath = readouts_root / model / "metrics.json"
         if not mpath.is_file():
-            raise FileNotFoundError(f"{mpath} not found; run the readouts stage for {model} first")
+            raise MissingInputError(f"{mpath} not found; run the readouts stage for {model} first")
         rm = json.loads(mpath.read_text())
         info = {"model": model, "task": rm.get("task"), "regime": rm.get("regime"),
                 "regime_kind": rm.get("regime_kind"), "n_loops": rm.get("n_loops")}
@@ -587,7 +588,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
                 e = ex.filter(pl.col("rule") == rule).sort("token")
                 tok = e["token"].to_numpy()
                 if tok.size != test.token.size or not np.array_equal(tok, test.token):
-                    raise ValueError(f"{source}/{model}/chosen_exits.parquet rule '{rule}': test tokens do not match "
+                    raise InputError(f"{source}/{model}/chosen_exits.parquet rule '{rule}': test tokens do not match "
                                      f"the geometry test split ({tok.size} vs {test.token.size}); re-run {source}")
                 depth = e["exit_depth"].to_numpy()
                 codes = failure_codes(depth, correct)

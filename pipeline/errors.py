@@ -6,11 +6,7 @@ import contextlib
 import sys
 
 import typer
-from looptrace.config import ConfigError
-
-
-class UserError(Exception):
-    """An error the user can fix; printed as one line."""
+from looptrace.config import ConfigError, UserError  # noqa: F401  (UserError re-exported for the stages)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.config import MissingInputError
 
 #: Figure file names (``figures/<name>.png``); Pareto fronts add one per task: ``pareto_<task>.png``.
 FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes", "cross_regime", "latency")
@@ -133,7 +134,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         rdir = root / "readouts" / model
         mpath = rdir / "metrics.json"
         if not mpath.is_file():
-            raise FileNotFoundError(f"{mpath} not found; run the readouts stage for {model} first")
+            raise MissingInputError(f"{mpath} not found; run the readouts stage for {model} first")
         rm = json.loads(mpath.read_text())
         T = int(rm.get("n_loops") or len(rm.get("test_accuracy_per_loop") or []))
         meta_rows.append({"model": model, "task": rm.get("task") or model, "regime": rm.get("regime") or model,
@@ -151,7 +152,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
                         f = f.with_columns(kind=pl.lit("gate" if src == "gates" else "posthoc"))
                     acc.append(f.with_columns(model=pl.lit(model), source=pl.lit(src)))
                 elif src == "readouts":
-                    raise FileNotFoundError(f"{p} not found; run the readouts stage for {model} first")
+                    raise MissingInputError(f"{p} not found; run the readouts stage for {model} first")
                 else:
                     missing[f"gates/{model}"] = "run the gates stage"
         gdir = root / "geometry" / model

@@ -12,6 +12,7 @@ from looptrace.capture.dynamics import DYNAMICS_SCHEMA, DynamicsConfig, dynamics
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.io.artifacts import write_outputs
+from looptrace.models import check_device
 from looptrace.project import versions
 
 
@@ -24,10 +25,10 @@ def main(
     """Run a fixed probe set through every kept checkpoint: step norms, relative step, cosine, accuracy."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(DynamicsConfig, "dynamics", params)
+        cfg = load_section(DynamicsConfig, "dynamics", params, required=True)
         dump_cfg = load_section(DumpConfig, "dump", params)
         torch.set_num_threads(base.threads)
-        df = (training_dynamics(train_root / model, cfg, dump_cfg, base.device) if cfg.enabled
+        df = (training_dynamics(train_root / model, cfg, dump_cfg, check_device(base.device)) if cfg.enabled
               else pl.DataFrame(schema=DYNAMICS_SCHEMA))
         metrics = {"model": model, "seed": base.seed, "params": to_dict(cfg), "versions": versions(),
                    "training_dynamics": dynamics_metrics(df) if df.height else None}

@@ -25,7 +25,7 @@ def main(
     """Offline halting gates: fit on fit, calibrate on val, report on test; cross-regime transfer."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(GatesConfig, "gates", params)
+        cfg = load_section(GatesConfig, "gates", params, required=True)
         cal = load_section(CalibrationConfig, "calibration", params)
         ivc = load_section(IntervalsConfig, "intervals", params)
         names = model_names(params, models)

@@ -14,6 +14,7 @@ import typer
 from looptrace.capture.dump import DumpConfig
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
+from looptrace.models import check_device
 from looptrace.online.generate import GenerateConfig, generate_models, write_generate
 from looptrace.project import model_meta, model_names, versions
 
@@ -31,7 +32,8 @@ def main(
     """Greedy decoding with early exit per token (KV policies share / recompute / native) vs full depth."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(GenerateConfig, "generate", params)
+        cfg = load_section(GenerateConfig, "generate", params, required=True)
+        check_device(base.device)
         adapter = load_section(DumpConfig, "dump", params).adapter
         torch.set_num_threads(base.analysis_threads)
         torch.manual_seed(base.seed)

@@ -22,7 +22,7 @@ def main(
     """Step norms, step cosines, acceleration, convergence depth and DLR of a model's trajectories."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(GeometryConfig, "geometry", params)
+        cfg = load_section(GeometryConfig, "geometry", params, required=True)
         stores = {s: open_store(dump_root / model / f"{s}.zarr") for s in cfg.splits}
         meta = {"model": model, "seed": base.seed,
                 "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import torch
 import typer
-from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
+from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.errors import run, user_errors
+from looptrace.models import check_device
 from looptrace.online.latency import LatencyConfig, latency_models, write_latency
 from looptrace.project import model_meta, model_names, versions
+from looptrace.rules.evaluate import ReadoutsConfig
 
 
 def main(
@@ -24,7 +26,13 @@ def main(
     """Wall time of real early exit (loops stop, exited sequences leave the batch) vs full depth."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(LatencyConfig, "latency", params)
+        cfg = load_section(LatencyConfig, "latency", params, required=True)
+        # Every rule but `gate` runs at the readouts stage's chosen threshold, so it must be one readouts scored.
+        scored = load_section(ReadoutsConfig, "readouts", params).rules
+        for r in cfg.rules:
+            if r != "gate":
+                require_in("latency.rules", r, "readouts.rules", scored)
+        check_device(base.device)
         torch.set_num_threads(base.analysis_threads)
         torch.manual_seed(base.seed)
         names = model_names(params, models)

@@ -23,7 +23,7 @@ def main(
     """Calibrated exit rules: operating points, Pareto fronts, D@X and chosen points of one model."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(ReadoutsConfig, "readouts", params)
+        cfg = load_section(ReadoutsConfig, "readouts", params, required=True)
         cal = load_section(CalibrationConfig, "calibration", params)
         ivc = load_section(IntervalsConfig, "intervals", params)
         meta = {**model_meta(model, params), "seed": base.seed,

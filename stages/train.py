@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from looptrace.config import PARAMS_HELP, ConfigError, load_base, load_section
 from looptrace.errors import run, user_errors
+from looptrace.models import check_device
 from looptrace.models.train import TrainConfig, train_model
 from looptrace.project import model_name
 
@@ -21,7 +22,8 @@ def main(
     """Train one looped model under a depth-supervision regime."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(TrainConfig, "train", params)
+        cfg = load_section(TrainConfig, "train", params, required=True)
+        check_device(base.device)
         cfg.task(task), cfg.regime(regime)
         if seed is not None and cfg.seeds and seed not in cfg.seeds:
             raise ConfigError(f"--seed {seed} is not in train.seeds {list(cfg.seeds)}: add it there or pick one of them")

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-from looptrace.config import to_dict
+from looptrace.config import MissingInputError, to_dict
 from looptrace.gates.config import SPLITS, GatesConfig, gate_rule_form
 from looptrace.gates.features import check_stats_available, read_targets
 from looptrace.gates.fit import ModelGates, analysis_threads, compatible, fit_model_gates, predict_split
@@ -148,7 +148,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
     for m, sp in stores.items():
         missing = [s for s in SPLITS if s not in sp]
         if missing:
-            raise ValueError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
+            raise MissingInputError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
     fitted = {m: fit_model_gates(sp["fit"], cfg, specs, base_seed, m, progress, runner) for m, sp in stores.items()}
     with atomic_dir(out_root) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes 0700; the artifacts are meant to be readable

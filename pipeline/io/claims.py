@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from looptrace.config import UserError
+
 #: Default lease of a claim held by a process on another host: without a heartbeat for this long, it is dead.
 LEASE_S = 600.0
 
@@ -61,7 +63,7 @@ _NAME = re.compile(r"^(?P<base>[A-Za-z0-9_.-]+)@(?P<gen>\d+)\.json$")
 _URL = re.compile(r"^(?P<proto>[A-Za-z][A-Za-z0-9+.-]+)://(?P<rest>.*)$")
 
 
-class ClaimError(ValueError):
+class ClaimError(UserError, ValueError):
     """A one-line refusal: the output is being written by another live process, the shard plans differ, or
     this process's claim was taken over."""
 

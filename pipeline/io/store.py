@@ -60,6 +60,7 @@ import crc32c
 import numpy as np
 import polars as pl
 import zarr
+from looptrace.config import UserError
 from looptrace.io.artifacts import jsonable
 from looptrace.io.precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 from zarr.codecs import BloscCodec, Crc32cCodec
@@ -121,7 +122,7 @@ _INTERNAL = (_MARKER, _DIGEST)
 _RERUN = "re-run `looptrace dump` to rebuild it"
 
 
-class StoreError(ValueError):
+class StoreError(UserError, ValueError):
     """A one-line, user-facing problem with a trajectory store (names the store, the array and the fix)."""
 
 

@@ -48,10 +48,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import torch
 import torch.nn as nn
+from looptrace.config import Check, ConfigError
 from torch.nn import functional as F
 
 #: ``ModelConfig.loop_form`` values (module docstring).
@@ -93,8 +94,8 @@ class KVCache(Protocol):
 class GroupConfig:
     """One looped group: a block of ``n_layer`` layers applied ``loops`` times."""
 
-    n_layer: int = 1
-    loops: int = 6
+    n_layer: Annotated[int, Check(ge=1, why="layers of the looped block")] = 1
+    loops: Annotated[int, Check(ge=1, why="loops of the group")] = 6
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.loop_form not in LOOP_FORMS:
-            raise ValueError(f"model.loop_form must be one of {', '.join(LOOP_FORMS)}, got {self.loop_form!r}")
+            raise ConfigError(f"model.loop_form must be one of {', '.join(LOOP_FORMS)}, got {self.loop_form!r}")
         if self.loop_form == "adapter" and not self.reinject:
-            raise ValueError("model.loop_form adapter concatenates the injection: it needs model.reinject true")
+            raise ConfigError("model.loop_form adapter concatenates the injection: it needs model.reinject true")
         if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         if self.gate not in ("none", "linear", "mlp"):
-            raise ValueError(f"model.gate must be none, linear or mlp, got {self.gate!r}")
+            raise ConfigError(f"model.gate must be none, linear or mlp, got {self.gate!r}")
         if not self.groups or any(g.loops < 1 or g.n_layer < 1 for g in self.groups):
-            raise ValueError("model.groups needs at least one group with n_layer >= 1 and loops >= 1")
+            raise ConfigError("model.groups needs at least one group with n_layer >= 1 and loops >= 1")
 
     @property
     def n_loops(self) -> int:

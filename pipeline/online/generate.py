@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
+from looptrace.config import InputError, MissingInputError
 from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder, decoder_for
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
@@ -301,14 +302,14 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int) -> tuple[np.nd
 
     store_path = Path(store_path)
     if not store_path.exists():
-        raise FileNotFoundError(f"{store_path} not found; run the dump stage first")
+        raise MissingInputError(f"{store_path} not found; run the dump stage first")
     st = open_store(store_path)
     task = st.attrs.get("task") or {}
     if task.get("kind") == "text":
         seq, pos, tok = st.read("sequence"), st.read("position"), st.read("token_id")
         n_seq, S = int(seq.max()) + 1, int(pos.max()) + 1
         if seq.size != n_seq * S:
-            raise ValueError(f"{store_path}: a text store scores every position; {seq.size} rows != {n_seq} × {S}")
+            raise InputError(f"{store_path}: a text store scores every position; {seq.size} rows != {n_seq} × {S}")
         tokens = np.zeros((n_seq, S), dtype=np.int64)
         tokens[seq, pos] = tok
         hidden_dtype = str((st.attrs.get("dtypes") or {}).get("hidden", "float16"))
@@ -316,7 +317,7 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int) -> tuple[np.nd
         data, _, hidden_dtype = load_test_data(store_path)
         tokens = data.tokens
     if tokens.shape[0] < n or tokens.shape[1] < prompt_len:
-        raise ValueError(f"{store_path}: generate needs {n} test sequences of ≥ {prompt_len} tokens "
+        raise InputError(f"{store_path}: generate needs {n} test sequences of ≥ {prompt_len} tokens "
                          f"(generate.prompts, generate.prompt_len); the store has {tokens.shape[0]} of "
                          f"{tokens.shape[1]}")
     return np.ascontiguousarray(tokens[:n, :prompt_len]).astype(np.int64), hidden_dtype
