@@ -30,7 +30,6 @@ same task; (c) gates refit on frozen fixed-prior trajectories are strong, on joi
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from collections.abc import Sequence
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 from looptrace.config import InputError, MissingInputError
-from looptrace.io.artifacts import write_outputs
+from looptrace.io.artifacts import read_json, read_parquet, write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.project import split_seed
@@ -500,7 +499,7 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
             return None
         missing = next(n for n in need if not (model_dir / f"{n}.parquet").is_file())
         raise MissingInputError(f"{model_dir / (missing + '.parquet')} not found; run the readouts stage first")
-    out = {n: pl.read_parquet(model_dir / f"{n}.parquet") for n in need}
+    out = {n: read_parquet(model_dir / f"{n}.parquet") for n in need}
     for n in ("chosen", "dx"):
         df = out[n]
         if "kind" not in df.columns:  # gates may omit it: every gates rule is a refit gate
@@ -510,7 +509,7 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
         out["chosen"] = out["chosen"].with_columns(within_delta=pl.lit(True))
     ops = model_dir / "operating_points.parquet"
     if ops.is_file():
-        out["operating_points"] = pl.read_parquet(ops)
+        out["operating_points"] = read_parquet(ops)
     return out
 
 
@@ -566,7 +565,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         mpath = readouts_root / model / "metrics.json"
         if not mpath.is_file():
             raise MissingInputError(f"{mpath} not found; run the readouts stage for {model} first")
-        rm = json.loads(mpath.read_text())
+        rm = read_json(mpath)
         info = {"model": model, "task": rm.get("task"), "regime": rm.get("regime"),
                 "regime_kind": rm.get("regime_kind"), "n_loops": rm.get("n_loops")}
         meta_rows.append({k: info[k] for k in ("model", "task", "regime", "regime_kind")})

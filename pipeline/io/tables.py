@@ -93,15 +93,23 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} not found; run the geometry stage first (dvc repro geometry)")
-    schema = pl.read_parquet_schema(path)
+    try:
+        schema = pl.read_parquet_schema(path)
+    except (OSError, pl.exceptions.PolarsError) as exc:
+        raise InputError(f"{path} is truncated or not a Parquet file ({_first(exc)}); re-run the geometry stage "
+                         "(`dvc repro geometry`) to rebuild it") from None
     extra = [c for c in OPTIONAL_TOKEN_COLUMNS if c in schema]
     want = list(dict.fromkeys(["split", *TOKEN_COLUMNS, *extra, "loop", "correct", *columns]))
     missing = [c for c in want if c not in schema]
     if missing:
         raise InputError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
                          f"(DESIGN.md lists the token_loop columns)")
-    df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
-          .sort("split", "token", "loop").collect())
+    try:
+        df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
+              .sort("split", "token", "loop").collect())
+    except (OSError, pl.exceptions.PolarsError) as exc:
+        raise InputError(f"{path} cannot be read ({_first(exc)}); re-run the geometry stage (`dvc repro geometry`) "
+                         "to rebuild it") from None
     out: dict[str, SplitArrays] = {}
     for split in splits:
         sub = df.filter(pl.col("split") == split)
@@ -138,3 +146,8 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
     if len(set(Ts.values())) > 1:
         raise InputError(f"{path}: splits have different numbers of loops {Ts}; re-run the geometry stage")
     return out
+
+
+def _first(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return (msg.splitlines()[0] if msg else type(exc).__name__)[:120]

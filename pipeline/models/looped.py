@@ -395,15 +395,52 @@ def save_checkpoint(path, model: LoopedTransformer, **meta) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
-    """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict)."""
+def rebuild_hint(path) -> str:
+    """How to rebuild the checkpoint at ``path`` (``<train_root>/<model>/model.pt`` or ``.../checkpoints/*.pt``)."""
     from pathlib import Path
 
     path = Path(path)
+    model_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return f"rebuild it with `dvc repro train` (or `looptrace train` for model '{model_dir.name}')"
+
+
+#: What a checkpoint that :func:`load_checkpoint` reads is.
+_EXPECTED = "expected a looptrace model.pt written by `looptrace train`"
+
+
+def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
+    """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict).
+
+    Raises:
+        MissingInputError: no file at ``path``.
+        CheckpointLoadError: the file is truncated, not a torch checkpoint, or not a looptrace model (one line:
+            the file, what was expected, how to rebuild it).
+    """
+    from pathlib import Path
+
+    from looptrace.config import CheckpointLoadError, MissingInputError
+
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint '{path}' not found; run `dvc repro train` first")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    model = LoopedTransformer(ModelConfig.from_dict(ckpt["model_config"]))
-    model.load_state_dict(ckpt["state_dict"])
+        raise MissingInputError(f"checkpoint '{path}' not found; {rebuild_hint(path)}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - whatever fails while parsing the file is the file's problem
+        raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
+                                  f"checkpoint ({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
+    if not isinstance(ckpt, dict) or not {"model_config", "state_dict"} <= set(ckpt):
+        raise CheckpointLoadError(f"checkpoint '{path}' has no model_config/state_dict; {_EXPECTED}; "
+                                  f"{rebuild_hint(path)}")
+    try:
+        model = LoopedTransformer(ModelConfig.from_dict(ckpt["model_config"]))
+        model.load_state_dict(ckpt["state_dict"])
+    except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as exc:
+        raise CheckpointLoadError(f"checkpoint '{path}': its weights do not match its model_config "
+                                  f"({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
     model.eval()
     return model, ckpt
+
+
+def _first_line(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return (msg.splitlines()[0] if msg else type(exc).__name__)[:160]

@@ -48,6 +48,7 @@ import numpy as np
 import polars as pl
 import torch
 from looptrace.config import InputError, MissingInputError
+from looptrace.io.artifacts import read_parquet
 from looptrace.models.looped import LoopedTransformer
 from looptrace.online.engine import (
     CallableRule,
@@ -200,7 +201,7 @@ class RuleSpec:
 
 def _chosen_exits(path: Path, rule: str, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """[token] exit depth and correctness of ``rule`` from a chosen_exits.parquet (by store row)."""
-    ex = pl.read_parquet(path).filter(pl.col("rule") == rule).sort("token")
+    ex = read_parquet(path).filter(pl.col("rule") == rule).sort("token")
     tok = ex["token"].to_numpy()
     if tok.size != n_tokens or not np.array_equal(tok, np.arange(n_tokens)):
         raise InputError(f"{path}: rule '{rule}' does not cover the {n_tokens} test tokens of the store; "
@@ -221,7 +222,7 @@ def readout_rule_specs(readouts_dir: Path | str, rules: Sequence[str], n_tokens:
     for p in (cpath, epath):
         if not p.is_file():
             raise MissingInputError(f"{p} not found; run the readouts stage first (dvc repro readouts)")
-    chosen = pl.read_parquet(cpath)
+    chosen = read_parquet(cpath)
     specs, skipped = [], {}
     for name in rules:
         if name == GATE:
@@ -254,7 +255,7 @@ def best_gate_rule(gates_dir: Path | str) -> dict | None:
     cpath = Path(gates_dir) / "chosen.parquet"
     if not cpath.is_file():
         return None
-    ch = pl.read_parquet(cpath)
+    ch = read_parquet(cpath)
     if ch.height == 0:
         return None
     if "within_delta" in ch.columns and ch["within_delta"].any():
