@@ -384,7 +384,11 @@ class LoopedTransformer(nn.Module):
 def save_checkpoint(path, model: LoopedTransformer, **meta) -> None:
     """Write a checkpoint that carries its own config: weights, model config and ``meta``
     (task, regime, seed, metrics, versions...). Written to a temp file and renamed, so an
-    interrupted save never leaves a truncated ``model.pt``."""
+    interrupted save never leaves a truncated ``model.pt``.
+
+    Everything but the tensors must be plain values (dict, list, tuple, str, int, float, bool, None): the file is
+    read back with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`), which refuses any other object.
+    """
     import os
     from pathlib import Path
 
@@ -411,11 +415,16 @@ _EXPECTED = "expected a looptrace model.pt written by `looptrace train`"
 def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
     """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict).
 
+    Read with ``torch.load(weights_only=True)``: tensors and plain values only, so a tampered file cannot run code
+    (checkpoints travel between people through DVC remotes).
+
     Raises:
         MissingInputError: no file at ``path``.
         CheckpointLoadError: the file is truncated, not a torch checkpoint, or not a looptrace model (one line:
             the file, what was expected, how to rebuild it).
     """
+    import pickle
+    import zipfile
     from pathlib import Path
 
     from looptrace.config import CheckpointLoadError, MissingInputError
@@ -423,8 +432,18 @@ def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer,
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"checkpoint '{path}' not found; {rebuild_hint(path)}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut or foreign file has no directory
+        raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
+                                  f"checkpoint (not a zip archive); {_EXPECTED}; {rebuild_hint(path)}")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():  # a global other than tensors and plain values: never run it
+            raise CheckpointLoadError(f"checkpoint '{path}' holds objects other than tensors and plain values "
+                                      f"(refused: loading it could run code; {_first_line(exc)}); {_EXPECTED}; "
+                                      f"{rebuild_hint(path)}") from None
+        raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
+                                  f"checkpoint ({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
     except Exception as exc:  # noqa: BLE001 - whatever fails while parsing the file is the file's problem
         raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
                                   f"checkpoint ({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
