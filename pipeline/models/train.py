@@ -290,7 +290,10 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         "val_acc_by_difficulty": ev["acc_by_difficulty"],
         "history": history,
     }
-    save_checkpoint(out_dir / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=metrics)
+    # Wall-clock figures go to metrics.json only: model.pt's sha256 is the checkpoint hash every store records, so
+    # identical weights retrained must write identical bytes.
+    timeless = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
+    save_checkpoint(out_dir / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=timeless)
     tmp = out_dir / "metrics.json.tmp"
     tmp.write_text(json.dumps(metrics, indent=2))
     tmp.replace(out_dir / "metrics.json")
