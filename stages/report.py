@@ -8,6 +8,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.geometry import GeometryConfig
+from looptrace.io.claims import stage_output
 from looptrace.project import model_names, versions
 from looptrace.report import ReportConfig, build_report
 from looptrace.rules.scoring import CalibrationConfig
@@ -31,9 +32,11 @@ def main(
         require_in("report.convergence_signal", cfg.convergence_signal, "geometry.eps", list(geo.eps))
         require_in("report.convergence_eps", cfg.convergence_eps, f"geometry.eps.{cfg.convergence_signal}",
                    geo.eps[cfg.convergence_signal])
-        names = model_names(params, models)
-        metrics = build_report(names, root, out, cfg,
-                               meta={"seed": base.seed, "params": to_dict(cfg), "versions": versions()})
+        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
+        with stage_output(out):
+            names = model_names(params, models)
+            metrics = build_report(names, root, out, cfg,
+                                   meta={"seed": base.seed, "params": to_dict(cfg), "versions": versions()})
     typer.echo(f"report: {metrics['n_figures']} figures -> {out / 'index.html'}")
     for k in metrics["missing_inputs"]:
         typer.echo(f"report: not shown: {k}")

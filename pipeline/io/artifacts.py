@@ -16,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -91,6 +92,20 @@ def check_output_path(out: Path | str) -> Path:
             raise InputError(f"output '{out}': '{parent}' is a file, not a directory; pass --out a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def clear_debris(out_dir: Path | str) -> list[Path]:
+    """Remove what a killed run of :func:`atomic_dir` left beside ``out_dir``: its staging dirs
+    (``.<name>.XXXXXXXX.tmp``) and a half-swapped ``.<name>.old``. Call it only while holding ``out_dir``'s
+    :func:`looptrace.io.claims.output_lock` (then no other live run owns them). Returns what was removed."""
+    out_dir = Path(out_dir)
+    if not out_dir.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:[A-Za-z0-9_]{{8}}\.tmp|old)")
+    removed = [p for p in sorted(out_dir.parent.iterdir()) if pattern.fullmatch(p.name)]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return removed
 
 
 @contextlib.contextmanager

@@ -715,5 +715,30 @@ def output_lock(target: str | os.PathLike, fingerprint: str = "", lease_s: float
             coord.remove_plans_upto(coord.plan_gen)
 
 
+@contextlib.contextmanager
+def stage_output(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """What a stage holds while it writes ``out_dir``: :func:`output_lock`, after refusing an ``out_dir`` that is
+    (or lies under) a file, and with a killed run's staging debris beside it removed
+    (:func:`looptrace.io.artifacts.clear_debris`). Parent directories this call creates are removed again when the
+    block leaves them empty (a refused run leaves no trace).
+
+    Raises:
+        InputError: ``out_dir`` or a parent is a file. ClaimError: another live run writes ``out_dir``.
+    """
+    from looptrace.io.artifacts import check_output_path, clear_debris
+
+    out_dir = Path(out_dir)
+    missing = [p for p in out_dir.parents if not p.exists()]
+    check_output_path(out_dir)
+    try:
+        with output_lock(out_dir):
+            clear_debris(out_dir)
+            yield out_dir
+    finally:
+        for p in missing:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only if empty
+
+
 __all__ = ["LEASE_S", "ClaimError", "ClaimsDir", "Coordinator", "NullCoordinator", "Owner", "Plan",
-           "claims_location", "is_live", "output_lock", "parse_shard", "shard_from_env", "shard_range"]
+           "claims_location", "is_live", "output_lock", "parse_shard", "shard_from_env", "shard_range", "stage_output"]
