@@ -7,21 +7,38 @@ silently falls back to a default.
 Profiles (``profiles/<name>/params.yaml``, nanoGPT-style) are small override files layered over
 ``params.yaml``: every loader takes one params file or a sequence of them (``--params params.yaml --params
 profiles/ad/params.yaml``), merged left to right by :func:`merge_params` — mappings merge key by key, any other
-value (list, scalar, null) replaces. An override file may only name sections of :data:`SECTIONS` (or of the
-first file); keys inside a section are checked against its dataclass when a stage loads it, as for one file.
+value (list, scalar, null) replaces. Every file may only name sections of :data:`SECTIONS`; keys inside a
+section are checked against its dataclass when a stage loads it, as for one file.
 
 A section dataclass may nest other dataclasses (fields typed as a dataclass, a tuple of dataclasses
 or a ``dict[str, Dataclass]``); nested mappings are converted recursively and checked the same way.
+
+Validation is declarative where a field is declared: types are exact (a bool is not an int, an int is a float but
+NaN/inf are not, a string is not a number), and a field typed with one of the constrained aliases below
+(:data:`PosInt`, :data:`NonNegInt`, :data:`PosFloat`, :data:`Unit`, :data:`Percent` ... or ``Annotated[T, Check(...)]``)
+is range-checked by :func:`from_dict` with a one-line :class:`ConfigError` naming the key, the value and the fix.
+Checks that need several fields stay in the dataclass's ``__post_init__``; checks across sections are
+:func:`require_in` calls in the stage that reads both. A section of the wrong shape (``readouts: [bad]``) and a
+top-level section that is not one of :data:`SECTIONS` (``readout:``) are refused; a stage refuses a params file
+without its own section (``load_section(..., required=True)``; docs/errors.md, "Params").
+
+Errors: every error a user can fix is a :class:`UserError` (one line, exit 2 through ``looptrace.errors``):
+:class:`ConfigError` (params), :class:`InputError` (an input artifact is missing, truncated or does not belong
+with the others), :class:`CheckpointLoadError` (a checkpoint cannot be loaded); ``StoreError`` (looptrace.io.store)
+and ``LockError`` (looptrace.io.artifacts) are of the same family. Anything else is a bug (traceback, exit 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import yaml
 
@@ -41,8 +58,149 @@ SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "int
             "diagnose", "latency", "generate", "report")
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """An error the user can fix (bad params, a missing or damaged input): printed as one line, exit status 2.
+
+    Raise it (or a subclass) only where the cause is known, with the file or key, what was expected and the fix;
+    anything else that escapes a stage is a bug and is reported with its traceback (``looptrace.errors``).
+    """
+
+
+class ConfigError(UserError, ValueError):
     """A one-line, user-facing configuration error (names the key, the section and the fix)."""
+
+
+class InputError(UserError, ValueError):
+    """An input artifact of a stage is missing, truncated, damaged or belongs to another run (names the file and the
+    stage that rebuilds it)."""
+
+
+class MissingInputError(InputError, FileNotFoundError):
+    """An input artifact does not exist (names the file and the stage that writes it)."""
+
+
+class CheckpointLoadError(UserError, ValueError):
+    """A checkpoint that cannot be loaded, with a known cause: one line naming the path, what failed and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Declarative field constraints
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A constraint on a field's value, attached with ``Annotated[T, Check(...)]`` and checked by :func:`from_dict`.
+
+    Attributes:
+        ge, gt, le, lt: bounds (``None`` = none).
+        choices: the allowed values.
+        pattern: a regular expression the whole string must match.
+        nonempty: a list or mapping must have at least one entry.
+        why: what the value means (printed with the requirement, e.g. "optimiser steps").
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    choices: tuple | None = None
+    pattern: str | None = None
+    nonempty: bool = False
+    why: str = ""
+
+    def requirement(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(str(c) for c in self.choices)
+        if self.pattern is not None:
+            return f"a string matching {self.pattern}"
+        lo = f"≥ {_num(self.ge)}" if self.ge is not None else f"> {_num(self.gt)}" if self.gt is not None else ""
+        hi = f"≤ {_num(self.le)}" if self.le is not None else f"< {_num(self.lt)}" if self.lt is not None else ""
+        if lo and hi:
+            a = "[" if self.ge is not None else "("
+            b = "]" if self.le is not None else ")"
+            lo_v = self.ge if self.ge is not None else self.gt
+            hi_v = self.le if self.le is not None else self.lt
+            return f"in {a}{_num(lo_v)}, {_num(hi_v)}{b}"
+        return lo or hi or "non-empty"
+
+    def ok(self, v: Any) -> bool:
+        if self.nonempty and isinstance(v, tuple | list | dict) and not v:
+            return False
+        if isinstance(v, tuple | list | dict):
+            return True
+        if self.choices is not None and v not in self.choices:
+            return False
+        if self.pattern is not None and not (isinstance(v, str) and re.fullmatch(self.pattern, v)):
+            return False
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            if self.ge is not None and not v >= self.ge:
+                return False
+            if self.gt is not None and not v > self.gt:
+                return False
+            if self.le is not None and not v <= self.le:
+                return False
+            if self.lt is not None and not v < self.lt:
+                return False
+        return True
+
+    def validate(self, v: Any, where: str) -> None:
+        if not self.ok(v):
+            why = f" ({self.why})" if self.why else ""
+            raise ConfigError(f"{where} = {_show(v)}: must be {self.requirement()}{why}; set {where} to such a value")
+
+
+def _num(x: float | None) -> str:
+    return str(int(x)) if isinstance(x, float) and x.is_integer() and abs(x) < 1e15 else str(x)
+
+
+def _show(v: Any) -> str:
+    """A value as the user wrote it in YAML (true/false/null, lists in brackets)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, tuple | list):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    if isinstance(v, str):
+        return repr(v)
+    return str(v)
+
+
+#: Integers ≥ 1 (counts, sizes, steps).
+PosInt = Annotated[int, Check(ge=1)]
+#: Integers ≥ 0.
+NonNegInt = Annotated[int, Check(ge=0)]
+#: Floats > 0.
+PosFloat = Annotated[float, Check(gt=0)]
+#: Floats ≥ 0.
+NonNegFloat = Annotated[float, Check(ge=0)]
+#: Floats in the open interval (0, 1) (fractions, λ).
+Unit = Annotated[float, Check(gt=0, lt=1)]
+#: Accuracy targets in percent, (0, 100].
+Percent = Annotated[float, Check(gt=0, le=100)]
+#: A seed: numpy's SeedSequence and torch.manual_seed take any integer in [0, 2^32).
+Seed = Annotated[int, Check(ge=0, lt=2**32, why="a seed")]
+
+
+def one_of(*choices: Any, why: str = "") -> Check:
+    """``Annotated[str, one_of("a", "b")]``: the value must be one of ``choices``."""
+    return Check(choices=tuple(choices), why=why)
+
+
+def require_in(key: str, value: Any, allowed_key: str, allowed: Sequence[Any]) -> None:
+    """A cross-section check: ``value`` (of params key ``key``) must be one of ``allowed`` (the values of
+    ``allowed_key``), else a one-line :class:`ConfigError` naming both keys."""
+    vals = list(allowed)
+    if not any(_same(value, a) for a in vals):
+        raise ConfigError(f"{key} = {_show(value)} is not in {allowed_key} = {_show(vals)}; "
+                          f"set {key} to one of them or add it to {allowed_key}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, int | float) and isinstance(b, int | float) and not isinstance(a, bool):
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+    return a == b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,43 +250,79 @@ class BaseConfig:
             (:class:`DaskConfig`; default in this process).
     """
 
-    seed: int = 0
-    threads: int = 2
-    analysis_threads: int = 1
-    device: str = "cpu"
+    seed: Seed = 0
+    threads: Annotated[int, Check(ge=1, why="torch threads")] = 2
+    analysis_threads: Annotated[int, Check(ge=1, why="BLAS and torch threads")] = 1
+    device: Annotated[str, Check(pattern=r"cpu|cuda(:[0-9]+)?|mps", why="a torch device")] = "cpu"
     dask: DaskConfig = dataclasses.field(default_factory=DaskConfig)
 
 
+def _type_name(tp: Any) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
 def _convert(tp: Any, value: Any, where: str) -> Any:
-    """Convert a YAML value to the annotated type ``tp`` (recursing into dataclasses)."""
+    """Convert a YAML value to the annotated type ``tp`` (recursing into dataclasses), checking exact types and
+    every :class:`Check` of an ``Annotated`` type."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
+    if origin is Annotated:
+        out = _convert(args[0], value, where)
+        for c in tp.__metadata__:
+            if isinstance(c, Check):
+                c.validate(out, where)
+        return out
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+            raise ConfigError(f"{where} must be a mapping (key: value lines), got {_kind(value)} {_show(value)}")
         return from_dict(tp, value, where)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
         non_none = [a for a in args if a is not type(None)]
         if len(non_none) == 1:
+            if value is None:
+                raise ConfigError(f"{where} = null: expected {_type_name(_base_type(non_none[0]))}; set a value")
             return _convert(non_none[0], value, where)
         return value
     if origin is tuple:
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list, got {type(value).__name__}")
+            raise ConfigError(f"{where} = {_show(value)}: expected a list, got {_kind(value)}; write [a, b, ...]")
         inner = args[0] if args else Any
         return tuple(_convert(inner, v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+            raise ConfigError(f"{where} must be a mapping (key: value lines), got {_kind(value)} {_show(value)}")
+        kt = args[0] if len(args) == 2 else Any
         vt = args[1] if len(args) == 2 else Any
+        if kt is str:
+            bad = [k for k in value if not isinstance(k, str)]
+            if bad:
+                raise ConfigError(f"{where}: key {_show(bad[0])} must be a name (a string), got {_kind(bad[0])}")
         return {k: _convert(vt, v, f"{where}.{k}") for k, v in value.items()}
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where} = {_show(value)}: expected a number, got {_kind(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where} = {value}: expected a finite number; set a finite value")
         return float(value)
-    if tp in (int, float, str, bool) and not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    if tp is int and (isinstance(value, bool) or not isinstance(value, int)):
+        hint = "; write an integer such as 1" if isinstance(value, bool | float) else ""
+        raise ConfigError(f"{where} = {_show(value)}: expected an integer, got {_kind(value)}{hint}")
+    if tp in (str, bool) and not isinstance(value, tp):
+        raise ConfigError(f"{where} = {_show(value)}: expected {_type_name(tp)}, got {_kind(value)}")
     return value
+
+
+def _base_type(tp: Any) -> Any:
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+
+
+def _kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a bool", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping", tuple: "a list"}.get(type(v), type(v).__name__)
 
 
 def from_dict(cls: type[T], data: dict[str, Any], section: str) -> T:
@@ -142,14 +336,19 @@ def from_dict(cls: type[T], data: dict[str, Any], section: str) -> T:
     Raises:
         ConfigError: on an unknown key or a value of the wrong type.
     """
+    if not isinstance(data, dict):
+        raise ConfigError(f"section '{section}' must be a mapping (key: value lines), got {_kind(data)} "
+                          f"{_show(data)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(map(str, data)) - set(fields))
     if unknown:
+        close = difflib.get_close_matches(unknown[0], list(fields), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
         raise ConfigError(
-            f"unknown key '{unknown[0]}' in params section '{section}'; "
+            f"unknown key '{unknown[0]}' in params section '{section}'; {hint}"
             f"allowed keys: {', '.join(sorted(fields))}"
         )
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {k: _convert(hints[k], v, f"{section}.{k}") for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -159,13 +358,23 @@ def from_dict(cls: type[T], data: dict[str, Any], section: str) -> T:
 
 def _read_one(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"params file '{path}' not found; run from the repository root or pass --params")
+        what = "is a directory, not a file" if path.is_dir() else "not found"
+        raise ConfigError(f"params file '{path}' {what}; run from the repository root or pass --params")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"params file '{path}' is not valid YAML: {exc}".splitlines()[0]) from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"params file '{path}' must be a mapping of sections")
+        raise ConfigError(f"params file '{path}' must be a mapping of sections (base:, train:, ...), got "
+                          f"{_kind(data)}")
+    unknown = [k for k in data if k not in SECTIONS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), SECTIONS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(f"unknown params section '{unknown[0]}' in '{path}'; {hint}"
+                          f"allowed sections: {', '.join(SECTIONS)}")
     return data
 
 
@@ -189,28 +398,33 @@ def read_params(path: ParamsFiles = DEFAULT_PARAMS) -> dict[str, Any]:
     """Read ``params.yaml`` (or several files, merged left to right) as a plain mapping.
 
     Raises:
-        ConfigError: a file is missing or not a YAML mapping, or an override file (any file after the first)
-            names a section that is neither in :data:`SECTIONS` nor in the first file.
+        ConfigError: a file is missing or not a YAML mapping, or a file names a section that is not in
+            :data:`SECTIONS` (a misspelled ``readout:`` would otherwise be ignored silently).
     """
     files = params_files(path)
     data = _read_one(files[0])
     for f in files[1:]:
-        over = _read_one(f)
-        unknown = sorted(k for k in over if k not in SECTIONS and k not in data)
-        if unknown:
-            raise ConfigError(f"unknown params section '{unknown[0]}' in override file '{f}'; "
-                              f"allowed sections: {', '.join(SECTIONS)}")
-        data = merge_params(data, over)
+        data = merge_params(data, _read_one(f))
     return data
 
 
-def load_section(cls: type[T], section: str, path: ParamsFiles = DEFAULT_PARAMS) -> T:
+def load_section(cls: type[T], section: str, path: ParamsFiles = DEFAULT_PARAMS, required: bool = False) -> T:
     """Load one section of ``params.yaml`` (or of layered params files) into its dataclass.
 
-    A missing section gives the dataclass defaults (every field must then have one).
+    A missing (or empty, ``section:``) section gives the dataclass defaults (every field must then have one),
+    unless ``required``: a stage loads its own section with ``required=True``, so that an empty params file or an
+    override file passed alone is refused instead of running on built-in defaults that differ from params.yaml.
+
+    Raises:
+        ConfigError: the section is required and absent, is not a mapping, or has a bad key or value.
     """
     data = read_params(path)
-    return from_dict(cls, data.get(section) or {}, section)
+    if required and section not in data:
+        files = ", ".join(str(f) for f in params_files(path))
+        raise ConfigError(f"params section '{section}' is missing from {files} (the {section} stage's settings); "
+                          "pass the repository's params.yaml first (--params params.yaml), or add the section")
+    raw = data.get(section)
+    return from_dict(cls, {} if raw is None else raw, section)
 
 
 def load_base(path: ParamsFiles = DEFAULT_PARAMS) -> BaseConfig:

@@ -47,7 +47,6 @@ strong, on jointly trained ones weak. A claim holds on a group only when the int
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import warnings
@@ -57,8 +56,9 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.config import InputError, MissingInputError
 from looptrace.intervals import Interval, across_seeds, compare, from_row
-from looptrace.io.artifacts import write_outputs
+from looptrace.io.artifacts import read_json, read_parquet, write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.project import split_seed
@@ -855,8 +855,8 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
         if source == "gates":
             return None
         missing = next(n for n in need if not (model_dir / f"{n}.parquet").is_file())
-        raise FileNotFoundError(f"{model_dir / (missing + '.parquet')} not found; run the readouts stage first")
-    out = {n: pl.read_parquet(model_dir / f"{n}.parquet") for n in need}
+        raise MissingInputError(f"{model_dir / (missing + '.parquet')} not found; run the readouts stage first")
+    out = {n: read_parquet(model_dir / f"{n}.parquet") for n in need}
     for n in ("chosen", "dx"):
         df = out[n]
         if "kind" not in df.columns:  # gates may omit it: every gates rule is a refit gate
@@ -866,7 +866,7 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
         out["chosen"] = out["chosen"].with_columns(within_delta=pl.lit(True))
     ops = model_dir / "operating_points.parquet"
     if ops.is_file():
-        out["operating_points"] = pl.read_parquet(ops)
+        out["operating_points"] = read_parquet(ops)
     return out
 
 
@@ -932,8 +932,8 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
     for model in models:
         mpath = readouts_root / model / "metrics.json"
         if not mpath.is_file():
-            raise FileNotFoundError(f"{mpath} not found; run the readouts stage for {model} first")
-        rm = json.loads(mpath.read_text())
+            raise MissingInputError(f"{mpath} not found; run the readouts stage for {model} first")
+        rm = read_json(mpath)
         info = {"model": model, "task": rm.get("task"), "regime": rm.get("regime"),
                 "regime_kind": rm.get("regime_kind"), "n_loops": rm.get("n_loops")}
         meta_rows.append({k: info[k] for k in ("model", "task", "regime", "regime_kind")})
@@ -955,7 +955,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
                 e = ex.filter(pl.col("rule") == rule).sort("token")
                 tok = e["token"].to_numpy()
                 if tok.size != test.token.size or not np.array_equal(tok, test.token):
-                    raise ValueError(f"{source}/{model}/chosen_exits.parquet rule '{rule}': test tokens do not match "
+                    raise InputError(f"{source}/{model}/chosen_exits.parquet rule '{rule}': test tokens do not match "
                                      f"the geometry test split ({tok.size} vs {test.token.size}); re-run {source}")
                 depth = e["exit_depth"].to_numpy()
                 codes = failure_codes(depth, correct)

@@ -36,7 +36,7 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
-from looptrace.config import ConfigError, to_dict
+from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
@@ -497,7 +497,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     loop_group = np.asarray(first.loop_group, dtype=np.int64)
     for split, st in stores.items():
         if st.n_loops != n_loops or not np.array_equal(np.asarray(st.loop_group), loop_group):
-            raise ValueError(f"store of split '{split}' has a different loop structure (n_loops {st.n_loops}, "
+            raise InputError(f"store of split '{split}' has a different loop structure (n_loops {st.n_loops}, "
                              f"loop_group {[int(g) for g in st.loop_group]}) from the other splits; "
                              "re-run the dump")
     handoffs = group_handoffs(loop_group)

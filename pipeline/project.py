@@ -131,7 +131,17 @@ def model_names(params: ParamsFiles | Mapping, models: str = "") -> list[str]:
         return [m.strip() for m in models.split(",") if m.strip()]
     raw = params if isinstance(params, Mapping) else read_params(params)
     train = raw.get("train") or {}
-    seeds = list(train.get("seeds") or []) or [None]
+    if not isinstance(train, Mapping):
+        raise ConfigError(f"section 'train' must be a mapping (key: value lines), got {type(train).__name__}")
+    for key in ("tasks", "regimes"):
+        v = train.get(key)
+        if v is not None and not (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+            raise ConfigError(f"train.{key} = {v!r}: expected a list of names, e.g. [{'running_sum' if key == 'tasks' else 'uniform'}]")
+    seeds = train.get("seeds")
+    if seeds is not None and not (isinstance(seeds, list) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                  for x in seeds)):
+        raise ConfigError(f"train.seeds = {seeds!r}: expected a list of integers, e.g. [0, 1, 2]")
+    seeds = list(seeds or []) or [None]
     names = [model_name(t, r, s) for t in train.get("tasks") or [] for r in train.get("regimes") or []
              for s in seeds]
     if not names:

@@ -32,8 +32,10 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.config import MissingInputError
 from looptrace.diagnose import dx_best, with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
+from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
 from looptrace.rules.scoring import best_chosen
 
@@ -147,8 +149,8 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         rdir = root / "readouts" / model
         mpath = rdir / "metrics.json"
         if not mpath.is_file():
-            raise FileNotFoundError(f"{mpath} not found; run the readouts stage for {model} first")
-        rm = json.loads(mpath.read_text())
+            raise MissingInputError(f"{mpath} not found; run the readouts stage for {model} first")
+        rm = read_json(mpath)
         T = int(rm.get("n_loops") or len(rm.get("test_accuracy_per_loop") or []))
         meta_rows.append({"model": model, "task": rm.get("task") or model, "regime": rm.get("regime") or model,
                           "regime_kind": rm.get("regime_kind") or rm.get("regime") or "?", "n_loops": T,
@@ -160,12 +162,12 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
             for name, acc in (("pareto", pareto), ("chosen", chosen), ("dx", dx)):
                 p = d / f"{name}.parquet"
                 if p.is_file():
-                    f = pl.read_parquet(p)
+                    f = read_parquet(p)
                     if "kind" not in f.columns:
                         f = f.with_columns(kind=pl.lit("gate" if src == "gates" else "posthoc"))
                     acc.append(f.with_columns(model=pl.lit(model), source=pl.lit(src)))
                 elif src == "readouts":
-                    raise FileNotFoundError(f"{p} not found; run the readouts stage for {model} first")
+                    raise MissingInputError(f"{p} not found; run the readouts stage for {model} first")
                 else:
                     missing[f"gates/{model}"] = "run the gates stage"
         ops = rdir / "operating_points.parquet"
@@ -178,7 +180,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         lp, cp = gdir / "loop_summary.parquet", gdir / "convergence.parquet"
         summ = None
         if lp.is_file():
-            summ = pl.read_parquet(lp).filter(pl.col("split") == cfg.split)
+            summ = read_parquet(lp).filter(pl.col("split") == cfg.split)
             ls.append(summ.filter(pl.col("group_by").is_in(["all", "token_type"])).with_columns(model=pl.lit(model)))
         else:
             missing[f"geometry/{model}/loop_summary.parquet"] = "run the geometry stage"
@@ -213,7 +215,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
     for name in ("failure_classes", "verdicts", "verdict_groups"):
         p = ddir / f"{name}.parquet"
         if p.is_file():
-            f = pl.read_parquet(p)
+            f = read_parquet(p)
             setattr(inp, "failures" if name == "failure_classes" else name,
                     f.filter(pl.col("model").is_in(list(models))) if "model" in f.columns else f)
         elif name != "verdict_groups":  # diagnose outputs before issue 12 have no group table
@@ -224,14 +226,14 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         inp.summary = (ddir / "summary.md").read_text()
     cr = root / "gates" / "cross_regime.parquet"
     if cr.is_file():
-        inp.cross_regime = pl.read_parquet(cr)
+        inp.cross_regime = read_parquet(cr)
     else:
         missing["gates/cross_regime.parquet"] = "run the gates stage"
     lat = root / "latency" / "latency.parquet"
     if lat.is_file():
-        inp.latency = pl.read_parquet(lat).filter(pl.col("model").is_in(list(models)))
+        inp.latency = read_parquet(lat).filter(pl.col("model").is_in(list(models)))
         lm = root / "latency" / "metrics.json"
-        inp.latency_metrics = json.loads(lm.read_text()) if lm.is_file() else None
+        inp.latency_metrics = read_json(lm) if lm.is_file() else None
     else:
         missing["latency/latency.parquet"] = "run the latency stage"
     gen = root / "generate" / "generate.parquet"

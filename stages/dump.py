@@ -24,6 +24,7 @@ from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, run, user_errors
 from looptrace.io.claims import parse_shard, shard_from_env
 from looptrace.io.store import join_store
+from looptrace.models import check_device
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.tasks import make_task
@@ -42,10 +43,10 @@ def main(
     """Run a looped model once and store every scored token's states, readouts and logit stats per loop."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(DumpConfig, "dump", params)
+        cfg = load_section(DumpConfig, "dump", params, required=True)
         part = parse_shard(shard) if shard else shard_from_env()
         torch.set_num_threads(base.threads)
-        device = _device(base.device)
+        device = _device(check_device(base.device))
         with _sigterm_as_interrupt():  # torchrun's agent stops the other ranks with SIGTERM: drain the writer
             if cfg.adapter is not None:
                 name = cfg.adapter.run_name

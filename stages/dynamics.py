@@ -12,6 +12,8 @@ from looptrace.capture.dynamics import DYNAMICS_SCHEMA, DynamicsConfig, dynamics
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
 from looptrace.io.artifacts import write_outputs
+from looptrace.io.claims import stage_output
+from looptrace.models import check_device
 from looptrace.project import versions
 
 
@@ -24,14 +26,16 @@ def main(
     """Run a fixed probe set through every kept checkpoint: step norms, relative step, cosine, accuracy."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(DynamicsConfig, "dynamics", params)
+        cfg = load_section(DynamicsConfig, "dynamics", params, required=True)
         dump_cfg = load_section(DumpConfig, "dump", params)
-        torch.set_num_threads(base.threads)
-        df = (training_dynamics(train_root / model, cfg, dump_cfg, base.device) if cfg.enabled
-              else pl.DataFrame(schema=DYNAMICS_SCHEMA))
-        metrics = {"model": model, "seed": base.seed, "params": to_dict(cfg), "versions": versions(),
-                   "training_dynamics": dynamics_metrics(df) if df.height else None}
-        write_outputs(out / model, {"training_dynamics": df}, metrics)
+        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
+        with stage_output(out / model):
+            torch.set_num_threads(base.threads)
+            df = (training_dynamics(train_root / model, cfg, dump_cfg, check_device(base.device)) if cfg.enabled
+                  else pl.DataFrame(schema=DYNAMICS_SCHEMA))
+            metrics = {"model": model, "seed": base.seed, "params": to_dict(cfg), "versions": versions(),
+                       "training_dynamics": dynamics_metrics(df) if df.height else None}
+            write_outputs(out / model, {"training_dynamics": df}, metrics)
     typer.echo(f"{model}: training dynamics over {df['checkpoint'].n_unique() if df.height else 0} checkpoints")
 
 

@@ -10,6 +10,7 @@ from looptrace.errors import run, user_errors
 from looptrace.gates.config import SPLITS, GatesConfig
 from looptrace.gates.stage import gates_stage
 from looptrace.intervals import IntervalsConfig
+from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store import open_store
 from looptrace.project import model_meta, model_names, versions
@@ -25,23 +26,25 @@ def main(
     """Offline halting gates: fit on fit, calibrate on val, report on test; cross-regime transfer."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(GatesConfig, "gates", params)
+        cfg = load_section(GatesConfig, "gates", params, required=True)
         cal = load_section(CalibrationConfig, "calibration", params)
         ivc = load_section(IntervalsConfig, "intervals", params)
-        names = model_names(params, models)
-        stores, meta, tasks = {}, {}, {}
-        vers = versions()
-        for m in names:
-            stores[m] = {s: open_store(dump_root / m / f"{s}.zarr") for s in SPLITS}
-            info = model_meta(m, params)
-            task_attr = stores[m]["fit"].attrs.get("task")
-            tasks[m] = info["task"] or (task_attr.get("name") if isinstance(task_attr, dict) else None)
-            meta[m] = {**info, "seed": base.seed,
-                       "params": {"gates": to_dict(cfg), "calibration": to_dict(cal), "intervals": to_dict(ivc)},
-                       "versions": vers, "store_seeds": {s: st.attrs.get("seeds") for s, st in stores[m].items()}}
-        with dask_runner(base.dask) as runner:
-            metrics = gates_stage(stores, cfg, cal, out, base_seed=base.seed, meta=meta, tasks=tasks,
-                                  threads=base.analysis_threads, runner=runner, intervals=ivc)
+        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
+        with stage_output(out):
+            names = model_names(params, models)
+            stores, meta, tasks = {}, {}, {}
+            vers = versions()
+            for m in names:
+                stores[m] = {s: open_store(dump_root / m / f"{s}.zarr") for s in SPLITS}
+                info = model_meta(m, params)
+                task_attr = stores[m]["fit"].attrs.get("task")
+                tasks[m] = info["task"] or (task_attr.get("name") if isinstance(task_attr, dict) else None)
+                meta[m] = {**info, "seed": base.seed,
+                           "params": {"gates": to_dict(cfg), "calibration": to_dict(cal), "intervals": to_dict(ivc)},
+                           "versions": vers, "store_seeds": {s: st.attrs.get("seeds") for s, st in stores[m].items()}}
+            with dask_runner(base.dask) as runner:
+                metrics = gates_stage(stores, cfg, cal, out, base_seed=base.seed, meta=meta, tasks=tasks,
+                                      threads=base.analysis_threads, runner=runner, intervals=ivc)
     for m, best in metrics["best_gate"].items():
         if best:
             typer.echo(f"{m}: best gate (chosen on val) {best['rule']}: test depth {best['test_depth']['text']}, "

@@ -14,6 +14,8 @@ import typer
 from looptrace.capture.dump import DumpConfig
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import run, user_errors
+from looptrace.io.claims import stage_output
+from looptrace.models import check_device
 from looptrace.online.generate import GenerateConfig, dump_text_windows, generate_models, write_generate
 from looptrace.project import model_meta, model_names, versions
 
@@ -31,19 +33,23 @@ def main(
     """Greedy decoding with early exit per token (KV policies share / recompute / native) vs full depth."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(GenerateConfig, "generate", params)
+        cfg = load_section(GenerateConfig, "generate", params, required=True)
+        check_device(base.device)
         dump_cfg = load_section(DumpConfig, "dump", params)
         adapter = dump_cfg.adapter
-        torch.set_num_threads(base.analysis_threads)
-        torch.manual_seed(base.seed)
-        names = model_names(params, models) if models or adapter is None else [adapter.run_name]
-        df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
-                                      adapter=adapter, device=base.device, seed=base.seed,
-                                      regime_meta=lambda name: model_meta(name, params),
-                                      text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text else None)
-        metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
-                       versions=versions())
-        write_generate(out, df, metrics)
+        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
+        with stage_output(out):
+            torch.set_num_threads(base.analysis_threads)
+            torch.manual_seed(base.seed)
+            names = model_names(params, models) if models or adapter is None else [adapter.run_name]
+            df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
+                                          adapter=adapter, device=base.device, seed=base.seed,
+                                          regime_meta=lambda name: model_meta(name, params),
+                                          text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text
+                                          else None)
+            metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
+                           versions=versions())
+            write_generate(out, df, metrics)
     for r in df.iter_rows(named=True):
         typer.echo(f"{r['model']} {r['rule']} {r['policy']} batch {r['batch_size']}: depth {r['mean_exit_depth']:.2f}/"
                    f"{r['n_loops']}, {r['tokens_per_s']:.0f} tok/s, realised {r['realised_speedup']:.2f}x vs ideal "

@@ -8,6 +8,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import run, user_errors
 from looptrace.geometry import GeometryConfig, geometry_model
+from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store import open_store
 from looptrace.project import versions
@@ -22,12 +23,14 @@ def main(
     """Step norms, step cosines, acceleration, convergence depth and DLR of a model's trajectories."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(GeometryConfig, "geometry", params)
-        stores = {s: open_store(dump_root / model / f"{s}.zarr") for s in cfg.splits}
-        meta = {"model": model, "seed": base.seed,
-                "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
-        with dask_runner(base.dask) as runner:
-            metrics = geometry_model(stores, cfg, out / model, meta=meta, runner=runner)
+        cfg = load_section(GeometryConfig, "geometry", params, required=True)
+        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
+        with stage_output(out / model):
+            stores = {s: open_store(dump_root / model / f"{s}.zarr") for s in cfg.splits}
+            meta = {"model": model, "seed": base.seed,
+                    "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
+            with dask_runner(base.dask) as runner:
+                metrics = geometry_model(stores, cfg, out / model, meta=meta, runner=runner)
     split = "test" if "test" in metrics["splits"] else next(iter(metrics["splits"]))
     m = metrics["splits"][split]
     norms = " ".join(f"{v:.3g}" for v in m["step_norm_mean_per_loop"])

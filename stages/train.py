@@ -7,6 +7,8 @@ from pathlib import Path
 import typer
 from looptrace.config import PARAMS_HELP, ConfigError, load_base, load_section
 from looptrace.errors import run, user_errors
+from looptrace.io.claims import stage_output
+from looptrace.models import check_device
 from looptrace.models.train import TrainConfig, train_model
 from looptrace.project import model_name
 
@@ -21,12 +23,15 @@ def main(
     """Train one looped model under a depth-supervision regime."""
     with user_errors():
         base = load_base(params)
-        cfg = load_section(TrainConfig, "train", params)
+        cfg = load_section(TrainConfig, "train", params, required=True)
+        check_device(base.device)
         cfg.task(task), cfg.regime(regime)
         if seed is not None and cfg.seeds and seed not in cfg.seeds:
             raise ConfigError(f"--seed {seed} is not in train.seeds {list(cfg.seeds)}: add it there or pick one of them")
-        # One model per DVC stage: DVC runs stages one at a time, so each uses base.threads (docs/train.md "Seeds").
-        metrics = train_model(base, cfg, task, regime, out / model_name(task, regime, seed), seed=seed)
+        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
+        with stage_output(out / model_name(task, regime, seed)):
+            # One model per DVC stage: DVC runs stages one at a time, so each uses base.threads (docs/train.md "Seeds").
+            metrics = train_model(base, cfg, task, regime, out / model_name(task, regime, seed), seed=seed)
     acc = " ".join(f"{a:.3f}" for a in metrics["val"]["acc_per_loop"])
     typer.echo(f"{metrics['model']}: val accuracy per loop {acc} ({metrics['train_seconds']:.0f} s)")
 

@@ -18,7 +18,7 @@ def test_nested_unknown_key_names_nested_section():
 
 
 def test_type_error_and_int_to_float():
-    with pytest.raises(ConfigError, match="train.steps: expected int"):
+    with pytest.raises(ConfigError, match=r"train.steps = .many.: expected an integer, got a string"):
         from_dict(TrainConfig, {"steps": "many"}, "train")
     cfg = from_dict(TrainConfig, {"lr": 1, "betas": [0.9, 0.95]}, "train")
     assert cfg.lr == 1.0 and isinstance(cfg.lr, float) and cfg.betas == (0.9, 0.95)

@@ -304,8 +304,8 @@ def test_stage_cli_one_line_error(tmp_path):
 
 
 def test_refit_gate_runs_online_exactly(tmp_path):
-    """The gates stage's fitted gate (pickled, loaded through pipeline.gates.load_online_gate) runs in
-    the engine and reproduces the gates stage's offline chosen exits token by token."""
+    """The gates stage's fitted gate (saved without pickle, loaded through looptrace.online.gates.load_online_gate)
+    runs in the engine and reproduces the gates stage's offline chosen exits token by token."""
     from looptrace.gates.config import GatesConfig
     from looptrace.gates.stage import gates_stage
 

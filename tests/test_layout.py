@@ -120,3 +120,15 @@ def test_wheel_holds_only_looptrace(tmp_path):
     want = {"looptrace/" + p.relative_to(REPO / "pipeline").as_posix() for p in (REPO / "pipeline").rglob("*.py")}
     want |= {"looptrace/stages/" + p.relative_to(REPO / "stages").as_posix() for p in (REPO / "stages").rglob("*.py")}
     assert want <= set(names), sorted(want - set(names))
+
+
+def test_domain_reference_lives_in_the_repository():
+    """A clone has its definitions: docs/SPEC.md is in the repository, README and DESIGN link it, and nothing
+    points outside the repository for it (../shared/SPEC.md)."""
+    spec = REPO / "docs" / "SPEC.md"
+    assert spec.is_file() and spec.read_text().startswith("# looptrace — reference definitions")
+    assert "(docs/SPEC.md)" in (REPO / "README.md").read_text()
+    assert "(SPEC.md)" in (REPO / "docs" / "DESIGN.md").read_text()
+    texts = [p for p in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "pipeline").rglob("*.py")]
+             if "shared/SPEC" in p.read_text()]
+    assert not texts, texts

@@ -48,7 +48,7 @@ def test_layered_params_files(tmp_path):
     assert cfg.splits == ("val", "test") and cfg.eps == {"kl_prev": (0.001,), "rel_step": (0.5,)}
     assert read_params([base, over])["base"] == {"seed": 3}
     over.write_text("geometri: {eps: {}}\n")  # a typo'd section in an override is refused, naming the file
-    with pytest.raises(ConfigError, match=r"unknown params section 'geometri' in override file '.*over.yaml'"):
+    with pytest.raises(ConfigError, match=r"unknown params section 'geometri' in '.*over.yaml'; did you mean 'geometry'"):
         read_params([base, over])
     over.write_text("geometry: {epz: {}}\n")  # a typo'd key inside a section: refused when the stage loads it
     with pytest.raises(ConfigError, match=r"unknown key 'epz' in params section 'geometry'"):

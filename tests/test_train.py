@@ -7,6 +7,7 @@ import pytest
 import torch
 from looptrace.cli import app
 from looptrace.config import ConfigError
+from looptrace.models.interface import file_sha256
 from looptrace.models.looped import load_checkpoint
 from looptrace.models.train import evaluate, lr_at, train_model
 from looptrace.testing import tiny_train_config
@@ -37,6 +38,9 @@ def test_train_is_deterministic_and_writes_artifacts(tmp_path, tiny_base):
     assert set(saved["val_acc_by_difficulty"]) == {"7", "8"}
     ckpts = sorted((tmp_path / "a" / "checkpoints").glob("*.pt"))
     assert [p.name for p in ckpts] == ["step_000010.pt"]
+    # wall-clock figures stay out of model.pt (its sha256 is the checkpoint hash): the two runs wrote equal bytes
+    assert "train_seconds" in saved and "train_seconds" not in ck["metrics"] and "train_cpu_seconds" not in ck["metrics"]
+    assert file_sha256(tmp_path / "a" / "model.pt") == file_sha256(tmp_path / "b" / "model.pt")
 
 
 def test_evaluate_matches_manual_accuracy(tiny_base):

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 from looptrace.capture.encode import encode_states_counted
-from looptrace.config import BaseConfig, ConfigError, to_dict
+from looptrace.config import BaseConfig, ConfigError, InputError, to_dict
 from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator, Superseded, shard_range
 from looptrace.io.precision import resolve_state_dtype
 from looptrace.io.store import (
@@ -356,7 +356,7 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     out[NONFINITE] = nonfinite
     if info.has_gate:
         if st.gate_logits is None:
-            raise ValueError(f"adapter '{info.name}' declares a gate but returned no gate logits")
+            raise InputError(f"adapter '{info.name}' declares a gate but returned no gate logits")
         out["gate_logit"] = sel(st.gate_logits.float()).cpu().numpy()
     target = torch.from_numpy(data.targets[rows][keep].astype(np.int64)).to(dev)
     # Loop T first (kl_final needs p_T), then 1..T keeping only the previous loop (bounded memory).
@@ -522,7 +522,12 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         fin = coord.claim_final(plan_k)
         if fin is None:  # another process finalises (or has)
             st = open_store(path, allow_nan=True, allow_incomplete=True)
-            return _finished(path, label, cfg) if st.complete else st
+            if not st.complete:
+                return st
+            # our last claim write (`finish`: temp file + os.replace) can land after the finaliser tidied the
+            # claims, re-creating our record beside a complete store: tidy what is left of this plan
+            coord.remove_plans_upto(plan_k)
+            return _finished(path, label, cfg)
         writer = StoreWriter.reopen(path)
         if not writer.attrs.get("complete") or not writer.metadata_ok():
             remove_debris(path)  # every shard is done: no live writer can own a temp file now
@@ -695,7 +700,7 @@ def _out_dir(out_dir: Path | str) -> Path | str:
     return out
 
 
-class PrefixOverlapError(ValueError):
+class PrefixOverlapError(InputError):
     """The test split shares scored contexts with fit or val and ``dump.allow_prefix_overlap`` is false."""
 
 
@@ -775,7 +780,7 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     data = {}
     for split, n in cfg.sequences.items():
         if split not in data_seeds:
-            raise ValueError(f"checkpoint records no data seed for split '{split}'; retrain with the current "
+            raise InputError(f"checkpoint records no data seed for split '{split}'; retrain with the current "
                              "train stage or remove the split from dump.sequences")
         data[split] = task.dataset(split, int(n), int(data_seeds[split]))
     check_training_split(adapter.info.extra.get("task"), cfg.allow_prefix_overlap, adapter.info.name)

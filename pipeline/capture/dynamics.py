@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from looptrace.config import ConfigError
+from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.geometry import iter_blocks
 from looptrace.tasks import SPLITS
 from tqdm.auto import tqdm
@@ -64,7 +64,7 @@ def checkpoint_paths(train_dir: Path | str) -> list[Path]:
     train_dir = Path(train_dir)
     final = train_dir / "model.pt"
     if not final.is_file():
-        raise FileNotFoundError(f"checkpoint '{final}' not found; run `dvc repro train` first")
+        raise MissingInputError(f"checkpoint '{final}' not found; run `dvc repro train` first")
     return sorted((train_dir / "checkpoints").glob("step_*.pt")) + [final]
 
 
@@ -132,7 +132,7 @@ def training_dynamics(train_dir: Path | str, cfg: DynamicsConfig, dump_cfg, devi
             task = make_task(spec.pop("name"), spec)
             seeds = extra.get("data_seeds") or {}
             if cfg.probe_split not in seeds:
-                raise ValueError(f"checkpoint '{path}' records no data seed for split '{cfg.probe_split}'; "
+                raise InputError(f"checkpoint '{path}' records no data seed for split '{cfg.probe_split}'; "
                                  "retrain with the current train stage")
             data = task.dataset(cfg.probe_split, cfg.probe_sequences, int(seeds[cfg.probe_split]))
             store_path = Path(tmpdir) / f"{path.stem}.zarr"

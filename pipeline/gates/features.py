@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+from looptrace.config import ConfigError, InputError
 from looptrace.gates.config import GEOMETRY_FEATURES, LOG_FLOOR, SIGNED_STATS
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
@@ -36,7 +37,7 @@ class FeaturePipeline:
     def __init__(self, n_loops: int, d_model: int, pca_components: int = 0, stats: Sequence[str] = (),
                  log_stats: bool = True, loop_feature: str = "onehot"):
         if pca_components > d_model:
-            raise ValueError(f"gates.pca_components = {pca_components} exceeds d_model = {d_model}; "
+            raise ConfigError(f"gates.pca_components = {pca_components} exceeds d_model = {d_model}; "
                              f"set it ≤ {d_model} (or 0 = off)")
         self.n_loops, self.d_model = int(n_loops), int(d_model)
         self.pca_components, self.stats = int(pca_components), tuple(stats)
@@ -94,7 +95,7 @@ class FeaturePipeline:
         k0 = self.pca_components or self.d_model
         for j, name in enumerate(self.stats):
             if not np.isfinite(C[:, k0 + j]).any():
-                raise ValueError(f"gates.stats: '{name}' has no finite value on the fit rows (loops "
+                raise InputError(f"gates.stats: '{name}' has no finite value on the fit rows (loops "
                                  f"{int(loops.min()) + 1}..{int(loops.max()) + 1}; it is undefined there); drop it")
         # StandardScaler ignores NaN when fitting (undefined t = 1 statistics) and keeps them on transform.
         self.scaler = StandardScaler().fit(C)
@@ -129,7 +130,7 @@ def read_targets(st) -> SplitArrays:
     """
     lp = st.read("target_logprob").astype(np.float64)
     if not np.isfinite(lp).all():
-        raise ValueError(f"store {st.label}: array 'target_logprob' has non-finite values; re-run the dump")
+        raise InputError(f"store {st.label}: array 'target_logprob' has non-finite values; re-run the dump")
     am = st.read("argmax").astype(np.int64)
     tgt = st.read("target").astype(np.int64)
     fields = {"target": tgt}
@@ -143,7 +144,7 @@ def read_targets(st) -> SplitArrays:
 def check_stats_available(st, stats: Sequence[str]) -> None:
     """Raise a one-line ValueError when a configured statistic cannot be computed from this store."""
     if "gate_logit" in stats and not st.has_gate:
-        raise ValueError(f"store {st.label}: gates.stats lists 'gate_logit' but the model has no native gate; "
+        raise ConfigError(f"store {st.label}: gates.stats lists 'gate_logit' but the model has no native gate; "
                          "drop it from gates.stats")
 
 

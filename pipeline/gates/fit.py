@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from looptrace.config import InputError
 from looptrace.gates.config import GatesConfig, GateSpec, derive_seed
 from looptrace.gates.features import (
     FeaturePipeline,
@@ -122,7 +123,7 @@ def fit_sklearn_gate(spec: GateSpec, X: np.ndarray, target: np.ndarray, cfg: Gat
     ok = np.isfinite(y)
     Xr, y = Xr[ok], y[ok]
     if y.size == 0:
-        raise ValueError(f"gate {spec.name}: no training rows (T too small for the '{spec.labels}' labels)")
+        raise InputError(f"gate {spec.name}: no training rows (T too small for the '{spec.labels}' labels)")
     soft = spec.labels == "utility"
     if soft:
         # Soft-target cross-entropy as a weighted binary fit: (x, stop) weight y and (x, continue) weight 1 − y.
@@ -215,7 +216,7 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
     st = fit_store
     T, D = st.n_loops, st.d_model
     if T < 2:
-        raise ValueError(f"store {st.label}: gates need at least 2 loops, the model has {T}")
+        raise InputError(f"store {st.label}: gates need at least 2 loops, the model has {T}")
     check_stats_available(st, cfg.stats)
     n = st.n_tokens
     rng = np.random.default_rng(derive_seed(base_seed, model, "fit_subsample"))

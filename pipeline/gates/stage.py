@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,7 +11,8 @@ from typing import Any
 
 import numpy as np
 import polars as pl
-from looptrace.config import to_dict
+from looptrace.config import MissingInputError, to_dict
+from looptrace.gates.artifact import save_fitted
 from looptrace.gates.config import SPLITS, GatesConfig, gate_rule_form
 from looptrace.gates.features import check_stats_available, read_targets
 from looptrace.gates.fit import ModelGates, analysis_threads, compatible, fit_model_gates, predict_split
@@ -106,7 +106,8 @@ def gates_stage(stores: dict[str, dict[str, Any]], cfg: GatesConfig, cal: Calibr
 
     Writes, atomically (a temporary sibling directory replaces ``out_root`` at the end):
     ``<model>/{operating_points,pareto,dx,chosen,chosen_exits}.parquet``, ``<model>/metrics.json``,
-    ``<model>/gates.pkl`` (the fitted feature pipeline and gates, for :func:`load_online_gate`),
+    ``<model>/gates.{json,skops}`` + ``ponder.npz`` (the fitted feature pipeline and gates, without pickle:
+    :mod:`looptrace.gates.artifact`, for :func:`load_online_gate`),
     ``cross_regime.parquet`` and ``metrics.json``.
 
     Args:
@@ -142,7 +143,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
     for m, sp in stores.items():
         missing = [s for s in SPLITS if s not in sp]
         if missing:
-            raise ValueError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
+            raise MissingInputError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
     fitted = {m: fit_model_gates(sp["fit"], cfg, specs, base_seed, m, progress, runner) for m, sp in stores.items()}
     with atomic_dir(out_root) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes 0700; the artifacts are meant to be readable
@@ -172,10 +173,8 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
             metrics = _model_metrics(fitted[b], results, frames, val, test, cal, meta.get(b, {}))
             write_outputs(tmp / b, frames, metrics)
             (tmp / b).chmod(0o755)
-            with open(tmp / b / "gates.pkl", "wb") as fh:
-                pickle.dump({"model": b, "features": fitted[b].features, "gates": fitted[b].gates,
-                             "stats": tuple(cfg.stats),
-                             "hidden_dtype": (sp["test"].attrs.get("dtypes") or {}).get("hidden", "float16")}, fh)
+            save_fitted(tmp / b, b, fitted[b].features, fitted[b].gates, cfg.stats,
+                        (sp["test"].attrs.get("dtypes") or {}).get("hidden", "float16"))
             summary[b] = metrics["best_gate"]
             full = float(test.correct[:, -1].mean())
             for a, names in appliers:

@@ -3,6 +3,11 @@
 A stage writes its whole output directory into a temporary sibling and swaps it in at the end, so
 an interrupted or failed run never leaves a mix of old and new files that a later stage (or DVC)
 could take for valid output. ``jsonable`` makes ``metrics.json`` parse for ``dvc metrics show``.
+
+Reading another stage's artifact goes through :func:`read_parquet` / :func:`read_json`: a missing file is a
+:class:`~looptrace.config.MissingInputError` and a truncated or damaged one an
+:class:`~looptrace.config.InputError`, each one line naming the file and the stage that rebuilds it (a parse
+failure inside polars or json would otherwise surface as a bare "Expecting ',' delimiter").
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -19,6 +25,87 @@ from typing import Any
 
 import numpy as np
 import polars as pl
+from looptrace.config import InputError, MissingInputError
+
+#: Stage names, as directories under ``artifacts/`` (which stage rebuilds a file).
+_STAGES = ("train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report")
+
+
+def producer(path: Path | str) -> str:
+    """How to rebuild the artifact at ``path``: ``the <stage> stage (dvc repro <stage>)`` for a path under a stage's
+    output directory (the nearest such directory), else "the stage that wrote it"."""
+    for part in reversed(Path(path).parts[:-1]):
+        if part in _STAGES:
+            return f"the {part} stage (`dvc repro {part}`)"
+    return "the stage that wrote it"
+
+
+def _damaged(path: Path, what: str, exc: BaseException) -> InputError:
+    msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+    return InputError(f"{path} is truncated or not {what} ({msg}); re-run {producer(path)} to rebuild it")
+
+
+def read_parquet(path: Path | str, **kwargs: Any) -> pl.DataFrame:
+    """``pl.read_parquet(path, **kwargs)``, with a missing or damaged file as a one-line user error.
+
+    Raises:
+        MissingInputError: no file at ``path``.
+        InputError: the file is not a readable Parquet file (truncated, overwritten).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"{path} not found; run {producer(path)} first")
+    try:
+        return pl.read_parquet(path, **kwargs)
+    except (OSError, pl.exceptions.PolarsError) as exc:
+        raise _damaged(path, "a Parquet file", exc) from None
+
+
+def read_json(path: Path | str) -> Any:
+    """The JSON document at ``path``, with a missing or damaged file as a one-line user error.
+
+    Raises:
+        MissingInputError: no file at ``path``.
+        InputError: the file is not valid JSON (truncated, overwritten).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise MissingInputError(f"{path} not found; run {producer(path)} first")
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _damaged(path, "JSON", exc) from None
+
+
+def check_output_path(out: Path | str) -> Path:
+    """Create ``out``'s parent directories, refusing in one line an output (or a parent) that is an existing file
+    (``--out`` pointing at a file).
+
+    Raises:
+        InputError: ``out`` or one of its parents exists and is not a directory.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output '{out}' is a file, not a directory; pass --out a directory (or remove the file)")
+    for parent in out.parents:
+        if parent.exists() and not parent.is_dir():
+            raise InputError(f"output '{out}': '{parent}' is a file, not a directory; pass --out a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def clear_debris(out_dir: Path | str) -> list[Path]:
+    """Remove what a killed run of :func:`atomic_dir` left beside ``out_dir``: its staging dirs
+    (``.<name>.XXXXXXXX.tmp``) and a half-swapped ``.<name>.old``. Call it only while holding ``out_dir``'s
+    :func:`looptrace.io.claims.output_lock` (then no other live run owns them). Returns what was removed."""
+    out_dir = Path(out_dir)
+    if not out_dir.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(?:[A-Za-z0-9_]{{8}}\.tmp|old)")
+    removed = [p for p in sorted(out_dir.parent.iterdir()) if pattern.fullmatch(p.name)]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    return removed
 
 
 @contextlib.contextmanager
@@ -26,9 +113,11 @@ def atomic_dir(out_dir: Path | str) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``out_dir`` when the block exits cleanly.
 
     On any exception the temporary directory is removed and ``out_dir`` is left as it was.
+
+    Raises:
+        InputError: ``out_dir`` (or a parent) exists and is not a directory (:func:`check_output_path`).
     """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = check_output_path(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         yield tmp

@@ -51,6 +51,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from looptrace.config import UserError
+
 #: Default lease of a claim held by a process on another host: without a heartbeat for this long, it is dead.
 LEASE_S = 600.0
 
@@ -61,7 +63,7 @@ _NAME = re.compile(r"^(?P<base>[A-Za-z0-9_.-]+)@(?P<gen>\d+)\.json$")
 _URL = re.compile(r"^(?P<proto>[A-Za-z][A-Za-z0-9+.-]+)://(?P<rest>.*)$")
 
 
-class ClaimError(ValueError):
+class ClaimError(UserError, ValueError):
     """A one-line refusal: the output is being written by another live process, the shard plans differ, or
     this process's claim was taken over."""
 
@@ -604,7 +606,9 @@ class Coordinator:
     def remove_plans_upto(self, k: int) -> None:
         """Delete every record of plans ``<= k`` (after the output is complete), then the directory if empty.
 
-        Only the names listed now are deleted, so a plan created meanwhile by another process survives."""
+        Only the names listed now are deleted, so a plan created meanwhile by another process survives. A
+        peer's last write can re-create its record after this (os.replace onto a removed name); every writer
+        that finds the output complete calls this too, so the last one leaves nothing behind."""
         names = self.dir.names()
         drop = []
         for n in names:
@@ -713,5 +717,30 @@ def output_lock(target: str | os.PathLike, fingerprint: str = "", lease_s: float
             coord.remove_plans_upto(coord.plan_gen)
 
 
+@contextlib.contextmanager
+def stage_output(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """What a stage holds while it writes ``out_dir``: :func:`output_lock`, after refusing an ``out_dir`` that is
+    (or lies under) a file, and with a killed run's staging debris beside it removed
+    (:func:`looptrace.io.artifacts.clear_debris`). Parent directories this call creates are removed again when the
+    block leaves them empty (a refused run leaves no trace).
+
+    Raises:
+        InputError: ``out_dir`` or a parent is a file. ClaimError: another live run writes ``out_dir``.
+    """
+    from looptrace.io.artifacts import check_output_path, clear_debris
+
+    out_dir = Path(out_dir)
+    missing = [p for p in out_dir.parents if not p.exists()]
+    check_output_path(out_dir)
+    try:
+        with output_lock(out_dir):
+            clear_debris(out_dir)
+            yield out_dir
+    finally:
+        for p in missing:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()  # only if empty
+
+
 __all__ = ["LEASE_S", "ClaimError", "ClaimsDir", "Coordinator", "NullCoordinator", "Owner", "Plan",
-           "claims_location", "is_live", "output_lock", "parse_shard", "shard_from_env", "shard_range"]
+           "claims_location", "is_live", "output_lock", "parse_shard", "shard_from_env", "shard_range", "stage_output"]

@@ -24,13 +24,14 @@ torch-free. The dump's torch fast path (cast on the model's device, one ``aminma
 from __future__ import annotations
 
 import numpy as np
+from looptrace.config import UserError
 
 #: Stored dtypes of the states, and the Zarr dtype that holds each.
 STATE_DTYPES = {"float16": "float16", "float32": "float32", "bfloat16": "uint16"}
 FLOAT16_MAX = float(np.finfo(np.float16).max)  # 65504
 
 
-class PrecisionError(ValueError):
+class PrecisionError(UserError, ValueError):
     """A state does not fit the stored dtype (one line: the array, the magnitude and the fix)."""
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import math
 import os
 import re
@@ -60,6 +61,7 @@ import crc32c
 import numpy as np
 import polars as pl
 import zarr
+from looptrace.config import UserError
 from looptrace.io.artifacts import jsonable
 from looptrace.io.precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 from zarr.codecs import BloscCodec, Crc32cCodec
@@ -121,7 +123,7 @@ _INTERNAL = (_MARKER, _DIGEST)
 _RERUN = "re-run `looptrace dump` to rebuild it"
 
 
-class StoreError(ValueError):
+class StoreError(UserError, ValueError):
     """A one-line, user-facing problem with a trajectory store (names the store, the array and the fix)."""
 
 
@@ -485,7 +487,14 @@ def open_store(path: StoreTarget, allow_nan: bool = False, allow_incomplete: boo
     missing = [a for a in REQUIRED_ATTRS if a not in attrs]
     if missing:
         raise StoreError(f"store {label}: attribute '{missing[0]}' missing; {_RERUN}")
-    st = TrajectoryStore(group, label)
+    try:
+        st = TrajectoryStore(group, label)
+    except Exception as exc:  # noqa: BLE001 - an array's metadata does not parse: name the file, not the parser
+        bad = _damaged_metadata(group.store)
+        what = f"'{bad}/zarr.json' is damaged" if bad else "an array's metadata cannot be read"
+        msg = str(exc).strip().splitlines()[0][:100] if str(exc).strip() else type(exc).__name__
+        raise StoreError(f"store {label}: {what} ({msg}); delete the store and re-run `looptrace dump` to "
+                         "rebuild it") from None
     _validate_arrays(st)
     nan_count = int(attrs.get("nan_count") or 0)
     dumped_allow = bool((attrs.get("params") or {}).get("allow_nan", False))
@@ -496,6 +505,26 @@ def open_store(path: StoreTarget, allow_nan: bool = False, allow_incomplete: boo
     if verify:
         st.verify()
     return st
+
+
+def _damaged_metadata(store: zarr.abc.store.Store) -> str | None:
+    """The first member of a store (in name order) whose ``zarr.json`` is not a JSON object, or None."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    async def first_bad() -> str | None:
+        names = sorted([n async for n in store.list_dir("")])
+        for name in names:
+            buf = await store.get(f"{name}/zarr.json", default_buffer_prototype())
+            if buf is None:
+                continue
+            try:
+                if not isinstance(json.loads(buf.to_bytes()), dict):
+                    return name
+            except ValueError:
+                return name
+        return None
+
+    return sync(first_bad())
 
 
 def _chunk_keys(store: zarr.abc.store.Store, name: str) -> set[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from looptrace.config import InputError, MissingInputError
 
 
 @dataclass(frozen=True)
@@ -91,31 +92,39 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; run the geometry stage first (dvc repro geometry)")
-    schema = pl.read_parquet_schema(path)
+        raise MissingInputError(f"{path} not found; run the geometry stage first (dvc repro geometry)")
+    try:
+        schema = pl.read_parquet_schema(path)
+    except (OSError, pl.exceptions.PolarsError) as exc:
+        raise InputError(f"{path} is truncated or not a Parquet file ({_first(exc)}); re-run the geometry stage "
+                         "(`dvc repro geometry`) to rebuild it") from None
     extra = [c for c in OPTIONAL_TOKEN_COLUMNS if c in schema]
     want = list(dict.fromkeys(["split", *TOKEN_COLUMNS, *extra, "loop", "correct", *columns]))
     missing = [c for c in want if c not in schema]
     if missing:
-        raise ValueError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
+        raise InputError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
                          f"(DESIGN.md lists the token_loop columns)")
-    df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
-          .sort("split", "token", "loop").collect())
+    try:
+        df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
+              .sort("split", "token", "loop").collect())
+    except (OSError, pl.exceptions.PolarsError) as exc:
+        raise InputError(f"{path} cannot be read ({_first(exc)}); re-run the geometry stage (`dvc repro geometry`) "
+                         "to rebuild it") from None
     out: dict[str, SplitArrays] = {}
     for split in splits:
         sub = df.filter(pl.col("split") == split)
         if sub.height == 0:
-            raise ValueError(f"{path}: no rows for split '{split}'; the geometry stage must cover it "
+            raise InputError(f"{path}: no rows for split '{split}'; the geometry stage must cover it "
                              f"(geometry.splits in params.yaml)")
         loops = sub["loop"].to_numpy()
         T = int(loops.max())
         n = sub.height // T
         if sub.height % T or not np.array_equal(loops.reshape(n, T), np.broadcast_to(np.arange(1, T + 1), (n, T))):
-            raise ValueError(f"{path}: split '{split}' does not have exactly loops 1..{T} for every token; "
+            raise InputError(f"{path}: split '{split}' does not have exactly loops 1..{T} for every token; "
                              f"re-run the geometry stage")
         tok = sub["token"].to_numpy().reshape(n, T)
         if not (tok == tok[:, :1]).all() or np.unique(tok[:, 0]).size != n:
-            raise ValueError(f"{path}: split '{split}' has inconsistent token ids; re-run the geometry stage")
+            raise InputError(f"{path}: split '{split}' has inconsistent token ids; re-run the geometry stage")
         per_loop: dict[str, np.ndarray] = {}
         for c in dict.fromkeys(["correct", *columns]):
             if c == "loop":
@@ -130,10 +139,15 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
             else:
                 per_loop[c] = col.cast(pl.Float64).fill_null(np.nan).to_numpy().reshape(n, T)
         if "target_logprob" in per_loop and not np.isfinite(per_loop["target_logprob"]).all():
-            raise ValueError(f"{path}: split '{split}' has non-finite target_logprob; re-run dump/geometry")
+            raise InputError(f"{path}: split '{split}' has non-finite target_logprob; re-run dump/geometry")
         first = {c: sub[c].to_numpy().reshape(n, T)[:, 0].astype(np.int64) for c in (*TOKEN_COLUMNS, *extra)}
         out[split] = SplitArrays(token=first.pop("token"), loop=per_loop, fields=first)
     Ts = {s: f.n_loops for s, f in out.items()}
     if len(set(Ts.values())) > 1:
-        raise ValueError(f"{path}: splits have different numbers of loops {Ts}; re-run the geometry stage")
+        raise InputError(f"{path}: splits have different numbers of loops {Ts}; re-run the geometry stage")
     return out
+
+
+def _first(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return (msg.splitlines()[0] if msg else type(exc).__name__)[:120]

@@ -48,10 +48,11 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Annotated, Protocol
 
 import torch
 import torch.nn as nn
+from looptrace.config import Check, ConfigError
 from torch.nn import functional as F
 
 #: ``ModelConfig.loop_form`` values (module docstring).
@@ -93,8 +94,8 @@ class KVCache(Protocol):
 class GroupConfig:
     """One looped group: a block of ``n_layer`` layers applied ``loops`` times."""
 
-    n_layer: int = 1
-    loops: int = 6
+    n_layer: Annotated[int, Check(ge=1, why="layers of the looped block")] = 1
+    loops: Annotated[int, Check(ge=1, why="loops of the group")] = 6
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.loop_form not in LOOP_FORMS:
-            raise ValueError(f"model.loop_form must be one of {', '.join(LOOP_FORMS)}, got {self.loop_form!r}")
+            raise ConfigError(f"model.loop_form must be one of {', '.join(LOOP_FORMS)}, got {self.loop_form!r}")
         if self.loop_form == "adapter" and not self.reinject:
-            raise ValueError("model.loop_form adapter concatenates the injection: it needs model.reinject true")
+            raise ConfigError("model.loop_form adapter concatenates the injection: it needs model.reinject true")
         if self.d_model % self.n_head:
-            raise ValueError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
+            raise ConfigError(f"model.d_model={self.d_model} is not divisible by model.n_head={self.n_head}")
         if self.gate not in ("none", "linear", "mlp"):
-            raise ValueError(f"model.gate must be none, linear or mlp, got {self.gate!r}")
+            raise ConfigError(f"model.gate must be none, linear or mlp, got {self.gate!r}")
         if not self.groups or any(g.loops < 1 or g.n_layer < 1 for g in self.groups):
-            raise ValueError("model.groups needs at least one group with n_layer >= 1 and loops >= 1")
+            raise ConfigError("model.groups needs at least one group with n_layer >= 1 and loops >= 1")
 
     @property
     def n_loops(self) -> int:
@@ -383,7 +384,11 @@ class LoopedTransformer(nn.Module):
 def save_checkpoint(path, model: LoopedTransformer, **meta) -> None:
     """Write a checkpoint that carries its own config: weights, model config and ``meta``
     (task, regime, seed, metrics, versions...). Written to a temp file and renamed, so an
-    interrupted save never leaves a truncated ``model.pt``."""
+    interrupted save never leaves a truncated ``model.pt``.
+
+    Everything but the tensors must be plain values (dict, list, tuple, str, int, float, bool, None): the file is
+    read back with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`), which refuses any other object.
+    """
     import os
     from pathlib import Path
 
@@ -394,15 +399,67 @@ def save_checkpoint(path, model: LoopedTransformer, **meta) -> None:
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
-    """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict)."""
+def rebuild_hint(path) -> str:
+    """How to rebuild the checkpoint at ``path`` (``<train_root>/<model>/model.pt`` or ``.../checkpoints/*.pt``)."""
     from pathlib import Path
 
     path = Path(path)
+    model_dir = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return f"rebuild it with `dvc repro train` (or `looptrace train` for model '{model_dir.name}')"
+
+
+#: What a checkpoint that :func:`load_checkpoint` reads is.
+_EXPECTED = "expected a looptrace model.pt written by `looptrace train`"
+
+
+def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
+    """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict).
+
+    Read with ``torch.load(weights_only=True)``: tensors and plain values only, so a tampered file cannot run code
+    (checkpoints travel between people through DVC remotes).
+
+    Raises:
+        MissingInputError: no file at ``path``.
+        CheckpointLoadError: the file is truncated, not a torch checkpoint, or not a looptrace model (one line:
+            the file, what was expected, how to rebuild it).
+    """
+    import pickle
+    import zipfile
+    from pathlib import Path
+
+    from looptrace.config import CheckpointLoadError, MissingInputError
+
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint '{path}' not found; run `dvc repro train` first")
-    ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    model = LoopedTransformer(ModelConfig.from_dict(ckpt["model_config"]))
-    model.load_state_dict(ckpt["state_dict"])
+        raise MissingInputError(f"checkpoint '{path}' not found; {rebuild_hint(path)}")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut or foreign file has no directory
+        raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
+                                  f"checkpoint (not a zip archive); {_EXPECTED}; {rebuild_hint(path)}")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():  # a global other than tensors and plain values: never run it
+            raise CheckpointLoadError(f"checkpoint '{path}' holds objects other than tensors and plain values "
+                                      f"(refused: loading it could run code; {_first_line(exc)}); {_EXPECTED}; "
+                                      f"{rebuild_hint(path)}") from None
+        raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
+                                  f"checkpoint ({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever fails while parsing the file is the file's problem
+        raise CheckpointLoadError(f"checkpoint '{path}' ({path.stat().st_size} bytes) is truncated or not a torch "
+                                  f"checkpoint ({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
+    if not isinstance(ckpt, dict) or not {"model_config", "state_dict"} <= set(ckpt):
+        raise CheckpointLoadError(f"checkpoint '{path}' has no model_config/state_dict; {_EXPECTED}; "
+                                  f"{rebuild_hint(path)}")
+    try:
+        model = LoopedTransformer(ModelConfig.from_dict(ckpt["model_config"]))
+        model.load_state_dict(ckpt["state_dict"])
+    except (TypeError, ValueError, KeyError, RuntimeError, AttributeError) as exc:
+        raise CheckpointLoadError(f"checkpoint '{path}': its weights do not match its model_config "
+                                  f"({_first_line(exc)}); {_EXPECTED}; {rebuild_hint(path)}") from None
     model.eval()
     return model, ckpt
+
+
+def _first_line(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return (msg.splitlines()[0] if msg else type(exc).__name__)[:160]

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from looptrace.config import Check, ConfigError, NonNegFloat, one_of
 from looptrace.tasks import IGNORE
 from torch.nn import functional as F
 
@@ -30,21 +32,21 @@ class RegimeConfig:
         beta: joint only: weight of KL(q ‖ π).
     """
 
-    kind: str
-    lam: float = 0.3
-    prior: str = "uniform"
-    gate: str = "linear"
-    beta: float = 0.1
+    kind: Annotated[str, one_of(*KINDS)]
+    lam: Annotated[float, Check(gt=0, lt=1, why="the geometric λ")] = 0.3
+    prior: Annotated[str, one_of("uniform", "geometric")] = "uniform"
+    gate: Annotated[str, one_of("linear", "mlp")] = "linear"
+    beta: NonNegFloat = 0.1
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"regime kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise ConfigError(f"regime kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "joint" and self.prior not in ("uniform", "geometric"):
-            raise ValueError(f"joint regime prior must be uniform or geometric, got {self.prior!r}")
+            raise ConfigError(f"joint regime prior must be uniform or geometric, got {self.prior!r}")
         if self.kind == "joint" and self.gate not in ("linear", "mlp"):
-            raise ValueError(f"joint regime gate must be linear or mlp, got {self.gate!r}")
+            raise ConfigError(f"joint regime gate must be linear or mlp, got {self.gate!r}")
         if not 0.0 < self.lam < 1.0:
-            raise ValueError(f"regime lam must be in (0, 1), got {self.lam}")
+            raise ConfigError(f"regime lam must be in (0, 1), got {self.lam}")
 
     @property
     def model_gate(self) -> str:
@@ -118,7 +120,7 @@ def regime_loss(cfg: RegimeConfig, logits: torch.Tensor, targets: torch.Tensor,
         w = prior_weights(T, cfg).to(ell)  # [T]
         return ((ell * w).sum(-1) * mask).sum() / n
     if gate_logits is None:
-        raise ValueError("joint regime needs a model with a halting gate (model gate is 'none')")
+        raise ConfigError("joint regime needs a model with a halting gate (model gate is 'none')")
     q = halting_distribution(gate_logits)  # [B, S, T]
     pi = prior_weights(T, cfg).to(q)  # [T]
     kl = (q * (torch.log(q.clamp_min(1e-12)) - torch.log(pi))).sum(-1)  # KL(q ‖ π), [B, S]

@@ -14,11 +14,23 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
-from looptrace.config import BaseConfig, ConfigError, to_dict
-from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
+from looptrace.config import (
+    BaseConfig,
+    Check,
+    ConfigError,
+    NonNegFloat,
+    NonNegInt,
+    PosFloat,
+    PosInt,
+    Seed,
+    one_of,
+    to_dict,
+)
+from looptrace.models.looped import LOOP_FORMS, GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
 from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
 from looptrace.project import model_name, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
@@ -30,25 +42,31 @@ class ModelParams:
     """Architecture hyper-parameters (vocabulary, length, causality come from the task; the gate
     from the regime)."""
 
-    d_model: int = 64
-    n_head: int = 4
-    n_prelude: int = 0
-    groups: tuple[GroupConfig, ...] = field(default_factory=lambda: (GroupConfig(n_layer=1, loops=6),))
-    n_coda: int = 0
+    d_model: Annotated[int, Check(ge=2, why="model width")] = 64
+    n_head: Annotated[int, Check(ge=1, why="attention heads; d_model must be a multiple of it")] = 4
+    n_prelude: NonNegInt = 0
+    groups: Annotated[tuple[GroupConfig, ...], Check(nonempty=True)] = field(
+        default_factory=lambda: (GroupConfig(n_layer=1, loops=6),))
+    n_coda: NonNegInt = 0
     reinject: bool = True
-    gate_hidden: int = 64
+    gate_hidden: PosInt = 64
     tie_embeddings: bool = False
-    mlp_ratio: int = 4
-    loop_form: str = "add"
+    mlp_ratio: PosInt = 4
+    loop_form: Annotated[str, one_of(*LOOP_FORMS)] = "add"
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ConfigError(f"train.model.d_model = {self.d_model} is not a multiple of train.model.n_head = "
+                              f"{self.n_head}; set n_head to a divisor of d_model")
 
 
 @dataclass(frozen=True)
 class DataSeeds:
     """Data seeds of the three disjoint splits ([AD]: 42 / 43 / 44)."""
 
-    fit: int = 42
-    val: int = 43
-    test: int = 44
+    fit: Seed = 42
+    val: Seed = 43
+    test: Seed = 44
 
 
 @dataclass(frozen=True)
@@ -83,23 +101,28 @@ class TrainConfig:
     task_defs: dict[str, TaskConfig] = field(default_factory=dict)
     regime_defs: dict[str, RegimeConfig] = field(default_factory=dict)
     model: ModelParams = field(default_factory=ModelParams)
-    steps: int = 1500
-    steps_by_task: dict[str, int] = field(default_factory=dict)
-    batch_size: int = 128
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup: int = 100
-    betas: tuple[float, ...] = (0.9, 0.98)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    val_sequences: int = 1024
-    checkpoint_fractions: tuple[float, ...] = (0.1, 0.25, 0.5)
+    steps: Annotated[int, Check(ge=1, why="optimiser steps; 0 would save an untrained model")] = 1500
+    steps_by_task: dict[str, Annotated[int, Check(ge=1, why="optimiser steps")]] = field(default_factory=dict)
+    batch_size: Annotated[int, Check(ge=1, why="sequences per step")] = 128
+    lr: PosFloat = 1e-3
+    min_lr: NonNegFloat = 1e-4
+    warmup: NonNegInt = 100
+    betas: tuple[Annotated[float, Check(ge=0, lt=1, why="an AdamW beta")], ...] = (0.9, 0.98)
+    weight_decay: NonNegFloat = 0.1
+    grad_clip: PosFloat = 1.0
+    val_sequences: Annotated[int, Check(ge=1, why="val sequences of the per-loop metrics")] = 1024
+    checkpoint_fractions: tuple[Annotated[float, Check(gt=0, lt=1, why="a fraction of train.steps")], ...] = (
+        0.1, 0.25, 0.5)
     data_seeds: DataSeeds = field(default_factory=DataSeeds)
-    seeds: tuple[int, ...] = ()
-    workers: int = 1
-    threads_per_model: int | None = None
+    seeds: tuple[Seed, ...] = ()
+    workers: PosInt = 1
+    threads_per_model: PosInt | None = None
 
     def __post_init__(self) -> None:
+        if len(self.betas) != 2:
+            raise ConfigError(f"train.betas = {list(self.betas)}: AdamW takes two betas; write [0.9, 0.98]")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}; set min_lr ≤ lr")
         if len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"train.seeds has duplicates: {list(self.seeds)}")
         if self.workers < 1:
@@ -119,7 +142,7 @@ class TrainConfig:
 
     def task(self, name: str) -> Task:
         if name not in self.task_defs:
-            raise ValueError(f"task '{name}' is not defined in params section 'train.task_defs' "
+            raise ConfigError(f"task '{name}' is not defined in params section 'train.task_defs' "
                              f"(defined: {', '.join(self.task_defs) or 'none'})")
         return make_task(name, self.task_defs[name])
 
@@ -129,7 +152,7 @@ class TrainConfig:
 
     def regime(self, name: str) -> RegimeConfig:
         if name not in self.regime_defs:
-            raise ValueError(f"regime '{name}' is not defined in params section 'train.regime_defs' "
+            raise ConfigError(f"regime '{name}' is not defined in params section 'train.regime_defs' "
                              f"(defined: {', '.join(self.regime_defs) or 'none'})")
         return self.regime_defs[name]
 
@@ -267,7 +290,10 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         "val_acc_by_difficulty": ev["acc_by_difficulty"],
         "history": history,
     }
-    save_checkpoint(out_dir / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=metrics)
+    # Wall-clock figures go to metrics.json only: model.pt's sha256 is the checkpoint hash every store records, so
+    # identical weights retrained must write identical bytes.
+    timeless = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
+    save_checkpoint(out_dir / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=timeless)
     tmp = out_dir / "metrics.json.tmp"
     tmp.write_text(json.dumps(metrics, indent=2))
     tmp.replace(out_dir / "metrics.json")

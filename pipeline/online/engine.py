@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from looptrace.config import ConfigError
 from looptrace.models.looped import LoopedTransformer
 from looptrace.online.signals import LiveSignals, to_numpy
 from looptrace.rules.registry import HISTORY, SIGNAL, ExitRule, get_rule
@@ -140,7 +141,7 @@ class RegistryRule(OnlineRule):
     def __init__(self, rule: ExitRule | str, threshold: float, hidden_dtype: str = "float16"):
         rule = get_rule(rule)
         if rule.online is None:
-            raise ValueError(f"rule '{rule.name}' cannot run online ({rule.kind}: it reads {', '.join(rule.signals)})")
+            raise ConfigError(f"rule '{rule.name}' cannot run online ({rule.kind}: it reads {', '.join(rule.signals)})")
         super().__init__(rule.name, threshold, rule.op, rule.min_loop, rule.two_hit)
         self.rule, self.hidden_dtype = rule, hidden_dtype
         self.live = LiveSignals(rule.signals, None, hidden_dtype)

@@ -1,28 +1,21 @@
-"""Fitted gates run loop by loop on a live batch (the latency stage's real early exit)."""
+"""Fitted gates run loop by loop on a live batch (the latency stage's real early exit).
+
+The fitted gates are read from the gates stage's artifact by :func:`~looptrace.gates.artifact.load_fitted` (JSON,
+skops with a trusted-types list and plain arrays: nothing in it is executed).
+"""
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import numpy as np
 import torch
+from looptrace.gates.artifact import load_fitted
 from looptrace.gates.config import STORE_FEATURES, gate_rule_form
 from looptrace.online.signals import round_states
 from looptrace.signals.halting import HaltingCDF
 
-
-def load_fitted(gates_dir: Path | str) -> dict:
-    """The pickled fit of one model (``<gates_dir>/gates.pkl``): features, gates, stats, hidden dtype.
-
-    Raises:
-        FileNotFoundError: the file is missing (names the stage to run).
-    """
-    path = Path(gates_dir) / "gates.pkl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; run the gates stage (dvc repro gates)")
-    with open(path, "rb") as fh:
-        return pickle.load(fh)  # our own artifact, written by gates_stage
+__all__ = ["OnlineGate", "load_fitted", "load_online_gate"]
 
 
 class OnlineGate:
@@ -96,6 +89,6 @@ def load_online_gate(gates_dir: Path | str, rule: str) -> OnlineGate:
         :class:`OnlineGate` with ``stop_prob(t, h, signals)``, ``signals``, ``hidden_dtype`` and ``needs_logits``.
 
     Raises:
-        FileNotFoundError: no ``gates.pkl``; KeyError: the gate was not fitted.
+        MissingInputError: no gate artifact; InputError: a refused artifact; KeyError: the gate was not fitted.
     """
     return OnlineGate(load_fitted(gates_dir), str(rule).removeprefix("gate:"))

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
+from looptrace.config import InputError, MissingInputError
 from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder, decoder_for
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
@@ -306,7 +307,7 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
 
     store_path = Path(store_path)
     if not store_path.exists():
-        raise FileNotFoundError(f"{store_path} not found; run the dump stage first")
+        raise MissingInputError(f"{store_path} not found; run the dump stage first")
     st = open_store(store_path)
     task = st.attrs.get("task") or {}
     if task.get("kind") == "text":
@@ -316,10 +317,10 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
             tokens = np.asarray(text_windows(), dtype=np.int64)
             if (tokens.shape[0] < n_seq or tokens.shape[1] < S
                     or not np.array_equal(tokens[seq.astype(np.int64), pos.astype(np.int64)], tok)):
-                raise ValueError(f"{store_path}: the corpus's test windows (dump.text) differ from the store's tokens; "
+                raise InputError(f"{store_path}: the corpus's test windows (dump.text) differ from the store's tokens; "
                                  "the corpus or the tokenizer changed since the dump: re-run the dump stage")
         elif seq.size != n_seq * S:
-            raise ValueError(f"{store_path}: {seq.size} rows != {n_seq} × {S} positions (de-duplicated prefixes); "
+            raise InputError(f"{store_path}: {seq.size} rows != {n_seq} × {S} positions (de-duplicated prefixes); "
                              "the prompts need the corpus (dump.text)")
         else:
             tokens = np.zeros((n_seq, S), dtype=np.int64)
@@ -329,7 +330,7 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
         data, _, hidden_dtype = load_test_data(store_path)
         tokens = data.tokens
     if tokens.shape[0] < n or tokens.shape[1] < prompt_len:
-        raise ValueError(f"{store_path}: generate needs {n} test sequences of ≥ {prompt_len} tokens "
+        raise InputError(f"{store_path}: generate needs {n} test sequences of ≥ {prompt_len} tokens "
                          f"(generate.prompts, generate.prompt_len); the store has {tokens.shape[0]} of "
                          f"{tokens.shape[1]}")
     return np.ascontiguousarray(tokens[:n, :prompt_len]).astype(np.int64), hidden_dtype

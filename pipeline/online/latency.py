@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import torch
+from looptrace.config import InputError, MissingInputError
+from looptrace.io.artifacts import read_parquet
 from looptrace.models.looped import LoopedTransformer
 from looptrace.online.engine import (
     CallableRule,
@@ -149,12 +151,12 @@ def load_test_data(store_path: Path | str) -> tuple[TaskBatch, np.ndarray, str]:
 
     store_path = Path(store_path)
     if not store_path.exists():
-        raise FileNotFoundError(f"{store_path} not found; run the dump stage first (dvc repro dump)")
+        raise MissingInputError(f"{store_path} not found; run the dump stage first (dvc repro dump)")
     st = open_store(store_path)
     a = st.attrs
     spec = a.get("task")
     if not spec or a.get("data_seed") is None or a.get("n_sequences") is None:
-        raise ValueError(f"{store_path}: attributes task/data_seed/n_sequences are missing; re-run the dump stage")
+        raise InputError(f"{store_path}: attributes task/data_seed/n_sequences are missing; re-run the dump stage")
     spec = dict(spec)
     task = make_task(spec.pop("name", "task"), spec)
     data = task.dataset(str(a.get("split", "test")), int(a["n_sequences"]), int(a["data_seed"]))
@@ -164,7 +166,7 @@ def load_test_data(store_path: Path | str) -> tuple[TaskBatch, np.ndarray, str]:
     ok = (b.size == st.n_tokens and np.array_equal(fields["sequence"], b) and np.array_equal(fields["position"], p)
           and np.array_equal(fields["token_id"], data.tokens[b, p]) and np.array_equal(fields["target"], data.targets[b, p]))
     if not ok:
-        raise ValueError(f"{store_path}: the test sequences regenerated from its task and data_seed do not match "
+        raise InputError(f"{store_path}: the test sequences regenerated from its task and data_seed do not match "
                          f"the store's token_id/sequence/position/target; re-run the dump stage")
     token = np.full(scored.shape, -1, dtype=np.int64)
     token[b, p] = np.arange(b.size)
@@ -199,10 +201,10 @@ class RuleSpec:
 
 def _chosen_exits(path: Path, rule: str, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """[token] exit depth and correctness of ``rule`` from a chosen_exits.parquet (by store row)."""
-    ex = pl.read_parquet(path).filter(pl.col("rule") == rule).sort("token")
+    ex = read_parquet(path).filter(pl.col("rule") == rule).sort("token")
     tok = ex["token"].to_numpy()
     if tok.size != n_tokens or not np.array_equal(tok, np.arange(n_tokens)):
-        raise ValueError(f"{path}: rule '{rule}' does not cover the {n_tokens} test tokens of the store; "
+        raise InputError(f"{path}: rule '{rule}' does not cover the {n_tokens} test tokens of the store; "
                          f"re-run the stage that wrote it")
     return ex["exit_depth"].to_numpy().astype(np.int64), ex["correct"].to_numpy().astype(bool)
 
@@ -219,8 +221,8 @@ def readout_rule_specs(readouts_dir: Path | str, rules: Sequence[str], n_tokens:
     cpath, epath = readouts_dir / "chosen.parquet", readouts_dir / "chosen_exits.parquet"
     for p in (cpath, epath):
         if not p.is_file():
-            raise FileNotFoundError(f"{p} not found; run the readouts stage first (dvc repro readouts)")
-    chosen = pl.read_parquet(cpath)
+            raise MissingInputError(f"{p} not found; run the readouts stage first (dvc repro readouts)")
+    chosen = read_parquet(cpath)
     specs, skipped = [], {}
     for name in rules:
         if name == GATE:
@@ -253,7 +255,7 @@ def best_gate_rule(gates_dir: Path | str) -> dict | None:
     cpath = Path(gates_dir) / "chosen.parquet"
     if not cpath.is_file():
         return None
-    ch = pl.read_parquet(cpath)
+    ch = read_parquet(cpath)
     if ch.height == 0:
         return None
     if "within_delta" in ch.columns and ch["within_delta"].any():
@@ -366,7 +368,7 @@ def latency_model(model: LoopedTransformer, data: TaskBatch, token: np.ndarray, 
             ex_mis = int((e != sp.offline_exit[ids]).sum())
             co_mis = int((correct != sp.offline_correct[ids]).sum())
             if cfg.require_exact and (ex_mis or co_mis):
-                raise ValueError(f"latency {meta.get('model')} rule '{sp.rule}' batch {bs}: the real run differs from "
+                raise InputError(f"latency {meta.get('model')} rule '{sp.rule}' batch {bs}: the real run differs from "
                                  f"the offline chosen point on {ex_mis} exit depths / {co_mis} predictions of "
                                  f"{e.size} tokens; set latency.require_exact: false to record it instead")
             checks[sp.rule] = dict(exit_depth=e, correct=correct, loops=loops, work=w, ex_mis=ex_mis, co_mis=co_mis,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from looptrace.config import ConfigError
 from looptrace.signals.logits import STAT_NAMES, LoopStats
 from looptrace.signals.steps import GEOMETRY_METRICS, StepSignals
 
@@ -50,7 +51,7 @@ class LiveSignals:
         known = (*STAT_NAMES, *GEOMETRY_METRICS, *ALIASES, "gate_logit", "loop")
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"online signal '{unknown[0]}' is not computable on a live batch; known: {', '.join(known)}")
+            raise ConfigError(f"online signal '{unknown[0]}' is not computable on a live batch; known: {', '.join(known)}")
         self.names = tuple(dict.fromkeys(names))
         self.model, self.hidden_dtype = model, hidden_dtype
         self._logit = tuple(n for n in self.names if n in STAT_NAMES)

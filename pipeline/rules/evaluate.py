@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from looptrace.config import ConfigError
+from looptrace.config import ConfigError, InputError
 from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_resampler
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
@@ -53,6 +53,9 @@ class ReadoutsConfig:
         if not self.argmax_stable_n or min(self.argmax_stable_n) < 0:
             raise ConfigError(f"readouts.argmax_stable_n must be a non-empty list of n ≥ 0 (Huginn's count of "
                               f"consecutive equal-argmax transitions), got {list(self.argmax_stable_n)}")
+        if not self.rules:
+            raise ConfigError("readouts.rules = []: list at least one exit rule (e.g. [fixed, entropy, top1, oracle]); "
+                              f"built-ins: {', '.join(ALL_RULES)}")
         resolve_rules(self.rules, "readouts.rules")
 
 
@@ -83,7 +86,7 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
         try:
             grid = quantile_grid(grid_window(vs, rule.min_loop, rule.two_hit), cal.n_quantiles)
         except ValueError as exc:
-            raise ValueError(f"readouts rule '{rule.name}': {exc}") from None
+            raise InputError(f"readouts rule '{rule.name}': {exc}") from None
     vd = exit_depths(vs, grid, rule.op, rule.min_loop, rule.two_hit)
     td = exit_depths(ts, grid, rule.op, rule.min_loop, rule.two_hit)
     recorded = np.array([np.nan]) if rule.kind == "oracle" else grid  # a ceiling has no threshold

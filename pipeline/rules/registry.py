@@ -100,26 +100,26 @@ class ExitRule:
     def __post_init__(self) -> None:
         where = f"exit rule '{self.name}' ({self.origin})"
         if not self.name or not isinstance(self.name, str):
-            raise ValueError(f"{where}: a rule needs a non-empty name")
+            raise ConfigError(f"{where}: a rule needs a non-empty name")
         if self.op not in OPS:
-            raise ValueError(f"{where}: op must be 'le' or 'ge', got {self.op!r}")
+            raise ConfigError(f"{where}: op must be 'le' or 'ge', got {self.op!r}")
         if self.kind not in KINDS:
-            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+            raise ConfigError(f"{where}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if int(self.min_loop) < 1:
-            raise ValueError(f"{where}: min_loop must be ≥ 1, got {self.min_loop}")
+            raise ConfigError(f"{where}: min_loop must be ≥ 1, got {self.min_loop}")
         if isinstance(self.signals, str) or not self.signals:
-            raise ValueError(f"{where}: signals must be a non-empty list of signal names, got {self.signals!r}")
+            raise ConfigError(f"{where}: signals must be a non-empty list of signal names, got {self.signals!r}")
         object.__setattr__(self, "signals", tuple(self.signals))
         for s in self.signals:
             if s not in SIGNALS:
-                raise ValueError(f"{where}: unknown signal '{s}'; signals: {', '.join(SIGNALS)}")
+                raise ConfigError(f"{where}: unknown signal '{s}'; signals: {', '.join(SIGNALS)}")
             if s in OFFLINE_ONLY_SIGNALS and self.kind != "oracle":
-                raise ValueError(f"{where}: an exit rule cannot read '{s}' ({OFFLINE_ONLY_SIGNALS[s]}); "
+                raise ConfigError(f"{where}: an exit rule cannot read '{s}' ({OFFLINE_ONLY_SIGNALS[s]}); "
                                  f"it may read {', '.join(ONLINE_SIGNALS)}")
         if self.online == SIGNAL and len(self.signals) != 1:
-            raise ValueError(f"{where}: online='signal' needs exactly one signal")
+            raise ConfigError(f"{where}: online='signal' needs exactly one signal")
         if not callable(self.score):
-            raise ValueError(f"{where}: score must be a function of a dict of [token, loop] signals")
+            raise ConfigError(f"{where}: score must be a function of a dict of [token, loop] signals")
 
     def __call__(self, signals: Mapping[str, np.ndarray]) -> np.ndarray:
         """The offline score of :meth:`score_of` (so a decorated function can still be called)."""
@@ -143,17 +143,17 @@ class ExitRule:
         """
         missing = [s for s in self.signals if s not in signals]
         if missing:
-            raise ValueError(f"exit rule '{self.name}': signal '{missing[0]}' is not available")
+            raise ConfigError(f"exit rule '{self.name}': signal '{missing[0]}' is not available")
         own = {s: signals[s] for s in self.signals}
         shape = own[self.signals[0]].shape
         try:
             out = self.score(own)
         except KeyError as exc:
-            raise ValueError(f"exit rule '{self.name}' ({self.origin}) reads signal {exc} that it does not "
+            raise ConfigError(f"exit rule '{self.name}' ({self.origin}) reads signal {exc} that it does not "
                              f"declare in signals={list(self.signals)}") from None
         out = np.asarray(out, dtype=np.float64)
         if out.shape != shape:
-            raise ValueError(f"exit rule '{self.name}' ({self.origin}) returned a score of shape {out.shape} for "
+            raise ConfigError(f"exit rule '{self.name}' ({self.origin}) returned a score of shape {out.shape} for "
                              f"signals of shape {shape}; a rule maps [token, loop] signals to a [token, loop] score")
         return out
 
@@ -164,7 +164,7 @@ class ExitRule:
         vals = self.thresholds(n_loops, cfg) if callable(self.thresholds) else self.thresholds
         vals = np.asarray(list(vals), dtype=np.float64).ravel()
         if vals.size == 0:
-            raise ValueError(f"exit rule '{self.name}': no threshold values")
+            raise ConfigError(f"exit rule '{self.name}': no threshold values")
         return vals
 
 
@@ -186,12 +186,12 @@ def check_causal(rule: ExitRule, signals: Mapping[str, np.ndarray]) -> None:
         rows = np.arange(0, n, 2)
         part = rule.score_of({s: np.ascontiguousarray(v[rows]) for s, v in own.items()})
         if not np.array_equal(part, full[rows], equal_nan=True):
-            raise ValueError(f"exit rule '{rule.name}' ({rule.origin}) depends on other tokens: its score of a "
+            raise ConfigError(f"exit rule '{rule.name}' ({rule.origin}) depends on other tokens: its score of a "
                              f"token changes when other tokens are left out; a rule scores each token on its own")
     for t in range(1, T):
         part = rule.score_of({s: np.ascontiguousarray(v[:, :t]) for s, v in own.items()})
         if not np.array_equal(part[:, -1], full[:, t - 1], equal_nan=True):
-            raise ValueError(f"exit rule '{rule.name}' ({rule.origin}) is not causal: its score at loop {t} "
+            raise ConfigError(f"exit rule '{rule.name}' ({rule.origin}) is not causal: its score at loop {t} "
                              f"changes when the loops after {t} are removed; a rule may read loops 1..t only "
                              f"(online it sees no later loop)")
 
@@ -214,7 +214,7 @@ def exit_rule(signals: Sequence[str], op: str, min_loop: int = 1, two_hit: bool 
         The decorator; the decorated name is the :class:`ExitRule` (still callable on a signal dict).
     """
     if kind not in ("posthoc", "native"):
-        raise ValueError(f"exit_rule: kind must be 'posthoc' or 'native', got {kind!r}")
+        raise ConfigError(f"exit_rule: kind must be 'posthoc' or 'native', got {kind!r}")
 
     def wrap(fn: Callable) -> ExitRule:
         return ExitRule(name=name or fn.__name__, score=fn, signals=tuple(signals), op=op, min_loop=min_loop,
@@ -244,7 +244,7 @@ def register(rule: ExitRule) -> ExitRule:
     if not isinstance(rule, ExitRule):
         raise TypeError("register: pass an ExitRule (a function decorated with looptrace.rules.exit_rule)")
     if rule.name in builtin_rules():
-        raise ValueError(f"exit rule '{rule.name}' ({rule.origin}): the name is a built-in rule; pick another "
+        raise ConfigError(f"exit rule '{rule.name}' ({rule.origin}): the name is a built-in rule; pick another "
                          f"(exit_rule(name=...))")
     _REGISTERED[rule.name] = rule
     return rule

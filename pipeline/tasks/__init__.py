@@ -7,7 +7,9 @@ type, and draws three content-disjoint splits (fit / val / test, see :func:`base
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
+from looptrace.config import Check, ConfigError, NonNegInt, PosInt, one_of
 from looptrace.tasks.base import IGNORE, SPLITS, Task, TaskBatch, split_of
 from looptrace.tasks.mano import ManoTask
 from looptrace.tasks.parity import ParityTask
@@ -34,23 +36,29 @@ class TaskConfig:
     :data:`FIT_ONLY_MAX`: running parity 64, running sum 1024; 0 = none).
     """
 
-    kind: str
-    length: int = 12
-    modulus: int = 5
-    max_length: int = 16
-    min_length: int = 1
-    max_ops: int = 3
-    min_ops: int = 1
-    ops: tuple[str, ...] = ("+", "*")
+    kind: Annotated[str, one_of(*KINDS)]
+    length: PosInt = 12
+    modulus: Annotated[int, Check(ge=2, why="values 0..modulus-1")] = 5
+    max_length: PosInt = 16
+    min_length: PosInt = 1
+    max_ops: PosInt = 3
+    min_ops: PosInt = 1
+    ops: Annotated[tuple[Annotated[str, one_of("+", "*", "-")], ...], Check(nonempty=True)] = ("+", "*")
     causal: bool | None = None
-    fit_only_max: int | None = None
-    split_rule: str = "context"
+    fit_only_max: NonNegInt | None = None
+    split_rule: Annotated[str, one_of("context", "sequence")] = "context"
 
     def __post_init__(self) -> None:
         if self.split_rule not in SPLIT_RULES:
-            raise ValueError(f"task split_rule must be one of {', '.join(SPLIT_RULES)}, got {self.split_rule!r}")
+            raise ConfigError(f"task split_rule must be one of {', '.join(SPLIT_RULES)}, got {self.split_rule!r}")
         if self.fit_only_max is not None and self.fit_only_max < 0:
-            raise ValueError(f"task fit_only_max must be >= 0 or null, got {self.fit_only_max}")
+            raise ConfigError(f"task fit_only_max must be >= 0 or null, got {self.fit_only_max}")
+        if self.min_length > self.max_length:
+            raise ConfigError(f"task {self.kind}: min_length = {self.min_length} exceeds max_length = "
+                              f"{self.max_length}; set min_length ≤ max_length")
+        if self.min_ops > self.max_ops:
+            raise ConfigError(f"task {self.kind}: min_ops = {self.min_ops} exceeds max_ops = {self.max_ops}; "
+                              "set min_ops ≤ max_ops")
 
 
 SPLIT_RULES = ("context", "sequence")
@@ -82,4 +90,4 @@ def make_task(name: str, cfg: TaskConfig | dict) -> Task:
     if cfg.kind == "mano":
         return ManoTask(name, modulus=cfg.modulus, max_ops=cfg.max_ops, min_ops=cfg.min_ops, ops=cfg.ops,
                         causal=True if cfg.causal is None else cfg.causal, split_rule=rule)
-    raise ValueError(f"task '{name}': kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
+    raise ConfigError(f"task '{name}': kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import numpy as np
+from looptrace.config import ConfigError
 
 IGNORE = -100  # target id of positions that are not scored (torch cross_entropy's ignore_index)
 
@@ -272,7 +273,7 @@ class Task(ABC):
             have += len(cand)
             if have >= n:
                 return TaskBatch.concat(parts).take(slice(0, n))
-        raise RuntimeError(f"task {self.name}: could not draw {n} examples of split {split}")
+        raise ConfigError(f"task {self.name}: could not draw {n} examples of split {split}")
 
     def dataset(self, split: str, n: int, seed: int) -> TaskBatch:
         """A fixed data set: ``n`` sequences of ``split`` from data seed ``seed``."""

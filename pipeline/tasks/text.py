@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from looptrace.config import ConfigError
+from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.tasks import IGNORE, SPLITS, TaskBatch
 from looptrace.tasks.base import prefix_keys, shared_prefixes
 
@@ -133,7 +133,7 @@ def read_documents(path: Path | str, fmt: str = "auto", field: str = "text",
     """
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"dump.text.path '{path}' not found; point it at a local JSONL, Parquet or text file")
+        raise MissingInputError(f"dump.text.path '{path}' not found; point it at a local JSONL, Parquet or text file")
     if fmt == "auto":
         fmt = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}.get(
             path.suffix.lower(), "text")
@@ -146,9 +146,9 @@ def read_documents(path: Path | str, fmt: str = "auto", field: str = "text",
                 try:
                     obj = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{i}: not valid JSON ({exc.msg}); one JSON object per line") from None
+                    raise InputError(f"{path}:{i}: not valid JSON ({exc.msg}); one JSON object per line") from None
                 if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
-                    raise ValueError(f"{path}:{i}: no string field '{field}'; set dump.text.field")
+                    raise ConfigError(f"{path}:{i}: no string field '{field}'; set dump.text.field")
                 docs.append(obj[field])
                 if max_documents is not None and len(docs) >= max_documents:
                     break
@@ -158,9 +158,9 @@ def read_documents(path: Path | str, fmt: str = "auto", field: str = "text",
         try:
             col = pl.read_parquet(path, columns=[field], n_rows=max_documents)[field]
         except Exception as exc:  # noqa: BLE001 - polars raises several types for a missing column / bad file
-            raise ValueError(f"{path}: cannot read column '{field}' ({type(exc).__name__}); set dump.text.field") from None
+            raise ConfigError(f"{path}: cannot read column '{field}' ({type(exc).__name__}); set dump.text.field") from None
         if col.dtype != pl.String:
-            raise ValueError(f"{path}: column '{field}' is {col.dtype}, not text; set dump.text.field")
+            raise ConfigError(f"{path}: column '{field}' is {col.dtype}, not text; set dump.text.field")
         docs = [d for d in col.to_list() if d is not None]
     else:
         text = path.read_text(encoding="utf-8")
@@ -169,7 +169,7 @@ def read_documents(path: Path | str, fmt: str = "auto", field: str = "text",
     if max_documents is not None:
         docs = docs[:max_documents]
     if not docs:
-        raise ValueError(f"{path}: no non-empty documents")
+        raise InputError(f"{path}: no non-empty documents")
     return docs
 
 
@@ -238,7 +238,7 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"tokenizer directory '{path}': cannot load a tokenizer ({msg}); set dump.text.tokenizer") from None
+        raise ConfigError(f"tokenizer directory '{path}': cannot load a tokenizer ({msg}); set dump.text.tokenizer") from None
     finally:
         hf_logging.set_verbosity(level)
 
@@ -284,7 +284,7 @@ def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = 
     """
     tokens, targets = pack(_stream(tokenizer, docs, cfg), cfg.seq_len, n)
     if vocab_size is not None and targets.size and int(max(tokens.max(), targets.max())) >= vocab_size:
-        raise ValueError(f"tokenizer produces id {int(max(tokens.max(), targets.max()))} but the model reads out "
+        raise InputError(f"tokenizer produces id {int(max(tokens.max(), targets.max()))} but the model reads out "
                          f"{vocab_size} classes; dump.text.tokenizer does not match the checkpoint")
     which = tokens if cfg.token_type_of == "input" else targets
     table = token_type_table(tokenizer, which)
@@ -310,7 +310,7 @@ def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: P
     for split, n in sequences.items():
         batch = text_batch(tok, by_split[SPLITS.index(split)], cfg, int(n), vocab_size)
         if len(batch) == 0:
-            raise ValueError(f"dump.text.path '{cfg.path}': split '{split}' gets {len(by_split[SPLITS.index(split)])} "
+            raise InputError(f"dump.text.path '{cfg.path}': split '{split}' gets {len(by_split[SPLITS.index(split)])} "
                              f"documents, not one window of {cfg.seq_len + 1} tokens; use a longer corpus or a "
                              "smaller dump.text.seq_len")
         out[split] = batch

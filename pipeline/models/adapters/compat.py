@@ -85,7 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from looptrace.errors import UserError
+from looptrace.config import CheckpointLoadError  # noqa: F401  (re-exported: the loaders' error)
 
 #: transformers versions the shim supports: [low, high) as (major, minor).
 SUPPORTED_TRANSFORMERS = ((4, 55), (6, 0))
@@ -97,13 +97,6 @@ TIED_SOURCE = {"huginn": "transformer.wte.weight", "ouro": "model.embed_tokens.w
 DISABLE_ENV = "LOOPTRACE_COMPAT_DISABLE"
 _MARK = "_looptrace_compat"
 
-
-class CheckpointLoadError(UserError, ValueError):
-    """A checkpoint that cannot be loaded, with a known cause: one line naming the path, what failed and the fix.
-
-    A :class:`~looptrace.errors.UserError` (the stages print it as one line, exit 2) and a ``ValueError`` (what
-    the loaders raised before).
-    """
 
 
 # ---------------------------------------------------------------------------------------------

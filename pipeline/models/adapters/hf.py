@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from looptrace.config import ConfigError, to_dict
+from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.models.adapters import compat
 from looptrace.models.adapters.compat import CheckpointLoadError
 from looptrace.models.interface import AdapterInfo, LoopedModelAdapter, States, file_sha256
@@ -355,7 +355,7 @@ class HFAdapter(LoopedModelAdapter):
             st = self._states(ids)
             T = self.info.n_loops
             if st.hidden.shape[2] != T:
-                raise ValueError(f"adapter '{self.info.name}' ({self.kind}): the model ran {st.hidden.shape[2]} "
+                raise InputError(f"adapter '{self.info.name}' ({self.kind}): the model ran {st.hidden.shape[2]} "
                                  f"loops, expected {T}")
             if not self._verified:
                 self._verify(ids, st)
@@ -398,7 +398,7 @@ class HFAdapter(LoopedModelAdapter):
         tol = (1e-3 if self.dtype == torch.float32 else 3e-2) * (1.0 + float(ref.abs().max()))
         err = float((got - ref).abs().max())
         if not err <= tol:  # NaN-safe
-            raise ValueError(
+            raise InputError(
                 f"adapter '{self.info.name}' ({self.kind}): the per-loop exit path does not reproduce the model's "
                 f"own logits at loop {loop + 1} (max |diff| {err:.3g} > {tol:.3g}); the checkpoint's code differs "
                 "from the interface this adapter implements (docs/adapters.md) — set dump.adapter.verify_exit: "
@@ -417,7 +417,7 @@ class DoryAdapter(HFAdapter):
         c = base.config
         self.P, self.R, self.C = c.n_input_layers, c.n_recurrent_layers, c.n_output_layers
         if self.R < 1:
-            raise ValueError(f"dump.adapter.path '{cfg.path}': Dory checkpoint has no recurrent layers")
+            raise InputError(f"dump.adapter.path '{cfg.path}': Dory checkpoint has no recurrent layers")
         super().__init__(model, cfg, device)
 
     def _shape(self):
@@ -456,7 +456,7 @@ class RetrofitAdapter(HFAdapter):
         base = getattr(model, "model", None)
         if base is None or not hasattr(base, "layers") or not hasattr(base, "norm") or \
                 model.get_output_embeddings() is None:
-            raise ValueError(f"dump.adapter.path '{cfg.path}': kind retrofit needs a decoder with model.layers, "
+            raise InputError(f"dump.adapter.path '{cfg.path}': kind retrofit needs a decoder with model.layers, "
                              f"model.norm and an lm_head ({type(model).__name__} has not)")
         L = len(base.layers)
         self.start, self.end = int(cfg.block[0]), int(cfg.block[1])
@@ -475,7 +475,7 @@ class RetrofitAdapter(HFAdapter):
         with _recording(base.layers, range(self.start, L), calls):
             base(input_ids=ids, use_cache=False)
         if len(calls) != L - self.start:
-            raise ValueError(f"adapter '{self.info.name}': expected {L - self.start} calls of layers "
+            raise InputError(f"adapter '{self.info.name}': expected {L - self.start} calls of layers "
                              f"{self.start}..{L - 1}, saw {len(calls)}")
         h0 = _hidden_of(*calls[0])
         block = calls[: self.end - self.start]
@@ -544,7 +544,7 @@ class Inkling2LoopAdapter(HFAdapter):
     def _readout(self, h, loop):
         ctx, tm = self._ctx, self.text
         if not torch.equal(h, ctx.hidden[:, :, loop]):
-            raise ValueError(f"adapter '{self.info.name}' (inkling2loop): the exit reads the block states of the "
+            raise InputError(f"adapter '{self.info.name}' (inkling2loop): the exit reads the block states of the "
                              "pass, so readout(h, t) only accepts the h_t of the last states() call")
         block = ctx.blocks[loop]
         for i, call in zip(range(self.e, self.L), ctx.coda, strict=True):
@@ -588,7 +588,7 @@ class OuroAdapter(HFAdapter):
         c = self.model.config
         T = getattr(self.model.model, "total_ut_steps", None) or getattr(c, "total_ut_steps", None)
         if T is None:
-            raise ValueError(f"dump.adapter.path '{self.cfg.path}': Ouro config has no total_ut_steps; "
+            raise InputError(f"dump.adapter.path '{self.cfg.path}': Ouro config has no total_ut_steps; "
                              "set dump.adapter.n_loops")
         return int(T), c.hidden_size, self.model.get_output_embeddings().out_features
 
@@ -596,7 +596,7 @@ class OuroAdapter(HFAdapter):
     def _split(out) -> tuple[list, list]:
         if isinstance(out, tuple | list) and len(out) >= 3:
             return list(out[1]), list(out[2])
-        raise ValueError("ouro adapter: model.model(...) did not return (output, hidden_states_list, gate_list) as "
+        raise InputError("ouro adapter: model.model(...) did not return (output, hidden_states_list, gate_list) as "
                          f"Ouro's modeling_ouro.OuroModel does (got {type(out).__name__})")
 
     def _states(self, ids):
@@ -646,7 +646,7 @@ class HuginnAdapter(HFAdapter):
     def __init__(self, model, cfg, device="cpu"):
         missing = [m for m in self.METHODS if not callable(getattr(model, m, None))]
         if missing:
-            raise ValueError(f"dump.adapter.path '{cfg.path}': {type(model).__name__} lacks {', '.join(missing)} "
+            raise InputError(f"dump.adapter.path '{cfg.path}': {type(model).__name__} lacks {', '.join(missing)} "
                              f"(kind huginn expects Huginn's raven_modeling_minimal interface: {', '.join(self.METHODS)})")
         super().__init__(model, cfg, device)
 
@@ -654,7 +654,7 @@ class HuginnAdapter(HFAdapter):
         c = self.model.config
         T = self.cfg.n_loops or getattr(c, "mean_recurrence", None)
         if T is None:
-            raise ValueError(f"dump.adapter.path '{self.cfg.path}': no mean_recurrence in config; set dump.adapter.n_loops")
+            raise InputError(f"dump.adapter.path '{self.cfg.path}': no mean_recurrence in config; set dump.adapter.n_loops")
         d = getattr(c, "n_embd", None) or getattr(c, "hidden_size", None)
         return int(T), int(d), self.model.get_output_embeddings().out_features
 
