@@ -246,6 +246,25 @@ def test_feature_columns_stats_and_loop_encoding(tmp_path):
     assert sc.transform(h, None).shape == (40, 4, 9)
 
 
+def test_non_finite_states_and_infinite_stats_are_refused_with_counts(tmp_path):
+    """Issue 15 item 8: a NaN/inf state is never silently turned into 0 / ±1.8e308; NaN stats (undefined) are kept."""
+    from looptrace.config import InputError
+
+    st = two_group_stores(tmp_path, n=(64, 40, 40))["val"]
+    h = st.read("hidden").astype(np.float64)
+    s = block_stats(st, slice(0, 40), ("rel_step", "kl_prev"))
+    fp = FeaturePipeline(4, 8, 0, ("rel_step", "kl_prev"), True, "onehot").fit(h, s)
+    bad = h.copy()
+    bad[3, 2, 5], bad[7, 0, 1] = np.nan, np.inf
+    for fn in (lambda: fp.transform(bad, s), lambda: FeaturePipeline(4, 8, 2, (), True, "none").fit(bad, None)):
+        with pytest.raises(InputError, match=r"'hidden' has 2 non-finite"):
+            fn()
+    s2 = s.copy()
+    s2[1, 3, 0] = np.inf
+    with pytest.raises(InputError, match=r"'rel_step' has 1 infinite"):
+        fp.transform(h, s2)
+
+
 # ------------------------------------------------------------------------------------------------
 # End to end
 # ------------------------------------------------------------------------------------------------

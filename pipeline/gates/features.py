@@ -63,6 +63,12 @@ class FeaturePipeline:
     def _continuous(self, h: np.ndarray, stats: np.ndarray | None, loops: np.ndarray, fit: bool) -> np.ndarray:
         n, L, D = h.shape
         H = np.asarray(h, dtype=np.float64).reshape(n * L, D)
+        # A NaN/±inf state (a store dumped with dump.allow_nan) would otherwise become 0 or ±1.8e308 below,
+        # silently: refuse it with the count (issue 15 item 8: nothing changed silently).
+        bad = int(H.size - np.count_nonzero(np.isfinite(H)))
+        if bad:
+            raise InputError(f"gate features: array 'hidden' has {bad} non-finite value(s) in {n} token(s) × {L} "
+                             "loop(s); gates need finite states — re-dump without dump.allow_nan or drop those tokens")
         if self.pca_components:
             if fit:
                 from sklearn.decomposition import PCA
@@ -72,7 +78,13 @@ class FeaturePipeline:
             H = self.pca.transform(H)
         parts = [H]
         if self.stats:
-            parts.append(transform_stats(stats, self.stats, self.log_stats).reshape(n * L, len(self.stats)))
+            S = transform_stats(stats, self.stats, self.log_stats).reshape(n * L, len(self.stats))
+            inf = np.isinf(S).sum(axis=0)  # NaN is "undefined" (t = 1 of kl_prev, …) and allowed; ±inf is not
+            if inf.any():
+                j = int(np.argmax(inf > 0))
+                raise InputError(f"gate features: statistic '{self.stats[j]}' has {int(inf[j])} infinite value(s); "
+                                 "drop it from gates.stats or re-dump the store")
+            parts.append(S)
         if self.loop_feature == "scalar":
             parts.append(np.broadcast_to(((loops + 1) / self.n_loops)[None, :], (n, L)).reshape(n * L, 1))
         return np.concatenate(parts, axis=1)
@@ -110,7 +122,8 @@ class FeaturePipeline:
             raise ValueError(f"gate features were fit on d_model {self.d_model}, got states of width {D}")
         loops = np.arange(L) if loops is None else np.asarray(loops)
         C = self.scaler.transform(self._continuous(h, stats, loops, fit=False))
-        C = np.nan_to_num(C, nan=0.0)  # undefined statistic (t = 1) -> the fit mean
+        # Only undefined statistics (t = 1) are NaN here (states and ±inf were refused above) -> the fit mean.
+        C = np.where(np.isnan(C), 0.0, C)
         parts = [C]
         if self.loop_feature == "onehot":
             oh = np.zeros((n, L, self.n_loops))
