@@ -65,10 +65,11 @@ class FeaturePipeline:
         H = np.asarray(h, dtype=np.float64).reshape(n * L, D)
         # A NaN/±inf state (a store dumped with dump.allow_nan) would otherwise become 0 or ±1.8e308 below,
         # silently: refuse it with the count (issue 15 item 8: nothing changed silently).
-        bad = int(H.size - np.count_nonzero(np.isfinite(H)))
+        bad = int(np.count_nonzero(~np.isfinite(H)))
         if bad:
-            raise InputError(f"gate features: array 'hidden' has {bad} non-finite value(s) in {n} token(s) × {L} "
-                             "loop(s); gates need finite states — re-dump without dump.allow_nan or drop those tokens")
+            raise InputError(f"gate features: array 'hidden' has {bad} non-finite value(s) in a block of {n} token(s) "
+                             f"× {L} loop(s); gates need finite states — re-dump without dump.allow_nan or drop "
+                             "those tokens")
         if self.pca_components:
             if fit:
                 from sklearn.decomposition import PCA
