@@ -50,14 +50,25 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 from looptrace.config import InputError, MissingInputError
-from looptrace.intervals import Interval, across_seeds, compare, from_row
+from looptrace.intervals import (
+    Interval,
+    IntervalsConfig,
+    Resampler,
+    across_seeds,
+    boot_seed,
+    compare,
+    from_row,
+    spearman_level_samples,
+    spearman_token_samples,
+    split_resampler,
+)
 from looptrace.io.artifacts import read_json, read_parquet, write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
@@ -87,6 +98,10 @@ class DiagnoseConfig:
             defined loops.
         spearman_aggregation: headline aggregation: ``difficulty_mean`` (Spearman over difficulty levels
             of the per-level mean signal) or ``token`` (over test tokens).
+        spearman_intervals: which spearman.parquet rows get a bootstrap interval (over test sequences, the
+            ``intervals`` section's B and level): ``headline`` (the headline signal × loop × aggregation of
+            every model; the others have NaN bounds and n_boot 0) or ``all`` (every row; ≈ 0.4 s per
+            token-aggregation row at 20 k tokens × B = 1000).
     """
 
     x: float = 95.0
@@ -96,6 +111,7 @@ class DiagnoseConfig:
     spearman_headline: str = "entropy"
     spearman_loop: int | None = None
     spearman_aggregation: str = "difficulty_mean"
+    spearman_intervals: str = "headline"
 
     def __post_init__(self) -> None:
         from looptrace.config import ConfigError
@@ -107,6 +123,9 @@ class DiagnoseConfig:
         if self.spearman_aggregation not in ("difficulty_mean", "token"):
             raise ConfigError("diagnose.spearman_aggregation must be 'difficulty_mean' or 'token', got "
                               f"{self.spearman_aggregation!r}")
+        if self.spearman_intervals not in ("headline", "all"):
+            raise ConfigError("diagnose.spearman_intervals must be 'headline' or 'all', got "
+                              f"{self.spearman_intervals!r}")
         if self.spearman_headline not in (*self.spearman_signals, "oracle_depth"):
             raise ConfigError(f"diagnose.spearman_headline '{self.spearman_headline}' must be one of "
                               "diagnose.spearman_signals or 'oracle_depth'")
@@ -183,7 +202,8 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
     return float(res.statistic), float(res.pvalue), n
 
 
-def spearman_rows(difficulty: np.ndarray, signals: dict[str, np.ndarray]) -> list[dict]:
+def spearman_rows(difficulty: np.ndarray, signals: dict[str, np.ndarray], rs: Resampler | None = None,
+                  with_interval: Callable[[str, int | None, str], bool] | None = None) -> list[dict]:
     """Spearman ρ between difficulty and each signal, on two aggregations.
 
     ``token``: over test tokens (difficulty_i, signal_i). ``difficulty_mean``: over difficulty levels
@@ -192,12 +212,21 @@ def spearman_rows(difficulty: np.ndarray, signals: dict[str, np.ndarray]) -> lis
     loops (``loop`` null); [token] signals (``oracle_depth``) have ``loop`` null. Fewer than 3 finite
     points or a constant input give NaN.
 
+    **Intervals.** ρ's interval is a percentile bootstrap over test *sequences* (the unit of every interval,
+    :mod:`looptrace.intervals`): each resample redraws whole sequences, the difficulty and signal of a token
+    stay paired, and ρ is recomputed on the resample exactly as on the data — over its tokens (mid-ranks of
+    the expanded multiset) or over its difficulty levels' means. The p-value assumes independent points,
+    which tokens of one sequence are not; the interval does not.
+
     Args:
         difficulty: [token] int.
         signals: name -> [token, loop] or [token] array.
+        rs: the test split's resampler (:func:`looptrace.intervals.split_resampler`); None = no intervals.
+        with_interval: (signal, loop, aggregation) -> whether that row gets an interval (None = every row).
 
     Returns:
-        list of dicts: signal, loop, aggregation, rho, pvalue, n.
+        list of dicts: signal, loop, aggregation, rho, pvalue, n, rho_lo, rho_hi (NaN without an interval),
+        n_boot, n_sequences (0 without one).
     """
     diff = np.asarray(difficulty, dtype=np.float64)
     levels = np.unique(diff)
@@ -214,13 +243,26 @@ def spearman_rows(difficulty: np.ndarray, signals: dict[str, np.ndarray]) -> lis
             cols = [(None, sig)]
         for loop, v in cols:
             rho, p, n = _spearman(diff, v)
-            rows.append({"signal": name, "loop": loop, "aggregation": "token", "rho": rho, "pvalue": p, "n": n})
+            rows.append({"signal": name, "loop": loop, "aggregation": "token", "rho": rho, "pvalue": p, "n": n,
+                         **_rho_interval(rs, with_interval, name, loop, "token", rho,
+                                         lambda v=v: spearman_token_samples(rs, diff, v))})
             means = np.array([np.nanmean(v[diff == lv]) if np.isfinite(v[diff == lv]).any() else np.nan
                               for lv in levels])
             rho, p, n = _spearman(levels, means)
             rows.append({"signal": name, "loop": loop, "aggregation": "difficulty_mean", "rho": rho, "pvalue": p,
-                         "n": n})
+                         "n": n, **_rho_interval(rs, with_interval, name, loop, "difficulty_mean", rho,
+                                                 lambda v=v: spearman_level_samples(rs, diff, v)[0])})
     return rows
+
+
+def _rho_interval(rs: Resampler | None, with_interval: Callable | None, signal: str, loop: int | None, agg: str,
+                  rho: float, samples: Callable[[], np.ndarray]) -> dict:
+    """``rho_lo``, ``rho_hi``, ``n_boot``, ``n_sequences`` of one Spearman row (NaN / 0 when it has none)."""
+    if rs is None or rs.n_boot == 0 or math.isnan(rho) or (with_interval is not None
+                                                           and not with_interval(signal, loop, agg)):
+        return {"rho_lo": math.nan, "rho_hi": math.nan, "n_boot": 0, "n_sequences": 0}
+    lo, hi = rs.interval(samples())
+    return {"rho_lo": float(lo), "rho_hi": float(hi), "n_boot": rs.n_boot, "n_sequences": rs.n_units}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -814,24 +856,58 @@ def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.Da
     where = "the per-token mean over its defined loops" if cfg.spearman_loop is None else f"loop {cfg.spearman_loop}"
     desc = ("over difficulty levels, of each level's mean signal" if agg == "difficulty_mean" else "over test tokens")
     lines.append(f"Headline: {cfg.spearman_headline} at {where}, Spearman {desc} ([AD]: entropy ≈ 1.0 under fixed "
-                 "priors). Every signal × loop × aggregation is in spearman.parquet.")
+                 "priors). n is the number of points ρ is computed over"
+                 + (" (with a dozen levels ρ = 1 − 6Σd²/(n(n²−1)) is coarse: one swap of two adjacent levels "
+                    "moves it by 12/(n(n²−1)) ≈ 0.007 at n = 12)" if agg == "difficulty_mean" else "")
+                 + "; the interval is a bootstrap over test sequences (tokens of a sequence stay together, "
+                 "difficulty and signal stay paired). Every signal × loop × aggregation is in spearman.parquet.")
     lines.append("")
-    sel = _headline_rho(spearman, cfg)
+    groups_rho, models_rho = spearman_headlines(spearman, cfg)
     regime = dict(zip(verdicts["model"].to_list(), verdicts["regime_kind"].to_list(), strict=True))
-    unit = "difficulty levels" if agg == "difficulty_mean" else "tokens"
-    by_group: dict[str, list[dict]] = {}
-    for r in sel.sort("model").iter_rows(named=True):
-        by_group.setdefault(split_seed(r["model"])[0], []).append(r)
-        lines.append(f"- {r['model']} ({regime.get(r['model']) or '?'}): ρ = {_fmt(r['rho'])} "
-                     f"(n = {r['n']} {unit}).")
-    multi = {g: rs for g, rs in by_group.items() if len(rs) > 1}
+    for m, d in models_rho.items():
+        lines.append(f"- {m} ({regime.get(m) or '?'}): ρ = {d['iv'].fmt()} ({_rho_basis(d)}).")
+    multi = {g: d for g, d in groups_rho.items() if d["iv"].n_seeds > 1}
     if multi:
         lines += ["", "Across seeds (mean with the Student-t 95 % interval over seeds):", ""]
-        for g, rs in multi.items():
-            iv = across_seeds([Interval(_f(r["rho"]), method="none") for r in rs])
-            lines.append(f"- {g}: ρ = {_ci(iv)} ({_seeds_word(iv.n_seeds)}; n = "
-                         f"{', '.join(str(r['n']) for r in rs)} {unit}).")
+        for g, d in multi.items():
+            lines.append(f"- {g}: ρ = {_ci(d['iv'])} ({_seeds_word(d['iv'].n_seeds)}; n = "
+                         f"{', '.join(str(n) for n in d['n'])} {d['unit']}).")
     return "\n".join(lines) + "\n"
+
+
+def _rho_basis(d: dict) -> str:
+    """``n = 12 difficulty levels, bootstrap over 64 test sequences, B = 1000`` (or ``no interval``)."""
+    out = f"n = {d['n']} {d['unit']}"
+    if d["n_boot"]:
+        out += f", bootstrap over {d['n_sequences']} test sequences, B = {d['n_boot']}"
+    else:
+        out += "; no interval"
+    return out
+
+
+def spearman_headlines(spearman: pl.DataFrame, cfg: DiagnoseConfig) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The headline ρ of every model and of every task × regime over its seeds.
+
+    Returns:
+        (groups, models): name -> {``iv`` (:class:`Interval`: a model's bootstrap interval; a group's mean
+        with the Student-t interval over seeds), ``n`` (points ρ is over; a list for groups), ``unit``,
+        ``n_boot``, ``n_sequences``}.
+    """
+    unit = "difficulty levels" if cfg.spearman_aggregation == "difficulty_mean" else "tokens"
+    sel = _headline_rho(spearman, cfg)
+    models: dict[str, dict] = {}
+    by_group: dict[str, list[str]] = {}
+    for r in sel.sort("model").iter_rows(named=True):
+        nb = int(r.get("n_boot") or 0)
+        iv = Interval(_f(r["rho"]), _f(r.get("rho_lo")), _f(r.get("rho_hi")), 1,
+                      "bootstrap" if nb else "none", nb, int(r.get("n_sequences") or 0))
+        models[r["model"]] = {"iv": iv, "n": int(r["n"]), "unit": unit, "n_boot": nb,
+                              "n_sequences": int(r.get("n_sequences") or 0)}
+        by_group.setdefault(split_seed(r["model"])[0], []).append(r["model"])
+    groups = {g: {"iv": across_seeds([models[m]["iv"] for m in ms]), "n": [models[m]["n"] for m in ms],
+                  "unit": unit, "n_boot": models[ms[0]]["n_boot"], "n_sequences": models[ms[0]]["n_sequences"]}
+              for g, ms in by_group.items()}
+    return groups, models
 
 
 def _dx_iv(row: dict, name: str) -> Interval | None:
@@ -872,7 +948,8 @@ def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] 
 
 def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root: Path | str,
                     geometry_root: Path | str, cfg: DiagnoseConfig, meta: dict | None = None,
-                    progress: bool = True, runner: DaskRunner | None = None
+                    progress: bool = True, runner: DaskRunner | None = None,
+                    intervals: IntervalsConfig | None = None, seed: int = 0
                     ) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Failure classes, Spearman, verdicts and the [AD] claims over all models.
 
@@ -889,6 +966,8 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
         runner: one Dask task per model (:func:`model_rows`; the workers read the model's files, so with a
             remote scheduler the artifacts must be on a filesystem the workers share); None = in this process.
             The claims over all models are then drawn here from the per-model rows, in model order.
+        intervals: the ``intervals`` section (Spearman intervals; None = none).
+        seed: ``base.seed`` (the bootstrap's seed with the model name).
 
     Returns:
         (frames {failure_classes, spearman, verdicts}, summary markdown, metrics dict incl. claim details).
@@ -896,7 +975,8 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
     from tqdm.auto import tqdm
 
     models = list(models)
-    parts = map_tasks(model_rows, [[m] for m in models], (readouts_root, gates_root, geometry_root, cfg), runner)
+    parts = map_tasks(model_rows, [[m] for m in models], (readouts_root, gates_root, geometry_root, cfg, intervals, seed),
+                     runner)
     rows: dict[str, list] = {k: [] for k in _ROW_KEYS}
     gates_present = False
     for part in tqdm(parts, total=len(models), desc="diagnose", disable=None if progress else True, leave=False):
@@ -922,10 +1002,11 @@ def _present(df: pl.DataFrame, cols: Sequence[str]) -> list[str]:
 
 
 def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Path | str, geometry_root: Path | str,
-               cfg: DiagnoseConfig) -> dict:
+               cfg: DiagnoseConfig, intervals: IntervalsConfig | None = None, seed: int = 0) -> dict:
     """The per-model work of :func:`diagnose_models` (in this process or as a Dask task): each model's failure
     rows, Spearman rows, verdict, metadata row and D@X rows (lists, one entry per row, in model order) and
-    whether it has gates outputs."""
+    whether it has gates outputs. The Spearman intervals resample the test split exactly as the readouts and
+    gates stages do (same sequences, same B, same seed from ``base.seed`` and the model name)."""
     readouts_root, gates_root, geometry_root = Path(readouts_root), Path(gates_root), Path(geometry_root)
     fail_rows, sp_rows, verdict_rows, meta_rows, dx_all = [], [], [], [], []
     gates_present = False
@@ -965,7 +1046,9 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         signals = {s: test.loop[s] for s in cfg.spearman_signals}
         c = correct
         signals["oracle_depth"] = np.where(c.any(1), c.argmax(1) + 1, c.shape[1]).astype(np.float64)
-        sp_rows += [{"model": model, **r} for r in spearman_rows(test.fields["difficulty"], signals)]
+        rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
+        sp_rows += [{"model": model, **r} for r in spearman_rows(test.fields["difficulty"], signals, rs,
+                                                                _interval_rows(cfg))]
         ch, dx = pl.concat(chosen, how="diagonal_relaxed"), pl.concat(dxs, how="diagonal_relaxed")
         dx_all.append(dx.with_columns(model=pl.lit(model)))
         # the ceiling with its bootstrap interval as the readouts stage wrote it (same resamples as every rule
@@ -977,6 +1060,14 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         verdict_rows.append(verdict(info, ch, dx, oracle, mf, cfg))
     return {"fail_rows": fail_rows, "sp_rows": sp_rows, "verdict_rows": verdict_rows, "meta_rows": meta_rows,
             "dx_all": dx_all, "gates_present": gates_present}
+
+
+def _interval_rows(cfg: DiagnoseConfig) -> Callable[[str, int | None, str], bool] | None:
+    """Which Spearman rows get an interval (``diagnose.spearman_intervals``); None = all."""
+    if cfg.spearman_intervals == "all":
+        return None
+    return lambda signal, loop, agg: (signal == cfg.spearman_headline and agg == cfg.spearman_aggregation
+                                      and loop == cfg.spearman_loop)
 
 
 def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: list, dx_all: list,
@@ -1009,7 +1100,16 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
                                              "text": (_dx_ci if k.startswith("dx_") else _ci)(i)}
         return out
 
+    g_rho, m_rho = spearman_headlines(frames["spearman"], cfg)
+
+    def rho_entry(d: dict) -> dict:
+        return {**d["iv"].to_dict(), "n": d["n"], "unit": d["unit"]}
+
     metrics = {**(meta or {}), "gates_present": gates_present,
+               "spearman": {"signal": cfg.spearman_headline, "loop": cfg.spearman_loop,
+                            "aggregation": cfg.spearman_aggregation,
+                            "models": {m: rho_entry(d) for m, d in m_rho.items()},
+                            "groups": {g: rho_entry(d) for g, d in g_rho.items()}},
                "claims": {c["claim"]: c["status"] for c in claims},
                "models": {v["model"]: entry(v, 1) for v in verdict_rows},
                "groups": {g["group"]: {"n_seeds": g["n_seeds"], "seed_verdicts": g["seed_verdicts"],

@@ -288,13 +288,26 @@ def spearman_level_samples(rs: Resampler, levels: np.ndarray, y: np.ndarray) -> 
     top, bot = rs.counts @ s.T, rs.counts @ c.T  # [B, L]
     with np.errstate(invalid="ignore", divide="ignore"):
         means = top / bot
-    out = np.empty(rs.n_boot)
     lx = uniq.astype(np.float64)
-    for b in range(rs.n_boot):
-        m = means[b]
-        k = np.isfinite(m)
-        out[b] = _spearman_plain(lx[k], m[k])
-    return out, uniq
+    return _spearman_rows_vs(lx, means), uniq
+
+
+def _spearman_rows_vs(x: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Spearman ρ of the fixed values ``x`` [L] against every row of ``ys`` [B, L] (mid-ranks; a NaN entry
+    leaves its level out of that row; fewer than 3 points or a constant side give NaN), [B]."""
+    from scipy.stats import rankdata
+
+    out = np.full(ys.shape[0], np.nan)
+    full = np.isfinite(ys).all(axis=1)
+    if full.any() and x.size >= 3:  # the common case, vectorised: ranks of each row at once
+        y = ys[full]
+        w = np.ones_like(y)
+        rx = np.broadcast_to(_tie_ranks(x, w[:1])[0], y.shape)
+        out[full] = _weighted_pearson(rx, rankdata(y, axis=1), w)
+    for b in np.flatnonzero(~full):
+        k = np.isfinite(ys[b])
+        out[b] = _spearman_plain(x[k], ys[b, k])
+    return out
 
 
 def _spearman_plain(x: np.ndarray, y: np.ndarray) -> float:

@@ -8,6 +8,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
 from looptrace.errors import run, user_errors
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.project import model_names, versions
@@ -27,14 +28,16 @@ def main(
         base = load_base(params)
         cfg = load_section(DiagnoseConfig, "diagnose", params, required=True)
         # The claims are tested at D@x, which exists only if readouts and gates computed it.
+        ivc = load_section(IntervalsConfig, "intervals", params)
         require_in("diagnose.x", cfg.x, "calibration.dx", load_section(CalibrationConfig, "calibration", params).dx)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out):
             names = model_names(params, models)
-            meta = {"seed": base.seed, "params": to_dict(cfg), "versions": versions(), "models_list": names}
+            meta = {"seed": base.seed, "params": {**to_dict(cfg), "intervals": to_dict(ivc)}, "versions": versions(),
+                    "models_list": names}
             with dask_runner(base.dask) as runner:
                 frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta,
-                                                           runner=runner)
+                                                           runner=runner, intervals=ivc, seed=base.seed)
             write_diagnosis(out, frames, summary, metrics)
     for name, status in metrics["claims"].items():
         typer.echo(f"[AD] claim ({name}): {status}")

@@ -76,6 +76,76 @@ def test_spearman_rows():
     assert get[("scalar", None, "token")]["rho"] == pytest.approx(1.0)
     # constant signal -> NaN, not an error
     assert math.isnan(D.spearman_rows(diff, {"c": np.ones(200)})[0]["rho"])
+    assert all(math.isnan(r["rho_lo"]) and r["n_boot"] == 0 for r in rows)  # no resampler: no intervals
+
+
+def _expanded_rho(seq, counts, diff, sig, agg):
+    """ρ of one resample computed the slow, independent way: repeat every sequence's tokens as often as the
+    resample drew it, then scipy's spearmanr on the tokens or on the per-level means."""
+    from scipy.stats import spearmanr
+
+    reps = counts[seq].astype(int)
+    d, v = np.repeat(diff, reps), np.repeat(sig, reps)
+    ok = np.isfinite(v)
+    d, v = d[ok], v[ok]
+    if agg == "token":
+        return spearmanr(d, v).statistic
+    lv = np.unique(d)
+    return spearmanr(lv, [v[d == x].mean() for x in lv]).statistic
+
+
+def test_spearman_intervals_are_a_paired_bootstrap_over_sequences():
+    from looptrace.intervals import Resampler, percentile_interval
+
+    rng = np.random.default_rng(5)
+    n_seq, per = 40, 6
+    seq = np.repeat(np.arange(n_seq), per)
+    diff = rng.integers(0, 5, seq.size)
+    sig = np.stack([diff + rng.normal(0, 1.5, seq.size), rng.normal(0, 1, seq.size)], 1)
+    sig[:5, 1] = np.nan
+    B = 60
+    counts = rng.multinomial(n_seq, np.full(n_seq, 1 / n_seq), size=B).astype(float)
+    rs = Resampler(seq, 0, counts=counts)
+    rows = D.spearman_rows(diff, {"s": sig}, rs)
+    get = {(r["signal"], r["loop"], r["aggregation"]): r for r in rows}
+    for loop in (1, 2):
+        for agg in ("token", "difficulty_mean"):
+            want = np.array([_expanded_rho(seq, counts[b], diff, sig[:, loop - 1], agg) for b in range(B)])
+            lo, hi = percentile_interval(want[:, None], 0.95)
+            r = get[("s", loop, agg)]
+            assert (r["rho_lo"], r["rho_hi"]) == pytest.approx((lo[0], hi[0]), abs=1e-12), (loop, agg)
+            assert (r["n_boot"], r["n_sequences"]) == (B, n_seq)
+    # a real trend has an interval above 0 that holds the estimate; noise has one that straddles 0
+    tr = get[("s", 1, "token")]
+    assert 0 < tr["rho_lo"] <= tr["rho"] <= tr["rho_hi"]
+    nz = get[("s", 2, "token")]
+    assert nz["rho_lo"] < 0 < nz["rho_hi"]
+    # headline only: the other rows have no interval, the headline's is the same numbers
+    only = D.spearman_rows(diff, {"s": sig}, rs, lambda s, loop, agg: loop == 1 and agg == "token")
+    got = {(r["signal"], r["loop"], r["aggregation"]): r for r in only}
+    assert got[("s", 1, "token")]["rho_lo"] == tr["rho_lo"]
+    assert math.isnan(got[("s", 2, "token")]["rho_lo"]) and got[("s", None, "difficulty_mean")]["n_boot"] == 0
+
+
+def test_spearman_headline_with_intervals_in_summary_and_metrics():
+    sp = pl.DataFrame({"model": ["t-joint-s0", "t-joint-s1"], "signal": ["entropy"] * 2, "loop": [None, None],
+                       "aggregation": ["difficulty_mean"] * 2, "rho": [0.62, 0.70], "pvalue": [0.1, 0.1], "n": [12, 11],
+                       "rho_lo": [0.55, 0.61], "rho_hi": [0.69, 0.77], "n_boot": [1000, 1000],
+                       "n_sequences": [200, 200]}, schema_overrides={"loop": pl.Int64})
+    groups, models = D.spearman_headlines(sp, D.DiagnoseConfig())
+    m0 = models["t-joint-s0"]
+    assert (m0["iv"].estimate, m0["iv"].lo, m0["iv"].hi, m0["n"]) == (0.62, 0.55, 0.69, 12)
+    assert D._rho_basis(m0) == "n = 12 difficulty levels, bootstrap over 200 test sequences, B = 1000"
+    g = groups["t-joint"]["iv"]
+    half = 12.706204736174707 * np.std([0.62, 0.70], ddof=1) / math.sqrt(2)
+    assert (g.estimate, g.n_seeds) == (pytest.approx(0.66), 2)
+    assert (g.lo, g.hi) == (pytest.approx(0.66 - half), pytest.approx(0.66 + half))
+    v = pl.DataFrame([{"model": f"t-joint-s{s}", "regime_kind": "joint", "verdict": "at-ceiling", "best_rule": None,
+                       "evidence": "e"} for s in (0, 1)])
+    md = D.summary_markdown(v, [], sp, D.DiagnoseConfig(), groups=pl.DataFrame())
+    assert ("- t-joint-s0 (joint): ρ = 0.62 [0.55, 0.69] (n = 12 difficulty levels, bootstrap over 200 test "
+            "sequences, B = 1000).") in md
+    assert f"- t-joint: ρ = 0.66 [{0.66 - half:.2f}, {0.66 + half:.2f}] (2 seeds; n = 12, 11 difficulty levels)." in md
 
 
 def _iv3(v):
@@ -359,12 +429,12 @@ def test_summary_markdown_from_numbers():
     assert ("| t-joint | joint | 1 | readout-limited | entropy | 2.25 [2.00, 2.50] | 4.00 [3.90, 4.10] | "
             "3.75 [3.50, 4.00] | 1.50 [1.40, 1.60] | 3.00 [3.00, 3.00] | not reached | not run | not reached |") in md
     assert "the native gate at 3.75 [3.50, 4.00] is higher than it" in md
-    assert "- t-joint (joint): ρ = 0.88 (n = 4 difficulty levels)." in md  # loop null row, not loop 1
+    assert "- t-joint (joint): ρ = 0.88 (n = 4 difficulty levels; no interval)." in md  # loop null row, not loop 1
     assert "| t-joint | entropy | 90.0 | 6.0 | 3.0 | 1.0 |" in md
     assert "(a) [AD]" in md and "untestable — no fixed-prior (uniform/geometric) model in this run" in md
     assert not re.search(r"\b(None|nan|inf)\b", md)
     cfg1 = D.DiagnoseConfig(spearman_loop=1)
-    assert "ρ = 0.10 (n = 4 difficulty levels)" in D.summary_markdown(verdicts, claims, sp, cfg1)
+    assert "ρ = 0.10 (n = 4 difficulty levels; no interval)" in D.summary_markdown(verdicts, claims, sp, cfg1)
     # two seeds of one group: the Spearman headline across seeds, t_{0.975, 1} · sd / √2
     sp2 = pl.DataFrame({"model": ["t-joint-s0", "t-joint-s1"], "signal": ["entropy"] * 2, "loop": [None, None],
                         "aggregation": ["difficulty_mean"] * 2, "rho": [0.8, 0.9], "pvalue": [0.1, 0.1], "n": [4, 4]},
@@ -382,6 +452,8 @@ def test_config_validation():
         from_dict(D.DiagnoseConfig, {"spearman_aggregation": "mean"}, "diagnose")
     with pytest.raises(ConfigError, match="spearman_headline"):
         from_dict(D.DiagnoseConfig, {"spearman_headline": "nope"}, "diagnose")
+    with pytest.raises(ConfigError, match="spearman_intervals must be 'headline' or 'all'"):
+        from_dict(D.DiagnoseConfig, {"spearman_intervals": "some"}, "diagnose")
 
 
 def _gate_outputs(root, model, splits, seed):
@@ -414,7 +486,18 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
             _gate_outputs(tmp_path / "gates", m, splits, i)
     cfg = D.DiagnoseConfig()
     frames, summary, metrics = D.diagnose_models(models, tmp_path / "readouts", tmp_path / "gates",
-                                                 tmp_path / "geometry", cfg, progress=False)
+                                                 tmp_path / "geometry", cfg, progress=False,
+                                                 intervals=IntervalsConfig(n_boot=200), seed=0)
+    # the Spearman headline of every model carries its bootstrap interval; the other rows none (headline mode)
+    sp = frames["spearman"]
+    head = sp.filter((pl.col("signal") == "entropy") & pl.col("loop").is_null()
+                     & (pl.col("aggregation") == "difficulty_mean"))
+    assert head.height == 3 and (head["n_boot"] == 200).all() and (head["n_sequences"] > 1).all()
+    assert ((head["rho_lo"] <= head["rho"]) & (head["rho"] <= head["rho_hi"])).all()
+    assert sp.filter(pl.col("n_boot") == 0).height == sp.height - 3
+    ms = metrics["spearman"]["models"][models[0]]
+    assert ms["lo"] == head["rho_lo"][0] and ms["n_boot"] == 200 and ms["unit"] == "difficulty levels"
+    assert f"ρ = {ms['text']} (n = {ms['n']} difficulty levels, bootstrap over" in summary
     fc = frames["failure_classes"]
     total = fc.select(pl.sum_horizontal(*D.CLASSES)).to_series()
     assert (total == fc["n_tokens"]).all()
