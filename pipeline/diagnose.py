@@ -100,7 +100,7 @@ class DiagnoseConfig:
             of the per-level mean signal) or ``token`` (over test tokens).
         spearman_intervals: which spearman.parquet rows get a bootstrap interval (over test sequences, the
             ``intervals`` section's B and level): ``headline`` (the headline signal × loop × aggregation of
-            every model; the others have NaN bounds and n_boot 0) or ``all`` (every row; ≈ 0.4 s per
+            every model; the others have NaN bounds and n_boot 0) or ``all`` (every row; ≈ 0.8 s per
             token-aggregation row at 20 k tokens × B = 1000).
     """
 

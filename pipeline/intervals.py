@@ -255,7 +255,7 @@ def spearman_token_samples(rs: Resampler, x: np.ndarray, y: np.ndarray, block: i
 
     Each resample is the multiset of its sequences' tokens; ρ is Pearson's r of their mid-ranks (ties share
     a rank), i.e. ``scipy.stats.spearmanr`` of the expanded resample. Computed in blocks of resamples
-    (``block`` rows; 0 = sized to ~32 M elements) so memory stays bounded on large splits.
+    (``block`` rows; 0 = sized to ~1 M elements, ~8 MB per array) so memory stays bounded on large splits.
     """
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     ok = np.isfinite(x) & np.isfinite(y)
@@ -265,7 +265,7 @@ def spearman_token_samples(rs: Resampler, x: np.ndarray, y: np.ndarray, block: i
     n = int(ok.sum())
     if n < 3:
         return np.full(rs.n_boot, np.nan)
-    block = block or max(1, (1 << 25) // max(1, n))
+    block = block or max(1, (1 << 20) // max(1, n))  # ~1 M elements (measured: 0.8 s vs 21 s at 32 M)
     out = np.empty(rs.n_boot)
     for lo in range(0, rs.n_boot, block):
         w = rs.token_weights(slice(lo, lo + block))[:, ok]
