@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+from collections import Counter
 
 import numpy as np
 import polars as pl
@@ -24,7 +26,9 @@ from looptrace.tasks.text import (
     loss_bins,
     pack,
     read_documents,
+    surprisal_bins,
     text_batch,
+    unigram_surprisal,
 )
 
 from tests import hf_helpers as H
@@ -127,6 +131,25 @@ def test_dedup_prefixes_hand_case():
     assert sum(rep2["unscored"].values()) == 0
 
 
+def test_unigram_surprisal_hand_case():
+    # N = 6 targets over V = 4 ids: counts (3, 2, 1, 0) -> u = log(10 / (c + 1))
+    u = unigram_surprisal(np.array([0, 0, 0, 1, 1, 2]), 4)
+    np.testing.assert_allclose(u, np.log(10 / np.array([4.0, 3.0, 2.0, 1.0])))
+    assert u[3] > u[2] > u[1] > u[0]  # rarer is harder; an id never seen in fit gets the largest value
+    edges = np.array([u[1]])  # two bins: {0, 1} easy, {2, 3} hard
+    np.testing.assert_array_equal(surprisal_bins(np.array([[0, 1, 2, -100, 3]]), u, edges), [[0, 0, 1, -1, 1]])
+    with pytest.raises(ValueError, match="vocabulary size 2"):
+        unigram_surprisal(np.array([0, 5]), 2)
+
+
+def test_text_difficulty_config():
+    from looptrace.config import ConfigError
+
+    assert TextConfig(path="x").difficulty == "token_frequency"
+    with pytest.raises(ConfigError, match="dump.text.difficulty must be token_frequency or final_loss"):
+        TextConfig(path="x", difficulty="loss")
+
+
 def test_loss_bins_hand_case():
     loss = np.array([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, np.nan])
     bins, edges = loss_bins(loss, 2)
@@ -165,11 +188,18 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
     raw = text_splits(dataclasses.replace(tcfg, dedup_prefixes=False), {"fit": 4, "val": 4, "test": 4}, ckpt, H.VOCAB)
     assert all((b.targets != -100).all() for b in raw.values())
     tok = H.tokenizer()
+    fit_docs = [d for d in read_documents(tmp_path / "corpus.jsonl") if document_split(d) == 0]
+    fit_stream = [t for d in fit_docs for t in (tok.bos_token_id, *tok(d, add_special_tokens=False)["input_ids"],
+                                                tok.eos_token_id)]
+    counts, n_fit = Counter(fit_stream[1:]), len(fit_stream) - 1
+    assert n_fit > 4 * 16  # counted on every fit document, not only the 4 dumped windows
+    fit_u = np.array([math.log((n_fit + H.VOCAB) / (counts[y] + 1)) for y in fit_stream[1:]])
+    fit_edges = np.quantile(fit_u, np.arange(1, 10) / 10)
     for split in ("fit", "val", "test"):
         st = open_store(art / "dump" / "tiny" / f"{split}.zarr")
         a = st.attrs
         assert (a["split"], a["task"]["kind"], a["difficulty_name"], a["logits_mode"]) == (
-            split, "text", "final_loss_bin", "topk")  # vocab 300 > full_logits_max_vocab 256
+            split, "text", "unigram_surprisal_bin", "topk")  # vocab 300 > full_logits_max_vocab 256
         assert a["dtypes"]["hidden"] == "float16" and a["token_types"] == list(TOKEN_TYPES)
         assert a["prefix_overlap"]["shared_any"] == 0 and a["prefix_overlap"]["n_scored"] == n_scored[split]
         b = data[split]
@@ -189,11 +219,13 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
         # top-k of the last loop = top-k of the model's logits
         z = out.logits.reshape(-1, H.VOCAB)[torch.from_numpy(m)]
         np.testing.assert_array_equal(st.read("topk_ids")[:, -1], z.topk(16, -1).indices.numpy())
-        # difficulty = decile of the full-depth loss within the split (independent numpy quantiles)
-        loss = -ref_lp.astype(np.float64)
-        edges = np.quantile(loss, np.arange(1, 10) / 10)
-        np.testing.assert_array_equal(st.read("difficulty"), [int((edges < x).sum()) for x in loss])
-        assert np.allclose(a["difficulty_edges"], edges, rtol=1e-4)
+        # difficulty = decile of the target's unigram surprisal counted on the fit split's token stream, with fit
+        # edges (independent: counted here with a Counter over the fit documents, tokenised again)
+        u = np.array([math.log((n_fit + H.VOCAB) / (counts[y] + 1)) for y in tgt])
+        np.testing.assert_array_equal(st.read("difficulty"), [int((fit_edges < x).sum()) for x in u])
+        assert a["difficulty_edges"] == pytest.approx(fit_edges.tolist(), abs=1e-12)
+        assert a["difficulty_counts"] == {"n_tokens": n_fit, "vocab_size": H.VOCAB}
+        assert "independent of the model" in a["difficulty_definition"]
         types = [classify_token_text(tok.decode([i]), special=i in tok.all_special_ids) for i in st.read("token_id")]
         np.testing.assert_array_equal(st.read("token_type"), types)
 
@@ -266,6 +298,37 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
     assert r.exit_code == 0, r.output
     a = open_store(art / "dump_raw" / "tiny" / "test.zarr").attrs["prefix_overlap"]
     assert a["allowed"] and a["shared_any"] > 0 and a["n_scored"] == 64
+
+
+def test_final_loss_difficulty_is_the_models_own_loss_decile(tmp_path):
+    """``text.difficulty: final_loss``: the column is rewritten after the forward from the stored loss at loop T
+    (independent: the model's own forward, numpy quantiles within the split)."""
+    from looptrace.cli import app
+    from looptrace.io.store import open_store
+    from looptrace.tasks.text import text_splits
+    from transformers import DoryForCausalLM
+    from typer.testing import CliRunner
+
+    ckpt = H.build_dory(tmp_path / "dory")
+    params = lm_params(tmp_path, ckpt, corpus(tmp_path / "corpus.jsonl"))
+    p = yaml.safe_load(params.read_text())
+    p["dump"]["text"]["difficulty"] = "final_loss"
+    p["dump"]["sequences"] = {"test": 4}
+    params.write_text(yaml.safe_dump(p, sort_keys=False))
+    r = CliRunner().invoke(app, ["dump", "--params", str(params), "--out", str(tmp_path / "dump")])
+    assert r.exit_code == 0, r.output
+    st = open_store(tmp_path / "dump" / "tiny" / "test.zarr")
+    assert st.attrs["difficulty_name"] == "final_loss_bin" and "depends on the model" in st.attrs["difficulty_definition"]
+    b = text_splits(TextConfig(path=str(tmp_path / "corpus.jsonl"), seq_len=16), {"test": 4}, ckpt, H.VOCAB)["test"]
+    m = (b.targets != -100).ravel()
+    model = DoryForCausalLM.from_pretrained(ckpt, local_files_only=True).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.from_numpy(b.tokens)).logits.float(), -1).reshape(-1, H.VOCAB).numpy()[m]
+    tgt = b.targets.ravel()[m]
+    loss = -logp[np.arange(len(tgt)), tgt].astype(np.float64)
+    edges = np.quantile(loss, np.arange(1, 10) / 10)
+    np.testing.assert_array_equal(st.read("difficulty"), [int((edges < x).sum()) for x in loss])
+    assert np.allclose(st.attrs["difficulty_edges"], edges, rtol=1e-4)
 
 
 def test_lm_stage_errors_are_one_line(tmp_path):

@@ -75,7 +75,7 @@ from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
 from looptrace.tasks.base import prefix_keys, shared_prefixes
-from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_splits
+from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_dataset
 from tqdm.auto import tqdm
 
 
@@ -803,8 +803,9 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
                     shard: tuple[int, int] = (0, 1)) -> dict:
     """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
 
-    The batches come from :func:`looptrace.tasks.text.text_splits` (content-disjoint document splits, packed);
-    ``difficulty`` is rewritten before completion by :func:`looptrace.tasks.text.loss_bins_finalizer`.
+    The batches come from :func:`looptrace.tasks.text.text_dataset` (content-disjoint document splits, packed,
+    ``difficulty`` from fit-split token frequencies); with ``text.difficulty: final_loss`` it is rewritten before
+    completion by :func:`looptrace.tasks.text.loss_bins_finalizer`.
 
     Args:
         adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters.hf``).
@@ -815,7 +816,7 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
         shard: ``(i, N)``: this process's shard of every split (:func:`dump_split`).
 
     Returns:
-        split -> completed store, ``difficulty`` = loss bin of ℓ_T (rewritten before completion).
+        split -> completed store (``difficulty_*`` attributes: name, definition, edges).
     """
     if cfg.text is None:
         raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
@@ -824,16 +825,17 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
         raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
     out_dir = _out_dir(out_dir)
     trust = bool(cfg.adapter is not None and cfg.adapter.trust_remote_code)
-    data = text_splits(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size, trust)
+    data, diff_attrs = text_dataset(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size, trust)
     overlap = shared_prefixes({s: prefix_keys(b.tokens)[b.targets != IGNORE] for s, b in data.items()})
     check_prefix_overlap(overlap, cfg.allow_prefix_overlap, adapter.info.name)
     _say(f"{adapter.info.name}: {overlap_line(overlap)}")
     stores = {}
     for split, batch in data.items():
-        attrs = {**text_attrs(cfg.text, split), "base_seed": None if base is None else base.seed,
+        attrs = {**text_attrs(cfg.text, split), **diff_attrs, "base_seed": None if base is None else base.seed,
                  "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
         stores[split] = dump_split(adapter, batch, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
-                                   finalize=loss_bins_finalizer(cfg.text.difficulty_bins), shard=shard)
+                                   finalize=(loss_bins_finalizer(cfg.text.difficulty_bins)
+                                             if cfg.text.difficulty == "final_loss" else None), shard=shard)
     return stores
 
 def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[str, Any]:

@@ -23,12 +23,21 @@ a text corpus is turned into the same :class:`~looptrace.tasks.TaskBatch` the sy
   word, plus ``special`` (the tokenizer's special tokens) and ``other`` (e.g. a byte-level piece that is not
   valid UTF-8 by itself). Classification is per token, so a sub-word piece ``the`` of "theory" counts as a
   function word: that is a property of token-level typing, not a bug.
-- ``difficulty`` = the bin (decile by default) of the full-depth loss ℓ_T = −log p_T(y) among the split's
-  tokens. It is only known after the forward pass, so the dump writes −1 first and
+- ``difficulty`` (``text.difficulty``) must not be a function of the model being analysed, or "difficulty vs
+  entropy" is nearly circular (a token the model finds hard has a high final loss *and* a high entropy by
+  construction). The default, ``token_frequency``, is a property of the corpus alone: the add-one smoothed
+  unigram surprisal of the target, u(y) = log((N + V) / (c(y) + 1)) nats, with c(y) the count of y among the
+  N target tokens of the *fit* split's whole token stream (every fit document, however many windows are
+  dumped) and V the model's vocabulary size; rare targets are hard. Bins (``difficulty_bins``, deciles) are
+  the fit split's empirical quantiles k/n of u over those N tokens, applied to every split, so a level means
+  the same in fit, val and test; bin b holds edges[b−1] < u ≤ edges[b] (equal values share a bin, so a very
+  frequent token can leave some bins empty). Edges, N, V and the definition are in the store attributes
+  (``difficulty_edges``, ``difficulty_counts``, ``difficulty_definition``); name ``unigram_surprisal_bin``.
+  ``final_loss`` keeps the model-dependent alternative, the bin of the full-depth loss ℓ_T = −log p_T(y)
+  among the split's tokens: it is only known after the forward pass, so the dump writes −1 first and
   :func:`loss_bins_finalizer` rewrites the column from the stored ``target_logprob`` at loop T before the
-  store is marked complete (``dump_split(..., finalize=...)``). Bin edges are the empirical quantiles
-  k/n (k = 1..n−1) of ℓ_T in that split; bin b holds edges[b−1] < ℓ_T ≤ edges[b] (equal losses share
-  a bin), computed per split so each store is self-contained. The edges are recorded in the store attributes (``difficulty_edges``).
+  store is marked complete (``dump_split(..., finalize=...)``), with per-split quantile edges; name
+  ``final_loss_bin``.
 """
 
 from __future__ import annotations
@@ -48,7 +57,16 @@ from looptrace.tasks import IGNORE, SPLITS, TaskBatch
 from looptrace.tasks.base import prefix_keys, shared_prefixes
 
 TOKEN_TYPES = ("whitespace", "punctuation", "number", "function_word", "content_word", "special", "other")
-DIFFICULTY_NAME = "final_loss_bin"
+#: ``text.difficulty`` -> the store's ``difficulty_name``.
+DIFFICULTY_NAMES = {"token_frequency": "unigram_surprisal_bin", "final_loss": "final_loss_bin"}
+#: One line per definition, recorded as ``difficulty_definition`` beside the data.
+DIFFICULTY_DEFINITIONS = {
+    "token_frequency": "bin of the target's add-one smoothed unigram surprisal log((N + V) / (c(y) + 1)) nats, "
+                       "c counted over the N target tokens of the fit split's token stream, V = vocabulary size; "
+                       "bins = fit quantiles (independent of the model)",
+    "final_loss": "bin of the analysed model's full-depth loss -log p_T(y) among the split's tokens (per-split "
+                  "quantiles; depends on the model)",
+}
 
 #: Closed-class English words (articles, determiners, pronouns, prepositions, conjunctions, auxiliaries,
 #: modals, particles). Fixed so token types are reproducible; lower-cased match on the stripped token.
@@ -85,7 +103,10 @@ class TextConfig:
         add_bos: start each document with the tokenizer's BOS token (when it has one).
         add_eos: end each document with the tokenizer's EOS token (when it has one).
         token_type_of: ``input`` (the position's own token) or ``target`` (the token predicted).
-        difficulty_bins: number of full-depth-loss bins of ``difficulty`` (10 = deciles).
+        difficulty: ``token_frequency`` (unigram surprisal of the target from fit-split counts: a property of
+            the corpus) or ``final_loss`` (the analysed model's full-depth loss; circular beside its own
+            confidence signals). Module docstring.
+        difficulty_bins: number of quantile bins of ``difficulty`` (10 = deciles).
         max_documents: read at most this many documents (null = all).
         dedup_prefixes: unscore, in all but one split, every window prefix scored in several splits
             (:func:`dedup_prefixes`); false keeps the document-level split only.
@@ -99,6 +120,7 @@ class TextConfig:
     add_bos: bool = True
     add_eos: bool = True
     token_type_of: str = "input"
+    difficulty: str = "token_frequency"
     difficulty_bins: int = 10
     max_documents: int | None = None
     dedup_prefixes: bool = True
@@ -110,6 +132,8 @@ class TextConfig:
             raise ConfigError(f"dump.text.seq_len must be >= 1, got {self.seq_len}")
         if self.token_type_of not in ("input", "target"):
             raise ConfigError(f"dump.text.token_type_of must be input or target, got {self.token_type_of!r}")
+        if self.difficulty not in DIFFICULTY_NAMES:
+            raise ConfigError(f"dump.text.difficulty must be token_frequency or final_loss, got {self.difficulty!r}")
         if self.difficulty_bins < 1:
             raise ConfigError(f"dump.text.difficulty_bins must be >= 1, got {self.difficulty_bins}")
 
@@ -296,10 +320,23 @@ def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = 
 def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: Path | str,
                 vocab_size: int | None = None, trust_remote_code: bool = False) -> dict[str, TaskBatch]:
     """Every split of ``sequences`` (split → at most that many sequences) from the corpus of ``cfg``
-    (``trust_remote_code``: :func:`load_tokenizer`'s).
+    (``trust_remote_code``: :func:`load_tokenizer`'s); :func:`text_dataset` without the difficulty attributes."""
+    return text_dataset(cfg, sequences, tokenizer_path, vocab_size, trust_remote_code)[0]
+
+
+def text_dataset(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: Path | str,
+                 vocab_size: int | None = None, trust_remote_code: bool = False
+                 ) -> tuple[dict[str, TaskBatch], dict[str, Any]]:
+    """The splits of ``sequences`` from the corpus of ``cfg``, with ``difficulty`` filled for ``token_frequency``.
+
+    Returns:
+        (split -> :class:`TaskBatch`, the difficulty's store attributes: ``difficulty_name``,
+        ``difficulty_definition`` and, for ``token_frequency``, ``difficulty_edges`` (nats) and
+        ``difficulty_counts`` {n_tokens N, vocab_size V}; for ``final_loss`` the edges come at the finaliser).
 
     Raises:
-        ValueError: a split gets no full window (names the file, split and the fix).
+        ValueError: a split gets no full window, or the fit split has no token to count (names the file, split
+        and the fix).
     """
     docs = read_documents(cfg.path, cfg.format, cfg.field, cfg.max_documents)
     tok = load_tokenizer(cfg.tokenizer or tokenizer_path, trust_remote_code)
@@ -314,9 +351,23 @@ def text_splits(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: P
                              f"documents, not one window of {cfg.seq_len + 1} tokens; use a longer corpus or a "
                              "smaller dump.text.seq_len")
         out[split] = batch
+    attrs: dict[str, Any] = {"difficulty_name": DIFFICULTY_NAMES[cfg.difficulty],
+                             "difficulty_definition": DIFFICULTY_DEFINITIONS[cfg.difficulty]}
+    if cfg.difficulty == "token_frequency":
+        fit_targets = _stream(tok, by_split[SPLITS.index("fit")], cfg)[1:]  # every target of the fit stream
+        if fit_targets.size == 0:
+            raise InputError(f"dump.text.path '{cfg.path}': the fit split has no token to count frequencies on; "
+                             "use a longer corpus or dump.text.difficulty: final_loss")
+        V = int(vocab_size) if vocab_size is not None else max(len(tok), int(fit_targets.max()) + 1)
+        surprisal = unigram_surprisal(fit_targets, V)
+        _, edges = loss_bins(surprisal[fit_targets], cfg.difficulty_bins)
+        out = {s: TaskBatch(b.tokens, b.targets, surprisal_bins(b.targets, surprisal, edges), b.token_type)
+               for s, b in out.items()}
+        attrs.update(difficulty_edges=edges.tolist(),
+                     difficulty_counts={"n_tokens": int(fit_targets.size), "vocab_size": V})
     if cfg.dedup_prefixes:
         out, _ = dedup_prefixes(out)
-    return out
+    return out, attrs
 
 
 def dedup_prefixes(batches: Mapping[str, TaskBatch]) -> tuple[dict[str, TaskBatch], dict]:
@@ -360,6 +411,35 @@ def dedup_prefixes(batches: Mapping[str, TaskBatch]) -> tuple[dict[str, TaskBatc
 # Difficulty after the forward pass
 # ---------------------------------------------------------------------------------------------
 
+def unigram_surprisal(targets: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Add-one smoothed unigram surprisal of every token id: u(y) = log((N + V) / (c(y) + 1)) nats, [vocab].
+
+    Args:
+        targets: [N] the token ids counted (the fit split's stream targets).
+        vocab_size: V; every id must be below it.
+    """
+    t = np.asarray(targets, dtype=np.int64).ravel()
+    c = np.bincount(t, minlength=int(vocab_size)).astype(np.float64)
+    if c.size > vocab_size:
+        raise InputError(f"token id {int(t.max())} ≥ the vocabulary size {vocab_size}; dump.text.tokenizer does not "
+                         "match the checkpoint")
+    return np.log((t.size + vocab_size) / (c + 1.0))
+
+
+def surprisal_bins(targets: np.ndarray, surprisal: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """Bin of each scored target's surprisal under the fit edges (``loss_bins``' rule); −1 where unscored.
+
+    Args:
+        targets: [batch, seq] target ids (``IGNORE`` = unscored).
+        surprisal: [vocab] :func:`unigram_surprisal`.
+        edges: [bins − 1] ascending.
+    """
+    tg = np.asarray(targets)
+    ok = tg != IGNORE
+    u = surprisal[np.where(ok, tg, 0)]
+    return np.where(ok, np.searchsorted(edges, u, side="left"), -1).astype(np.int64)
+
+
 def loss_bins(loss: np.ndarray, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
     """Bin of each loss among all of them: (bins [token] int64 in 0..n_bins−1, edges [n_bins−1]).
 
@@ -394,14 +474,16 @@ def loss_bins_finalizer(n_bins: int):
 
 
 def text_attrs(cfg: TextConfig, split: str) -> dict[str, Any]:
-    """Store attributes of a text split (task description, difficulty and token-type names)."""
+    """Store attributes of a text split (task description, difficulty name and definition, token-type names)."""
     from looptrace.config import to_dict
 
     return {"split": split, "task": {"name": "text", "kind": "text", **to_dict(cfg)},
-            "difficulty_name": DIFFICULTY_NAME, "difficulty_levels": list(range(cfg.difficulty_bins)),
-            "token_types": list(TOKEN_TYPES)}
+            "difficulty_name": DIFFICULTY_NAMES[cfg.difficulty],
+            "difficulty_definition": DIFFICULTY_DEFINITIONS[cfg.difficulty],
+            "difficulty_levels": list(range(cfg.difficulty_bins)), "token_types": list(TOKEN_TYPES)}
 
 
-__all__ = ["DIFFICULTY_NAME", "FUNCTION_WORDS", "TOKEN_TYPES", "TextConfig", "classify_token_text",
-           "dedup_prefixes", "document_split", "load_tokenizer", "loss_bins", "loss_bins_finalizer", "pack", "read_documents",
-           "text_attrs", "text_batch", "text_splits", "token_type_table"]
+__all__ = ["DIFFICULTY_DEFINITIONS", "DIFFICULTY_NAMES", "FUNCTION_WORDS", "TOKEN_TYPES", "TextConfig",
+           "classify_token_text", "dedup_prefixes", "document_split", "load_tokenizer", "loss_bins",
+           "loss_bins_finalizer", "pack", "read_documents", "surprisal_bins", "text_attrs", "text_batch",
+           "text_dataset", "text_splits", "token_type_table", "unigram_surprisal"]
