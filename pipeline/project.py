@@ -154,3 +154,20 @@ def model_meta(model: str, params: ParamsFiles | Mapping) -> dict:
     raw = params if isinstance(params, Mapping) else read_params(params)
     train = raw.get("train") or {}
     return resolve_model(model, train.get("task_defs") or {}, train.get("regime_defs") or {})
+
+
+def defined_names(params: ParamsFiles | Mapping) -> dict[str, list[str]]:
+    """What a params file defines, for ``looptrace --help``: ``tasks`` (``train.task_defs`` keys), ``regimes``
+    (``train.regime_defs`` keys) and ``models`` (:func:`model_names` of its matrix).
+
+    Raises:
+        ConfigError: the file or its ``train`` section cannot be read.
+    """
+    raw = params if isinstance(params, Mapping) else read_params(params)
+    train = raw.get("train") or {}
+    if not isinstance(train, Mapping):
+        raise ConfigError(f"section 'train' must be a mapping (key: value lines), got {type(train).__name__}")
+    task_defs, regime_defs = train.get("task_defs") or {}, train.get("regime_defs") or {}
+    return {"tasks": [str(k) for k in task_defs] if isinstance(task_defs, Mapping) else [],
+            "regimes": [str(k) for k in regime_defs] if isinstance(regime_defs, Mapping) else [],
+            "models": model_names(raw)}

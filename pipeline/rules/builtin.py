@@ -97,7 +97,9 @@ def _ouro_q_exit(dtype: str) -> ExitRule:
         return ouro_halting_cdf(s["gate_logit"], dtype)
 
     return ExitRule(name=f"q_exit_{dtype}", score=score, signals=("gate_logit",), op="ge", kind="native",
-                    online=lambda: OuroQExitOnline(dtype))
+                    online=lambda: OuroQExitOnline(dtype),
+                    description=f"q_exit in {dtype} arithmetic, as an Ouro checkpoint run in {dtype} computes it "
+                                "(reproduces its own forward(exit_threshold=q))")
 
 
 def _threshold(name: str, col: str, op: str, min_loop: int = 1, two_hit: bool = False) -> ExitRule:
@@ -119,9 +121,13 @@ _RULES = (
     _threshold("state_cosine", "state_cos_dist", "le", 2),    # Huginn cosine, CALM state
     _threshold("accel_two_hit", "accel", "le", 3, True),      # [TS]: a_t ≤ τ and a_{t−1} ≤ τ
     ExitRule(name="argmax_stable", score=lambda s: argmax_stable_count(s["argmax"]), signals=("argmax",), op="ge",
-             thresholds=lambda T, cfg: cfg.argmax_stable_n, online=ArgmaxStableOnline),  # Huginn
+             thresholds=lambda T, cfg: cfg.argmax_stable_n, online=ArgmaxStableOnline,  # Huginn
+             description="exit when the argmax has not changed for k consecutive transitions (Huginn's counter; "
+                         "k = readouts.argmax_stable_n, Huginn's default 5 = six equal loops)"),
     ExitRule(name="q_exit", score=lambda s: halting_cdf(s["gate_logit"]), signals=("gate_logit",), op="ge",
-             kind="native", online=QExitOnline),              # Ouro
+             kind="native", online=QExitOnline,               # Ouro
+             description="exit when the native gate's cumulative halting probability reaches q (Ouro's Q-exit; "
+                         "gated models only)"),
     ExitRule(name="oracle", score=_column("correct"), signals=("correct",), op="ge", kind="oracle",
              thresholds=(1.0,), online=None),                 # [AD] ceiling, not a rule
 )

@@ -84,6 +84,8 @@ class ExitRule:
             ``() -> OnlineScore`` (``update(t, {signal: [batch, seq]}) -> [batch, seq]`` and
             ``compact(rows, seq)``; numpy, token_loop dtypes), or None (cannot run online: the oracle).
         origin: where it is defined (``builtin``, ``module:function``, ``entry point ...``), for messages.
+        description: one line for ``looptrace --help`` ("" = said from op, signals, min_loop and two_hit; a
+            decorated function's docstring gives it).
     """
 
     name: str
@@ -96,6 +98,7 @@ class ExitRule:
     thresholds: Sequence[float] | Callable[[int, Any], Sequence[float]] | None = None
     online: str | Callable[[], Any] | None = HISTORY
     origin: str = "builtin"
+    description: str = ""
 
     def __post_init__(self) -> None:
         where = f"exit rule '{self.name}' ({self.origin})"
@@ -219,7 +222,8 @@ def exit_rule(signals: Sequence[str], op: str, min_loop: int = 1, two_hit: bool 
     def wrap(fn: Callable) -> ExitRule:
         return ExitRule(name=name or fn.__name__, score=fn, signals=tuple(signals), op=op, min_loop=min_loop,
                         two_hit=two_hit, kind=kind, thresholds=tuple(thresholds) if thresholds is not None else None,
-                        online=HISTORY, origin=f"{fn.__module__}:{fn.__qualname__}")
+                        online=HISTORY, origin=f"{fn.__module__}:{fn.__qualname__}",
+                        description=(fn.__doc__ or "").strip().split("\n")[0])
 
     return wrap
 
