@@ -53,8 +53,6 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
     (ReadoutsConfig, "readouts", {"rules": []}, "readouts.rules = []: list at least one exit rule"),
     (TrainConfig, "train", {"steps": 0}, "train.steps = 0: must be ≥ 1 (optimiser steps; 0 would save an untrained"),
     (TrainConfig, "train", {"batch_size": 0}, "train.batch_size = 0: must be ≥ 1"),
-    (TrainConfig, "train", {"task_defs": {"a": {"kind": "parity"}}, "steps_by_task": {"b": 10}},
-     "train.steps_by_task.b: no task 'b' in train.task_defs (defined: a)"),
     (TrainConfig, "train", {"val_sequences": 0}, "train.val_sequences = 0: must be ≥ 1"),
     (TrainConfig, "train", {"checkpoint_fractions": [1.5, -1]}, "train.checkpoint_fractions[0] = 1.5: must be in (0, 1)"),
     (TrainConfig, "train", {"model": {"d_model": 10, "n_head": 4}}, "train.model.d_model = 10 is not a multiple"),

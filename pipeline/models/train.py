@@ -125,10 +125,6 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}; set min_lr ≤ lr")
         if len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"train.seeds has duplicates: {list(self.seeds)}")
-        stray = [k for k in self.steps_by_task if k not in self.task_defs]
-        if stray:  # an override for a task that does not exist would be ignored without a word
-            raise ConfigError(f"train.steps_by_task.{stray[0]}: no task '{stray[0]}' in train.task_defs "
-                              f"(defined: {', '.join(self.task_defs) or 'none'}); fix the name or remove it")
         if self.workers < 1:
             raise ConfigError(f"train.workers must be >= 1, got {self.workers}")
         if self.threads_per_model is not None and self.threads_per_model < 1:
