@@ -70,6 +70,7 @@ def vocabulary(*blocks: str) -> str:
     listed from the code's own registries so they cannot go stale. Paragraphs: Typer joins single lines."""
     from looptrace.models.adapters.hf import KINDS as ADAPTERS
     from looptrace.models.regimes import KINDS as REGIMES
+    from looptrace.rules.builtin import OURO_Q_EXIT_RULES
     from looptrace.rules.registry import ENTRY_POINT_GROUP, builtin_rules
     from looptrace.tasks import KINDS as TASKS
 
@@ -85,8 +86,6 @@ def vocabulary(*blocks: str) -> str:
             out += _names_in_params()
         elif b == "rules":
             out.append("Exit rules (readouts.rules, latency.rules, generate.rules), built in:")
-            from looptrace.rules.builtin import OURO_Q_EXIT_RULES
-
             out += [f"  {rule_line(r)}" for r in (*builtin_rules().values(), *OURO_Q_EXIT_RULES.values())]
             out.append(f"Your own rule: 'package.module:function' (decorated with looptrace.rules.exit_rule) or an "
                        f"entry point in the '{ENTRY_POINT_GROUP}' group; README 'Your own exit rule'.")

@@ -288,12 +288,6 @@ def _f(v) -> float:
     return math.nan if v is None else float(v)
 
 
-def _fmt(v, nd: int = 2) -> str:
-    """A D@X or depth figure in words: NaN/None/+inf (an unreachable D@X) read ``unreachable``."""
-    v = _f(v)
-    return "unreachable" if math.isnan(v) or math.isinf(v) else f"{v:.{nd}f}"
-
-
 def _iv(v, n_seeds: int = 1) -> Interval:
     """An :class:`Interval` from an Interval, a metrics.json interval dict or a plain number (no interval)."""
     if isinstance(v, Interval):

@@ -164,10 +164,9 @@ def defined_names(params: ParamsFiles | Mapping) -> dict[str, list[str]]:
         ConfigError: the file or its ``train`` section cannot be read.
     """
     raw = params if isinstance(params, Mapping) else read_params(params)
+    models = model_names(raw)  # also refuses a `train` that is not a mapping
     train = raw.get("train") or {}
-    if not isinstance(train, Mapping):
-        raise ConfigError(f"section 'train' must be a mapping (key: value lines), got {type(train).__name__}")
     task_defs, regime_defs = train.get("task_defs") or {}, train.get("regime_defs") or {}
     return {"tasks": [str(k) for k in task_defs] if isinstance(task_defs, Mapping) else [],
             "regimes": [str(k) for k in regime_defs] if isinstance(regime_defs, Mapping) else [],
-            "models": model_names(raw)}
+            "models": models}

@@ -296,7 +296,7 @@ def pack(stream: np.ndarray, seq_len: int, n: int | None = None) -> tuple[np.nda
 
 
 def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = None,
-               vocab_size: int | None = None) -> TaskBatch:
+               vocab_size: int | None = None, stream: np.ndarray | None = None) -> TaskBatch:
     """Pack one split's documents into a :class:`TaskBatch` (difficulty −1: filled after the dump).
 
     Args:
@@ -305,8 +305,9 @@ def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = 
         cfg: the ``dump.text`` section.
         n: at most this many sequences.
         vocab_size: the model's logit width; every target must be below it.
+        stream: ``docs`` already tokenised and framed (:func:`_stream`), to tokenise a split once.
     """
-    tokens, targets = pack(_stream(tokenizer, docs, cfg), cfg.seq_len, n)
+    tokens, targets = pack(_stream(tokenizer, docs, cfg) if stream is None else stream, cfg.seq_len, n)
     if vocab_size is not None and targets.size and int(max(tokens.max(), targets.max())) >= vocab_size:
         raise InputError(f"tokenizer produces id {int(max(tokens.max(), targets.max()))} but the model reads out "
                          f"{vocab_size} classes; dump.text.tokenizer does not match the checkpoint")
@@ -343,9 +344,16 @@ def text_dataset(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: 
     by_split: dict[int, list[str]] = {0: [], 1: [], 2: []}
     for d in docs:
         by_split[document_split(d)].append(d)
+    streams: dict[str, np.ndarray] = {}  # each split tokenised once (fit also feeds the frequency counts)
+
+    def stream(split: str) -> np.ndarray:
+        if split not in streams:
+            streams[split] = _stream(tok, by_split[SPLITS.index(split)], cfg)
+        return streams[split]
+
     out = {}
     for split, n in sequences.items():
-        batch = text_batch(tok, by_split[SPLITS.index(split)], cfg, int(n), vocab_size)
+        batch = text_batch(tok, by_split[SPLITS.index(split)], cfg, int(n), vocab_size, stream(split))
         if len(batch) == 0:
             raise InputError(f"dump.text.path '{cfg.path}': split '{split}' gets {len(by_split[SPLITS.index(split)])} "
                              f"documents, not one window of {cfg.seq_len + 1} tokens; use a longer corpus or a "
@@ -354,7 +362,7 @@ def text_dataset(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: 
     attrs: dict[str, Any] = {"difficulty_name": DIFFICULTY_NAMES[cfg.difficulty],
                              "difficulty_definition": DIFFICULTY_DEFINITIONS[cfg.difficulty]}
     if cfg.difficulty == "token_frequency":
-        fit_targets = _stream(tok, by_split[SPLITS.index("fit")], cfg)[1:]  # every target of the fit stream
+        fit_targets = stream("fit")[1:]  # every target of the fit stream
         if fit_targets.size == 0:
             raise InputError(f"dump.text.path '{cfg.path}': the fit split has no token to count frequencies on; "
                              "use a longer corpus or dump.text.difficulty: final_loss")
