@@ -69,7 +69,7 @@ _TOKEN_LOOP_SCHEMA = pa.schema(
 #: ``loop_summary.parquet`` (long format).
 SUMMARY_SCHEMA = {"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
                   "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
-                  "q75": pl.Float64, "count": pl.Int64}
+                  "q75": pl.Float64, "count": pl.Int64, "n_nan": pl.Int64, "n_inf": pl.Int64}
 #: ``dlr.parquet``: one row per split × hand-off g -> g + 1 (loops 1-based).
 DLR_SCHEMA = {"split": pl.String, "group": pl.Int64, "next_group": pl.Int64, "last_loop": pl.Int64,
               "first_loop_next": pl.Int64, "n_tokens": pl.Int64, "drift_mean": pl.Float64,
@@ -391,18 +391,21 @@ class LoopColumns:
         return np.fromfile(path, dtype=dtype) if path.exists() else np.zeros(0, dtype)
 
 
-def summary_stats(x: np.ndarray) -> tuple[float, float, float, float, int]:
-    """mean, median, q25, q75 (numpy's linear interpolation) and count of the finite values of ``x``.
+def summary_stats(x: np.ndarray) -> tuple[float, float, float, float, int, int, int]:
+    """mean, median, q25, q75 (numpy's linear interpolation) and count of the finite values of ``x``, and how many
+    values were left out: NaN and ±inf.
 
-    NaN (undefined: t too small) and ±inf are excluded, never averaged as numbers; no finite value
-    gives NaN statistics and count 0.
+    NaN (undefined: t too small, or a zero step) and ±inf are excluded, never averaged as numbers — and counted,
+    so a summary never changes silently (``n_nan``, ``n_inf`` columns; the report shows any ±inf); no finite
+    value gives NaN statistics and count 0.
     """
     x = np.asarray(x, dtype=np.float64)
+    n_nan, n_inf = int(np.count_nonzero(np.isnan(x))), int(np.count_nonzero(np.isinf(x)))
     x = x[np.isfinite(x)]
     if not x.size:
-        return math.nan, math.nan, math.nan, math.nan, 0
+        return math.nan, math.nan, math.nan, math.nan, 0, n_nan, n_inf
     q25, med, q75 = np.quantile(x, [0.25, 0.5, 0.75])
-    return float(x.mean()), float(med), float(q25), float(q75), int(x.size)
+    return float(x.mean()), float(med), float(q25), float(q75), int(x.size), n_nan, n_inf
 
 
 def summarise_loop(cols: LoopColumns, t: int, split: str, token_types: list[str]) -> list[dict]:
@@ -415,7 +418,7 @@ def summarise_loop(cols: LoopColumns, t: int, split: str, token_types: list[str]
         token_types: names indexed by token_type id (ids without a name keep their number).
 
     Returns:
-        Rows (split, loop, group_by, group_value, metric, mean, median, q25, q75, count) for
+        Rows (split, loop, group_by, group_value, metric, mean, median, q25, q75, count, n_nan, n_inf) for
         group_by ∈ {all, difficulty, token_type}, groups in increasing id order.
     """
     groups = [("all", ["all"], [slice(None)])]
@@ -432,10 +435,10 @@ def summarise_loop(cols: LoopColumns, t: int, split: str, token_types: list[str]
         x = cols.read(t, metric)
         for group_by, names, members in groups:
             for name, idx in zip(names, members, strict=True):
-                mean, med, q25, q75, count = summary_stats(x[idx])
+                mean, med, q25, q75, count, n_nan, n_inf = summary_stats(x[idx])
                 rows.append({"split": split, "loop": t + 1, "group_by": group_by, "group_value": name,
                              "metric": metric, "mean": mean, "median": med, "q25": q25, "q75": q75,
-                             "count": count})
+                             "count": count, "n_nan": n_nan, "n_inf": n_inf})
     return rows
 
 

@@ -818,10 +818,40 @@ def run_summary_markdown(head: pl.DataFrame, groups: pl.DataFrame, inp: Inputs, 
     lf = latency_findings(inp.latency, inp.latency_metrics)
     if lf:
         lines += ["", "## Real early exit", ""] + [f"- {s}" for s in lf]
+    if inp.loop_summary is not None:
+        inf = nonfinite_table(inp.loop_summary)
+        lines += ["", "## Non-finite values", "", _nonfinite_text(inf)]
+        if inf is not None and inf.height:
+            lines += [""] + _md_table(inf, [("model", "model"), ("metric", "metric"), ("n_inf", "±∞ left out"),
+                                            ("loops", "at loops"), ("n_nan", "NaN left out")])
     lines += ["", "## Machine and versions", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in machine_info.items()]
     lines += [f"| {k} | {v if v is not None else 'not installed'} |" for k, v in versions_info.items()]
     return "\n".join(lines) + "\n"
+
+
+def nonfinite_table(loop_summary: pl.DataFrame | None) -> pl.DataFrame | None:
+    """±inf values the geometry stage left out of its loop summaries, per (model, metric) of the report's split
+    (``group_by = all``): ``n_inf`` (summed over loops), ``loops`` (those with any, 1-based, as text) and
+    ``n_nan`` for the same metric (NaN is also "undefined", e.g. a step cosine at loop 1). Empty = none; None = the
+    summaries predate the ``n_inf`` column (re-run geometry)."""
+    if loop_summary is None or "n_inf" not in loop_summary.columns:
+        return None
+    d = loop_summary.filter(pl.col("group_by") == "all")
+    return (d.group_by("model", "metric", maintain_order=True)
+            .agg(n_inf=pl.col("n_inf").sum(), n_nan=pl.col("n_nan").sum(),
+                 loops=pl.col("loop").filter(pl.col("n_inf") > 0).sort().cast(pl.String).str.join(", "))
+            .filter(pl.col("n_inf") > 0).sort("model", "metric"))
+
+
+def _nonfinite_text(tab: pl.DataFrame | None) -> str:
+    if tab is None:
+        return ("The loop summaries predate the n_inf column, so infinite (±∞) values they left out are not known: re-run "
+                "the geometry stage.")
+    if not tab.height:
+        return "No infinite (±∞) value in any trajectory metric: the loop summaries left out only undefined (NaN) values."
+    return (f"{int(tab['n_inf'].sum())} infinite (±∞) values were left out of the loop summaries (means, medians and "
+            "quartiles are over the finite values only): per model and metric below.")
 
 
 def latency_findings(lat: pl.DataFrame | None, lat_metrics: dict | None) -> list[str]:
@@ -1088,6 +1118,13 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
                   "wall time of full-depth decoding / early exit in the same run; ideal = T / mean exit depth; "
                   "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
                   _table(gt, gcols)]
+    if inp.loop_summary is not None:
+        inf = nonfinite_table(inp.loop_summary)
+        parts += ["<h2>Non-finite values</h2>", f"<p>{html.escape(_nonfinite_text(inf))}</p>"]
+        if inf is not None and inf.height:
+            parts.append(_table(inf, [("model", "model", None), ("metric", "metric", None),
+                                      ("n_inf", "±∞ left out", None), ("loops", "at loops", None),
+                                      ("n_nan", "NaN left out", None)]))
     parts.append("<h2>Findings</h2>")
     lf = latency_findings(inp.latency, inp.latency_metrics)
     if lf:

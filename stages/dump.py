@@ -92,7 +92,7 @@ def _sigterm_as_interrupt():
 def _dump_trained(model: str, cfg, base, train_root: Path, out: str, device: str, part: tuple[int, int]):
     """A trained looptrace checkpoint on its own task's data sets (seeds recorded in the checkpoint)."""
     ckpt = train_root / model / "model.pt"
-    adapter = LoopedTransformerAdapter.from_checkpoint(ckpt, device=device)
+    adapter = LoopedTransformerAdapter.from_checkpoint(ckpt, device=device, name=model)
     extra = adapter.info.extra
     if "task" not in extra or "data_seeds" not in extra:
         raise UserError(f"checkpoint '{ckpt}' records no task or data_seeds; retrain with `looptrace train`")

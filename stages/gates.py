@@ -12,7 +12,7 @@ from looptrace.gates.stage import gates_stage
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
-from looptrace.io.store import open_store
+from looptrace.io.store import open_split_stores
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
 
@@ -35,7 +35,7 @@ def main(
             stores, meta, tasks = {}, {}, {}
             vers = versions()
             for m in names:
-                stores[m] = {s: open_store(dump_root / m / f"{s}.zarr") for s in SPLITS}
+                stores[m] = open_split_stores(dump_root, m, SPLITS)  # checked to be one dump of model m
                 info = model_meta(m, params)
                 task_attr = stores[m]["fit"].attrs.get("task")
                 tasks[m] = info["task"] or (task_attr.get("name") if isinstance(task_attr, dict) else None)

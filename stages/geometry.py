@@ -10,7 +10,7 @@ from looptrace.errors import run, user_errors
 from looptrace.geometry import GeometryConfig, geometry_model
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
-from looptrace.io.store import open_store
+from looptrace.io.store import open_split_stores
 from looptrace.project import versions
 
 
@@ -26,7 +26,7 @@ def main(
         cfg = load_section(GeometryConfig, "geometry", params, required=True)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out / model):
-            stores = {s: open_store(dump_root / model / f"{s}.zarr") for s in cfg.splits}
+            stores = open_split_stores(dump_root, model, cfg.splits)  # checked to be one dump of this model
             meta = {"model": model, "seed": base.seed,
                     "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
             with dask_runner(base.dask) as runner:

@@ -93,11 +93,30 @@ def _code_ckpt(t: Path) -> None:
     torch.save({**torch.load(p, weights_only=True), "meta": _Boom()}, p)
 
 
-def _stores(t: Path) -> None:
+def _foreign_ckpt(t: Path) -> None:
+    from looptrace.testing import tiny_checkpoint
+
+    (t / "train").mkdir(parents=True)
+    tiny_checkpoint(t / "train", name="other").parent.rename(t / "train" / "m")
+
+
+def _stores(t: Path, model: dict | None = None) -> None:
     from looptrace.testing import random_signal_arrays, write_arrays
 
+    attrs = {"token_types": ["keep", "change"], "vocab_size": 4} | ({"model": model} if model else {})
     for i, s in enumerate(("fit", "val", "test")):
-        write_arrays(t / "dump" / "m" / f"{s}.zarr", random_signal_arrays(np.random.default_rng(i), N=40))
+        write_arrays(t / "dump" / "m" / f"{s}.zarr", random_signal_arrays(np.random.default_rng(i), N=40),
+                     attrs=attrs)
+
+
+def _foreign_stores(t: Path) -> None:
+    _stores(t, {"name": "other", "checkpoint_hash": "0" * 64})
+
+
+def _stale_test_store(t: Path) -> None:
+    """model.pt retrained (or replaced) after the dump: the store records another checkpoint's hash."""
+    _checkpoint(t)
+    _stores(t, {"name": "m", "checkpoint_hash": "0" * 64})
 
 
 def _not_stores(t: Path) -> None:
@@ -194,6 +213,8 @@ CASES = [
     Case("ckpt-truncated", "dump", "a truncated `model.pt`",
          ("model.pt' (1000 bytes) is truncated or not a torch checkpoint", "rebuild it"), setup=_truncated_ckpt),
     Case("ckpt-missing", "dump", "no `model.pt`", ("model.pt' not found; rebuild it with `dvc repro train`",)),
+    Case("ckpt-foreign", "dump", "another model's `model.pt` under this model's name",
+         ("is model 'other', not 'm' (another model's checkpoint under this name?)",), setup=_foreign_ckpt),
     Case("ckpt-code", "dump", "a `model.pt` holding a pickled callable",
          ("holds objects other than tensors and plain values (refused: loading it could run code",), setup=_code_ckpt),
     # dynamics
@@ -209,6 +230,8 @@ CASES = [
          setup=_not_stores),
     Case("array-meta", "geometry", "a truncated array `zarr.json`",
          ("'margin/zarr.json' is damaged", "re-run `looptrace dump`"), setup=_damaged_array_meta),
+    Case("store-foreign", "geometry", "another model's stores under this model's name",
+         ("is a dump of model 'other', not 'm' (another model's store under this name?)",), setup=_foreign_stores),
     Case("out-file", "geometry", "`--out` pointing at a file", ("is a file, not a directory; pass --out a directory",),
          setup=_out_is_a_file),
     # readouts / calibration / intervals
@@ -249,6 +272,12 @@ CASES = [
     Case("lat-rule", "latency", "`latency.rules` not in `readouts.rules`",
          ("latency.rules = 'top1' is not in readouts.rules = ['fixed']",),
          "readouts: {rules: [fixed]}\nlatency: {rules: [top1]}"),
+    Case("lat-stale-store", "latency", "a `test.zarr` dumped from another checkpoint than `model.pt`",
+         ("was dumped from checkpoint 000000000000, not", "re-run `looptrace dump` for model 'm'"),
+         setup=_stale_test_store),
+    Case("gen-stale-store", "generate", "a `test.zarr` dumped from another checkpoint than `model.pt`",
+         ("was dumped from checkpoint 000000000000, not", "the model was retrained or replaced since the dump"),
+         setup=_stale_test_store),
     Case("gen-policy", "generate", "`generate.policies: [bad]`", ("generate.policies must be a non-empty list",),
          "generate: {policies: [bad]}"),
     # report

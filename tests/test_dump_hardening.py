@@ -189,10 +189,19 @@ def test_split_stores_of_another_model_are_refused_naming_both(tmp_path):
     other = {**model, "name": "rp-other", "checkpoint_hash": "bbb"}
     write_store(tmp_path / "rp-uniform" / "test.zarr", arrays, {"split": "test", "model": other, "code_hash": "c1"})
     assert set(open_split_stores(tmp_path, "rp-uniform", ["fit", "val"])) == {"fit", "val"}
-    with pytest.raises(StoreError, match=r"stores .*fit\.zarr \(fit, model rp-uniform\) and .*test\.zarr \(test, "
-                                         r"model rp-other\) differ in model name \(rp-uniform vs rp-other\)") as exc:
+    with pytest.raises(StoreError, match=r"store .*rp-uniform/test\.zarr is a dump of model 'rp-other', not "
+                                         r"'rp-uniform' \(another model's store under this name\?\); re-run "
+                                         r"`looptrace dump` for model 'rp-uniform'") as exc:
         open_split_stores(tmp_path, "rp-uniform", ["fit", "val", "test"])
     assert "\n" not in str(exc.value)
+    with pytest.raises(StoreError, match=r"stores .*fit\.zarr \(fit, model rp-uniform\) and .*test\.zarr \(test, "
+                                         r"model rp-other\) differ in model name \(rp-uniform vs rp-other\)") as exc:
+        check_same_model({s: open_store(tmp_path / "rp-uniform" / f"{s}.zarr") for s in ("fit", "val", "test")})
+    # same name, another checkpoint (a split dumped before a retrain): open_split_stores names both
+    write_store(tmp_path / "rp-uniform" / "test.zarr", arrays, {"split": "test", "code_hash": "c1",
+                                                                "model": {**model, "checkpoint_hash": "bbb"}})
+    with pytest.raises(StoreError, match=r"differ in checkpoint hash \(aaa vs bbb\)"):
+        open_split_stores(tmp_path, "rp-uniform", ["fit", "val", "test"])
     code = write_store(memory_store(), arrays, {"model": model, "code_hash": "c2"})
     with pytest.raises(StoreError, match=r"differ in code hash \(c1 vs c2\)"):
         check_same_model({"fit": open_store(tmp_path / "rp-uniform" / "fit.zarr"), "val": code})

@@ -72,7 +72,7 @@ def test_bug_in_a_stage_through_the_cli(tmp_path, monkeypatch):
     def broken(*a, **k):
         raise IndexError("index 7 is out of bounds for axis 0 with size 7")
 
-    monkeypatch.setattr(geo_stage, "open_store", broken)
+    monkeypatch.setattr(geo_stage, "open_split_stores", broken)
     res = CliRunner().invoke(app, ["geometry", "--model", "m", "--params", str(params), "--out", str(tmp_path / "o")])
     assert res.exit_code == BUG_EXIT
     assert "internal error" in res.stderr and "IndexError: index 7 is out of bounds" in res.stderr

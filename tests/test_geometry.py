@@ -270,7 +270,7 @@ def test_loop_summary_matches_polars(stage_run):
     tl = pl.read_parquet(tmp / "out7" / "token_loop.parquet")
     summ = pl.read_parquet(tmp / "out7" / "loop_summary.parquet")
     assert summ.columns == ["split", "loop", "group_by", "group_value", "metric", "mean", "median", "q25", "q75",
-                            "count"]
+                            "count", "n_nan", "n_inf"]
     sel = tl.filter((pl.col("split") == "test") & (pl.col("loop") == 3) & (pl.col("difficulty") == 2))["accel"]
     row = summ.filter((pl.col("split") == "test") & (pl.col("loop") == 3) & (pl.col("group_by") == "difficulty")
                       & (pl.col("group_value") == "2") & (pl.col("metric") == "accel")).row(0, named=True)
@@ -287,8 +287,19 @@ def test_loop_summary_matches_polars(stage_run):
     np.testing.assert_allclose(metrics["splits"]["val"]["accuracy_per_loop"], acc_val["correct"], rtol=1e-12)
     c1 = summ.filter((pl.col("metric") == "step_cos") & (pl.col("loop") == 1) & (pl.col("group_by") == "all"))
     assert (c1["count"] == 0).all() and c1["mean"].is_nan().all()
+    n_split = tl.filter(pl.col("loop") == 1).group_by("split").len().sort("split")
+    assert c1.sort("split")["n_nan"].to_list() == n_split["len"].to_list()  # every value left out is counted
+    assert (summ["n_inf"] == 0).all()
     last = tl.filter((pl.col("split") == "test") & (pl.col("loop") == 5))["step_cos"].mean()
     assert metrics["splits"]["test"]["step_cos_mean_last_loop"] == pytest.approx(last, rel=1e-6)
+
+
+def test_summary_stats_count_what_they_leave_out():
+    from looptrace.geometry import summary_stats
+
+    mean, med, q25, q75, count, n_nan, n_inf = summary_stats(np.array([1.0, 2.0, np.inf, -np.inf, np.nan, 3.0]))
+    assert (mean, med, q25, q75, count, n_nan, n_inf) == (2.0, 2.0, 1.5, 2.5, 3, 1, 2)
+    assert summary_stats(np.array([np.inf]))[4:] == (0, 0, 1)
 
 
 def test_convergence_table_matches_scalar_reference(stage_run):

@@ -61,9 +61,12 @@ def _model_outputs(root: Path, model: str, task: str, regime: str, kind: str, sh
     rows = []
     for t in range(1, T + 1):
         for metric, v in (("step_norm", 2.0 / t), ("step_cos", 0.1 * t if t > 1 else None), ("correct", acc[t - 1])):
+            # one model has ±inf step norms at loops 2 and 4 (3 + 1 values left out of its summaries)
+            n_inf = {2: 3, 4: 1}.get(t, 0) if (model == "ta-joint" and metric == "step_norm") else 0
             rows.append({"split": "test", "loop": t, "group_by": "all", "group_value": "all", "metric": metric,
                          "mean": v, "median": v, "q25": None if v is None else 0.9 * v,
-                         "q75": None if v is None else 1.1 * v, "count": 0 if v is None else 10})
+                         "q75": None if v is None else 1.1 * v, "count": 0 if v is None else 10,
+                         "n_nan": 10 if v is None else 0, "n_inf": n_inf})
             for tt, name in enumerate(("keep", "change")):
                 rows.append({"split": "test", "loop": t, "group_by": "token_type", "group_value": name,
                              "metric": metric, "mean": v, "median": v, "q25": v, "q75": v, "count": 5 + tt})
@@ -163,6 +166,11 @@ def test_report_end_to_end(artifacts, tmp_path):
     assert metrics["missing_inputs"] == sorted(f"gates/{k}" for k in MODELS)
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["models"]["ta-uniform"]["d95_fixed"] == 3.0
+    # ±inf left out of the loop summaries are shown, per model and metric, summed over loops (3 + 1 by construction)
+    assert "4 infinite (±∞) values were left out of the loop summaries" in page
+    assert "<tr><td>ta-joint</td><td>step_norm</td><td>4</td><td>2, 4</td><td>0</td></tr>" in page
+    summary = (out / "summary.md").read_text()
+    assert "## Non-finite values" in summary and "| ta-joint | step_norm | 4 | 2, 4 | 0 |" in summary
     # Findings: diagnose's sentences are on the page, rendered from Markdown.
     assert "<td>readout-limited</td>" in page and "<strong>holds</strong>" in page
 

@@ -117,3 +117,76 @@ def test_loop_form_reaches_the_model(tmp_path, tiny_base):
     train_model(tiny_base, cfg, "rp", "uniform", tmp_path / "m", progress=False)
     m, ck = load_checkpoint(tmp_path / "m" / "model.pt")
     assert m.cfg.loop_form == "norm_add" and ck["model_config"]["loop_form"] == "norm_add" and ck["name"] == "rp-uniform"
+
+
+class _Killed(Exception):
+    """Stands in for a SIGKILL at a chosen training step (the subprocess kill harness does the real one)."""
+
+
+def _kill_at(monkeypatch, n_calls: int) -> list:
+    """Make the ``n_calls``-th loss computation raise; returns the call log."""
+    import looptrace.models.train as train_mod
+
+    calls, real = [], train_mod.regime_loss
+
+    def loss(*a, **k):
+        calls.append(1)
+        if len(calls) == n_calls:
+            raise _Killed
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_mod, "regime_loss", loss)
+    return calls
+
+
+def test_killed_train_resumes_bit_identical(tmp_path, tiny_base, monkeypatch):
+    from looptrace.models.train import staging_dir
+
+    cfg = tiny_train_config(steps=20, checkpoint_fractions=(0.25, 0.5))  # kept at steps 5 and 10
+    train_model(tiny_base, cfg, "rp", "joint", tmp_path / "ref", progress=False)
+    out = tmp_path / "m"
+    calls = _kill_at(monkeypatch, 13)  # killed during step 13: the last resume state is step 10's
+    with pytest.raises(_Killed):
+        train_model(tiny_base, cfg, "rp", "joint", out, progress=False)
+    assert not out.exists() and (staging_dir(out) / "resume.pt").is_file()  # nothing half-written is visible
+    calls.clear()
+    monkeypatch.undo()
+    calls = _kill_at(monkeypatch, 10**9)
+    train_model(tiny_base, cfg, "rp", "joint", out, progress=False)
+    assert len(calls) == 10  # steps 11..20 only: it resumed, not started over
+    assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "ref" / "model.pt")
+    for name in ("step_000005.pt", "step_000010.pt"):
+        assert file_sha256(out / "checkpoints" / name) == file_sha256(tmp_path / "ref" / "checkpoints" / name)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000005.pt", "step_000010.pt"]
+    ref = json.loads((tmp_path / "ref" / "metrics.json").read_text())
+    got = json.loads((out / "metrics.json").read_text())
+    assert got["history"] == ref["history"] and got["final_train_loss"] == ref["final_train_loss"]
+    assert not staging_dir(out).exists()
+
+
+def test_retrain_replaces_the_whole_model_dir(tmp_path, tiny_base, monkeypatch):
+    """A retrain with other params never mixes its checkpoints with the earlier run's, even when killed: the
+    earlier run stays whole until the new one is done, and another run's resume state is not continued."""
+    from looptrace.models.train import staging_dir
+
+    out = tmp_path / "m"
+    train_model(tiny_base, tiny_train_config(steps=20, checkpoint_fractions=(0.25, 0.5)), "rp", "joint", out,
+                progress=False)
+    first = file_sha256(out / "model.pt")
+    other = tiny_train_config(steps=16, checkpoint_fractions=(0.5,))
+    _kill_at(monkeypatch, 12)
+    with pytest.raises(_Killed):
+        train_model(tiny_base, other, "rp", "joint", out, progress=False)
+    assert file_sha256(out / "model.pt") == first  # the earlier run is intact while the new one is unfinished
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000005.pt", "step_000010.pt"]
+    monkeypatch.undo()
+    calls = _kill_at(monkeypatch, 10**9)
+    # a third params set: the killed run's resume state (other fingerprint) is discarded, training starts over
+    third = tiny_train_config(steps=12, checkpoint_fractions=(0.5,))
+    train_model(tiny_base, third, "rp", "joint", out, progress=False)
+    assert len(calls) == 12
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000006.pt"]
+    ck = torch.load(out / "model.pt", weights_only=True)
+    assert ck["step"] == 12 and not staging_dir(out).exists()
+    train_model(tiny_base, third, "rp", "joint", tmp_path / "fresh", progress=False)
+    assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "fresh" / "model.pt")

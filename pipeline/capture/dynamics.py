@@ -126,7 +126,7 @@ def training_dynamics(train_dir: Path | str, cfg: DynamicsConfig, dump_cfg, devi
     paths = checkpoint_paths(train_dir)
     with tempfile.TemporaryDirectory(prefix="looptrace-probe-") as tmpdir:
         for path in tqdm(paths, desc="training dynamics", disable=None if progress else True, leave=False):
-            adapter = LoopedTransformerAdapter.from_checkpoint(path, device=device)
+            adapter = LoopedTransformerAdapter.from_checkpoint(path, device=device, name=Path(train_dir).name)
             extra = adapter.info.extra
             spec = dict(extra["task"])
             task = make_task(spec.pop("name"), spec)

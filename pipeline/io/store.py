@@ -1115,6 +1115,31 @@ def check_same_model(stores: Mapping[str, TrajectoryStore]) -> None:
                                  f"one model; re-run `looptrace dump` for this model")
 
 
+def check_store_model(store: TrajectoryStore, name: str, checkpoint_hash: str | None = None,
+                      checkpoint: str | None = None) -> None:
+    """Refuse a store that is not ``name``'s dump (another model's store copied under this name), or — when
+    ``checkpoint_hash`` is given — not a dump of the checkpoint a stage is about to combine it with.
+
+    Args:
+        store: an open store.
+        name: the model the caller looks for (``<model>`` of ``<root>/<model>/<split>.zarr``).
+        checkpoint_hash: sha256 of the checkpoint the caller loaded (None: not checked).
+        checkpoint: the checkpoint's path or id, named in the error.
+
+    Raises:
+        StoreError: one line naming the store, both models (or both hashes) and the fix.
+    """
+    model = store.attrs.get("model") or {}
+    if model.get("name") not in (None, name):
+        raise StoreError(f"store {store.label} is a dump of model '{model.get('name')}', not '{name}' (another "
+                         f"model's store under this name?); re-run `looptrace dump` for model '{name}'")
+    have = model.get("checkpoint_hash")
+    if checkpoint_hash is not None and have and have != checkpoint_hash:
+        raise StoreError(f"store {store.label} was dumped from checkpoint {have[:12]}, not {checkpoint or 'the one'} "
+                         f"loaded now ({checkpoint_hash[:12]}): the model was retrained or replaced since the dump; "
+                         f"re-run `looptrace dump` for model '{name}' (dvc repro)")
+
+
 def open_split_stores(root: StoreTarget, model: str, splits: Sequence[str], **open_kwargs: Any
                       ) -> dict[str, TrajectoryStore]:
     """``{split: open_store(<root>/<model>/<split>.zarr)}`` for a model, checked to belong together.
@@ -1126,8 +1151,11 @@ def open_split_stores(root: StoreTarget, model: str, splits: Sequence[str], **op
         open_kwargs: passed to :func:`open_store` (``allow_nan``, ``verify``...).
 
     Raises:
-        StoreError: a store is missing/invalid, or the stores differ in identity (:func:`check_same_model`).
+        StoreError: a store is missing/invalid, is another model's (:func:`check_store_model`), or the stores
+            differ in identity (:func:`check_same_model`).
     """
     stores = {s: open_store(join_store(root, model, f"{s}.zarr"), **open_kwargs) for s in splits}
+    for st in stores.values():
+        check_store_model(st, model)
     check_same_model(stores)
     return stores

@@ -106,9 +106,14 @@ class LoopedTransformerAdapter(LoopedModelAdapter):
         )
 
     @classmethod
-    def from_checkpoint(cls, path: Path | str, device: str = "cpu") -> LoopedTransformerAdapter:
-        """Load ``artifacts/train/<model>/model.pt`` (or an intermediate checkpoint)."""
-        model, ckpt = load_checkpoint(path)
+    def from_checkpoint(cls, path: Path | str, device: str = "cpu", name: str | None = None
+                        ) -> LoopedTransformerAdapter:
+        """Load ``artifacts/train/<model>/model.pt`` (or an intermediate checkpoint).
+
+        ``name``: the model looked for; a checkpoint recording another model's name is refused
+        (:func:`~looptrace.models.looped.load_checkpoint`).
+        """
+        model, ckpt = load_checkpoint(path, name=name)
         extra = {k: ckpt[k] for k in ("task", "regime", "seed", "data_seeds", "step", "fraction") if k in ckpt}
         return cls(model, ckpt.get("name", Path(path).parent.name), file_sha256(path), extra, device)
 

@@ -389,13 +389,18 @@ def save_checkpoint(path, model: LoopedTransformer, **meta) -> None:
     Everything but the tensors must be plain values (dict, list, tuple, str, int, float, bool, None): the file is
     read back with ``torch.load(weights_only=True)`` (:func:`load_checkpoint`), which refuses any other object.
     """
+    import json
     import os
     from pathlib import Path
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({"model_config": model.cfg.to_dict(), "state_dict": model.state_dict(), **meta}, tmp)
+    # Through JSON and back: pickle writes an object met twice as a back-reference, so the bytes (the checkpoint
+    # hash every store records) would depend on which values share an object, not only on the values (a resumed
+    # run rebuilds its history from its resume state, equal but unshared).
+    plain = json.loads(json.dumps(meta))
+    torch.save({"model_config": model.cfg.to_dict(), "state_dict": model.state_dict(), **plain}, tmp)
     os.replace(tmp, path)
 
 
@@ -412,8 +417,12 @@ def rebuild_hint(path) -> str:
 _EXPECTED = "expected a looptrace model.pt written by `looptrace train`"
 
 
-def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer, dict]:
+def load_checkpoint(path, map_location: str = "cpu", name: str | None = None) -> tuple[LoopedTransformer, dict]:
     """Load a checkpoint written by :func:`save_checkpoint`; returns (model in eval mode, full dict).
+
+    ``name``, when given, is the model the caller looks for (the ``<model>`` of ``<train_root>/<model>/model.pt``): a
+    checkpoint that records another model's name (copied or renamed under this one) is refused, since every
+    number a stage derives from it would be credited to the wrong model.
 
     Read with ``torch.load(weights_only=True)``: tensors and plain values only, so a tampered file cannot run code
     (checkpoints travel between people through DVC remotes).
@@ -450,6 +459,9 @@ def load_checkpoint(path, map_location: str = "cpu") -> tuple[LoopedTransformer,
     if not isinstance(ckpt, dict) or not {"model_config", "state_dict"} <= set(ckpt):
         raise CheckpointLoadError(f"checkpoint '{path}' has no model_config/state_dict; {_EXPECTED}; "
                                   f"{rebuild_hint(path)}")
+    if name is not None and ckpt.get("name") not in (None, name):
+        raise CheckpointLoadError(f"checkpoint '{path}' is model '{ckpt.get('name')}', not '{name}' (another "
+                                  f"model's checkpoint under this name?); {rebuild_hint(path)}")
     try:
         model = LoopedTransformer(ModelConfig.from_dict(ckpt["model_config"]))
         model.load_state_dict(ckpt["state_dict"])

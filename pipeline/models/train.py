@@ -9,8 +9,11 @@ same weights and the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,9 +217,62 @@ def evaluate(model: LoopedTransformer, data: TaskBatch, device: str = "cpu", bat
     }
 
 
+#: A killed run's resume state is also saved between kept checkpoints, at most this often (wall seconds). Where a
+#: run resumes from never changes what it computes (the resumed run is bit-identical), so a wall clock may set it.
+RESUME_EVERY_S = 60.0
+
+
+def staging_dir(out_dir: Path | str) -> Path:
+    """Where :func:`train_model` builds ``out_dir`` (``.<model>.train`` beside it) before swapping it in whole."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(f".{out_dir.name}.train")
+
+
+def _fingerprint(meta: dict, device: str) -> str:
+    """What a resume state must match to be continued: everything the weights depend on (task, regime, seed,
+    the train section, threads, versions) and the device."""
+    return hashlib.sha256(json.dumps({"meta": meta, "device": device}, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _load_resume(stage: Path, fingerprint: str) -> dict | None:
+    """The resume state in ``stage`` if it belongs to this run (same fingerprint), else None (the stage is stale:
+    another run's, or a killed write's)."""
+    path = stage / "resume.pt"
+    if not path.is_file():
+        return None
+    try:  # plain values and tensors only: a resume file cannot run code either
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a cut or foreign resume file is debris; start over
+        return None
+    return state if isinstance(state, dict) and state.get("fingerprint") == fingerprint else None
+
+
+def _save_resume(stage: Path, state: dict) -> None:
+    tmp = stage / "resume.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, stage / "resume.pt")
+
+
+def _swap_in(stage: Path, out_dir: Path) -> None:
+    """Replace ``out_dir`` by ``stage`` (the whole model directory at once: a reader never sees a mix of two runs;
+    a kill between the two renames leaves ``.<model>.old``, which the next run's ``stage_output`` removes)."""
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(stage, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(stage, out_dir)
+
+
 def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,
                 progress: bool = True, seed: int | None = None, threads: int | None = None) -> dict:
     """Train one looped model and write ``model.pt``, ``metrics.json`` and ``checkpoints/``.
+
+    The directory is built in :func:`staging_dir` and replaces ``out_dir`` whole when training ends; a killed run
+    resumes from its last resume state (every kept checkpoint, and every :data:`RESUME_EVERY_S` seconds) and ends
+    bit-identical to an uninterrupted run.
 
     Args:
         base: shared settings (seed, threads, device).
@@ -246,15 +302,43 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     rng = np.random.default_rng([cfg.data_seeds.fit, SPLITS.index("fit"), seed])
     val = task.dataset("val", cfg.val_sequences, cfg.data_seeds.val)
     out_dir = Path(out_dir)
-    (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     ckpt_steps = sorted({max(1, round(f * cfg.steps)) for f in cfg.checkpoint_fractions if 0 < f < 1})
     name = model_name(task_name, regime_name, named_seed)
     meta = {"name": name, "task": task.spec() | {"name": task_name}, "regime": to_dict(regime) | {"name": regime_name},
             "seed": seed, "data_seeds": to_dict(cfg.data_seeds), "threads": threads,
             "train": to_dict(cfg) | {"task_defs": None, "regime_defs": None}, "versions": versions()}
-    history, t0, loss_ema = [], time.perf_counter(), None
-    cpu0 = time.process_time()
-    bar = tqdm(range(cfg.steps), desc=f"train {name}", disable=None if progress else True, leave=False)
+    # The run is built in a staging dir and swapped in whole at the end, so out_dir only ever holds one finished
+    # run (a retrain or a killed run never mixes its checkpoints/ with an earlier run's). A killed run's staging
+    # dir keeps its kept checkpoints and a resume state (weights, AdamW moments, data RNG): the next run with the
+    # same fingerprint continues from there and ends bit-identical to an uninterrupted run; any other is removed.
+    stage, fingerprint = staging_dir(out_dir), _fingerprint(meta, str(base.device))
+    resume = _load_resume(stage, fingerprint)
+    if resume is None:
+        shutil.rmtree(stage, ignore_errors=True)
+    (stage / "checkpoints").mkdir(parents=True, exist_ok=True)
+    history, loss_ema, start, spent = [], None, 0, (0.0, 0.0)
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["opt"])
+        rng.bit_generator.state = json.loads(resume["rng"])
+        torch.set_rng_state(resume["torch_rng"])
+        history, loss_ema, start = json.loads(resume["history"]), resume["loss_ema"], int(resume["step"])
+        spent = (float(resume["seconds"]), float(resume["cpu_seconds"]))
+        for stale in (stage / "checkpoints").glob("step_*.pt"):  # written after the resume state was saved
+            if int(stale.stem.split("_")[1]) > start:
+                stale.unlink()
+
+    def save_resume(done: int) -> None:
+        _save_resume(stage, {"fingerprint": fingerprint, "step": done, "model": model.state_dict(),
+                             "opt": opt.state_dict(), "rng": json.dumps(rng.bit_generator.state),
+                             "torch_rng": torch.get_rng_state(), "loss_ema": loss_ema, "history": json.dumps(history),
+                             "seconds": spent[0] + time.perf_counter() - t0,
+                             "cpu_seconds": spent[1] + time.process_time() - cpu0})
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    last_save = t0
+    bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=None if progress else True, leave=False,
+               initial=start, total=cfg.steps)
     for step in bar:
         model.train()
         for g in opt.param_groups:
@@ -273,10 +357,13 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
             ev = evaluate(model, val, base.device)
             history.append({"step": step + 1, "fraction": (step + 1) / cfg.steps,
                             "acc_per_loop": ev["acc_per_loop"], "loss_per_loop": ev["loss_per_loop"]})
-            save_checkpoint(out_dir / "checkpoints" / f"step_{step + 1:06d}.pt", model,
+            save_checkpoint(stage / "checkpoints" / f"step_{step + 1:06d}.pt", model,
                             **meta, step=step + 1, fraction=(step + 1) / cfg.steps, metrics=ev)
+        if step + 1 < cfg.steps and (step + 1 in ckpt_steps or time.perf_counter() - last_save >= RESUME_EVERY_S):
+            save_resume(step + 1)
+            last_save = time.perf_counter()
     bar.close()
-    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
+    seconds, cpu_seconds = spent[0] + time.perf_counter() - t0, spent[1] + time.process_time() - cpu0
     ev = evaluate(model, val, base.device)
     history.append({"step": cfg.steps, "fraction": 1.0, "acc_per_loop": ev["acc_per_loop"],
                     "loss_per_loop": ev["loss_per_loop"]})
@@ -293,10 +380,10 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     # Wall-clock figures go to metrics.json only: model.pt's sha256 is the checkpoint hash every store records, so
     # identical weights retrained must write identical bytes.
     timeless = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
-    save_checkpoint(out_dir / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=timeless)
-    tmp = out_dir / "metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2))
-    tmp.replace(out_dir / "metrics.json")
+    save_checkpoint(stage / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=timeless)
+    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    (stage / "resume.pt").unlink(missing_ok=True)
+    _swap_in(stage, out_dir)
     return metrics
 
 

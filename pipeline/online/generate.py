@@ -544,13 +544,21 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
                 raise ConfigError(f"generate: model '{name}' is not dump.adapter's run name '{adapter.run_name}'")
             model = load_adapter(adapter, device)
             has_gate = bool(model.info.has_gate)
+            ckpt, ckpt_hash = adapter.path, model.info.checkpoint_hash or None
         else:
+            from looptrace.models.interface import file_sha256
             from looptrace.models.looped import load_checkpoint
 
-            model, _ = load_checkpoint(Path(train_root) / name / "model.pt")
+            ckpt = Path(train_root) / name / "model.pt"
+            model, _ = load_checkpoint(ckpt, name=name)
             model = model.to(device).eval()
             has_gate = model.gate is not None
+            ckpt_hash = file_sha256(ckpt)
         store = Path(dump_root) / name / "test.zarr"
+        if store.exists():  # (load_prompts names a missing store)
+            from looptrace.io.store import check_store_model, open_store
+
+            check_store_model(open_store(store), name, ckpt_hash, str(ckpt))
         prompts, hidden_dtype = load_prompts(store, cfg.prompts, cfg.prompt_len, text_windows)
         from looptrace.io.store import open_store
 

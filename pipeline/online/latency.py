@@ -430,14 +430,19 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
     Returns:
         (latency frame, metrics dict with per-model headline numbers and skipped rules with reasons).
     """
+    from looptrace.io.store import check_store_model, open_store
+    from looptrace.models.interface import file_sha256
     from looptrace.models.looped import load_checkpoint
 
     all_rows, skipped, info = [], {}, {}
     for name in models:
         ckpt = Path(train_root) / name / "model.pt"
-        model, _ = load_checkpoint(ckpt)
+        model, _ = load_checkpoint(ckpt, name=name)
         model = model.to(device).eval()
-        data, token, hidden_dtype = load_test_data(Path(dump_root) / name / "test.zarr")
+        store_path = Path(dump_root) / name / "test.zarr"
+        if store_path.exists():  # (load_test_data names a missing store)
+            check_store_model(open_store(store_path), name, file_sha256(ckpt), str(ckpt))
+        data, token, hidden_dtype = load_test_data(store_path)
         n_tokens = int((token >= 0).sum())
         specs, skip = readout_rule_specs(Path(readouts_root) / name, cfg.rules, n_tokens, model.gate is not None,
                                          hidden_dtype)
