@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: repro status test lint bench clean-venv
+.PHONY: repro status test test-lowest lint bench clean-venv
 
 # torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -21,6 +21,19 @@ repro: $(STAMP)
 # The default pipeline's status (a bare `dvc status` also lists every profile's stages).
 status: $(STAMP)
 	$(BIN)/dvc status dvc.yaml
+
+# The package at the lowest versions pyproject.toml admits (every runtime floor pinned, .ci/floors.py): a floor below
+# an API the code uses fails here, not in a user's run. The fast suite (not the slow end-to-end tests), no dev extra.
+LOW := .venv-lowest
+$(LOW)/.installed: pyproject.toml .ci/floors.py
+	$(PYTHON) -m venv $(LOW)
+	$(LOW)/bin/python -m pip install -q torch==2.13.0
+	$(PYTHON) .ci/floors.py hf > $(LOW)/constraints.txt
+	$(LOW)/bin/python -m pip install -q -c $(LOW)/constraints.txt -e '.[hf]' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
+	touch $@
+
+test-lowest: $(LOW)/.installed
+	PATH="$(abspath $(LOW)/bin):$$PATH" $(LOW)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" -q -p no:warnings
 
 test: $(STAMP)
 	$(BIN)/ruff check pipeline stages tests benchmarks

@@ -119,10 +119,15 @@ def _assert_nothing_half_written(out: Path, ref: Path, stage: str) -> str:
 
     if not out.exists():
         return "absent"
-    stores = sorted(p for p in out.iterdir() if p.suffix == ".zarr") if out.is_dir() else []
-    if stores:  # the dump: each store is either refused (incomplete) or complete and equal to the reference's
+    stores = sorted(out / p.name for p in ref.iterdir() if p.suffix == ".zarr")
+    if stores:  # the dump: each store is absent, refused (incomplete) or complete and equal to the reference's
+        extra = sorted(p.name for p in out.iterdir() if out / p.name not in stores and not _DEBRIS.search(p.name))
+        assert not extra, f"{stage}: {extra} beside the stores after a kill"
         states = []
         for st in stores:
+            if not st.exists():
+                states.append("absent")
+                continue
             try:
                 open_store(st)
             except StoreError as exc:
