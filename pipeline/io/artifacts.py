@@ -108,6 +108,21 @@ def clear_debris(out_dir: Path | str) -> list[Path]:
     return removed
 
 
+def swap_in(staged: Path | str, out_dir: Path | str) -> None:
+    """Replace ``out_dir`` by the directory ``staged`` (a sibling), whole: a reader sees the old or the new one,
+    never a mix. A kill between the two renames leaves ``.<name>.old`` (and no ``out_dir``), which
+    :func:`clear_debris` removes on the next run."""
+    staged, out_dir = Path(staged), Path(out_dir)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(staged, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staged, out_dir)
+
+
 @contextlib.contextmanager
 def atomic_dir(out_dir: Path | str) -> Iterator[Path]:
     """Yield a temporary directory that replaces ``out_dir`` when the block exits cleanly.
@@ -121,14 +136,7 @@ def atomic_dir(out_dir: Path | str) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         yield tmp
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        swap_in(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

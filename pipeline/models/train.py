@@ -33,6 +33,7 @@ from looptrace.config import (
     one_of,
     to_dict,
 )
+from looptrace.io.artifacts import swap_in
 from looptrace.models.looped import LOOP_FORMS, GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
 from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
 from looptrace.project import model_name, versions
@@ -253,19 +254,6 @@ def _save_resume(stage: Path, state: dict) -> None:
     os.replace(tmp, stage / "resume.pt")
 
 
-def _swap_in(stage: Path, out_dir: Path) -> None:
-    """Replace ``out_dir`` by ``stage`` (the whole model directory at once: a reader never sees a mix of two runs;
-    a kill between the two renames leaves ``.<model>.old``, which the next run's ``stage_output`` removes)."""
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(stage, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(stage, out_dir)
-
-
 def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,
                 progress: bool = True, seed: int | None = None, threads: int | None = None) -> dict:
     """Train one looped model and write ``model.pt``, ``metrics.json`` and ``checkpoints/``.
@@ -383,7 +371,7 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     save_checkpoint(stage / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=timeless)
     (stage / "metrics.json").write_text(json.dumps(metrics, indent=2))
     (stage / "resume.pt").unlink(missing_ok=True)
-    _swap_in(stage, out_dir)
+    swap_in(stage, out_dir)  # the whole model dir at once (a kill between its renames: stage_output tidies)
     return metrics
 
 
