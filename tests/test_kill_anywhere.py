@@ -40,6 +40,7 @@ import pytest
 import yaml
 
 from tests.test_e2e_gates import REPO, TINY, _merge, run_in_process, stage_commands
+from tests.test_parallel import without_timings
 
 pytestmark = pytest.mark.slow
 
@@ -70,14 +71,6 @@ def _env() -> dict:
     return {**os.environ, "SOURCE_DATE_EPOCH": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
-def _strip_seconds(obj):
-    if isinstance(obj, dict):
-        return {k: _strip_seconds(v) for k, v in obj.items() if not k.endswith("seconds")}
-    if isinstance(obj, list):
-        return [_strip_seconds(v) for v in obj]
-    return obj
-
-
 def _skeleton(obj):
     """Key structure of a JSON value (what a measured metrics.json must keep)."""
     if isinstance(obj, dict):
@@ -91,7 +84,7 @@ def _content(path: Path, stage: str):
     """What must be equal between two runs' copies of one output file."""
     if path.suffix == ".json":
         data = json.loads(path.read_text())
-        return _skeleton(data) if stage in MEASURED_STAGES else _strip_seconds(data)
+        return _skeleton(data) if stage in MEASURED_STAGES else without_timings(data)
     if path.suffix == ".parquet" and stage in MEASURED_STAGES:
         df = pl.read_parquet(path)
         return df.drop([c for c in df.columns if _MEASURED_COLUMN.search(c)]).to_dicts()
