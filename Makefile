@@ -33,7 +33,7 @@ $(LOW)/.installed: pyproject.toml .ci/floors.py
 	touch $@
 
 test-lowest: $(LOW)/.installed
-	PATH="$(abspath $(LOW)/bin):$$PATH" $(LOW)/bin/python -m pytest -n 2 --dist loadfile -m "not slow" -q -p no:warnings
+	PATH="$(abspath $(LOW)/bin):$$PATH" $(LOW)/bin/python -m pytest -n 2 --dist loadfile -m "not slow"
 
 test: $(STAMP)
 	$(BIN)/ruff check pipeline stages tests benchmarks
