@@ -1,7 +1,7 @@
 """Kill anywhere (issue 15, item 4): every stage SIGKILLed at random points, re-run, equal to an uninterrupted run.
 
-In a tiny copy of the project (the e2e profile, one seed, train long enough to be killed mid-run), every stage
-command of dvc.yaml runs once uninterrupted, in this process: the *reference*. Then, for each stage (one item of a
+In a tiny copy of the project (the e2e profile, one seed, dynamics on, train long enough to be killed mid-run), every
+stage command of dvc.yaml runs once uninterrupted, in this process: the *reference*. Then, for each stage (one item of a
 matrix stage), in a copy of the reference project with that stage's output directory removed:
 
 1. ``KILLS`` runs (a child process each: ``tests/kill_child.py`` imports everything, prints ``ready``, runs the
@@ -50,12 +50,13 @@ CHILD = REPO / "tests" / "kill_child.py"
 
 #: The kill profile: the e2e tiny profile, one seed, and a train long enough (~1 s) to be killed between its kept
 #: checkpoints (a resume state is saved at each).
-PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkpoint_fractions": [0.25, 0.5, 0.75]}}
+PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkpoint_fractions": [0.25, 0.5, 0.75]},
+           "dynamics": {"enabled": True, "probe_sequences": 32}}
 
 #: What the child imports before ``ready`` and the reference imports before it times a stage, so that a kill
 #: time drawn over a stage's reference time lands in its work, not in its first imports.
-PRELOAD = (*(f"looptrace.stages.{s}" for s in ("train", "dump", "geometry", "readouts", "gates", "diagnose",
-                                                "latency", "generate", "report")),
+STAGES = ("train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report")
+PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
            "looptrace.gates.fit", "looptrace.report", "looptrace.diagnose", "looptrace.online.latency",
            "looptrace.online.generate", "sklearn.linear_model", "sklearn.neural_network", "sklearn.decomposition",
            "skops.io", "matplotlib.pyplot")
@@ -198,12 +199,10 @@ def reference(tmp_path_factory):
 
 def _targets(dvc_yaml: dict, runs: list) -> list[tuple[str, str, str, float]]:
     """One command per stage to kill (a matrix stage: its joint-regime item, which has a gate): (stage, cmd,
-    output dir, reference seconds). Dynamics is off in the tiny profile (it writes only its 'disabled' record)."""
+    output dir, reference seconds)."""
     chosen: dict[str, tuple] = {}
     for name, cmd, secs in runs:
         stage = name.split("@", 1)[0]
-        if stage == "dynamics":
-            continue
         if stage not in chosen or "joint" in name:
             item = {}
             if "@" in name:
@@ -263,4 +262,4 @@ def test_every_stage_killed_anywhere_reruns_to_the_uninterrupted_output(referenc
     print(text)
     if os.environ.get("LOOPTRACE_KILL_REPORT"):
         Path(os.environ["LOOPTRACE_KILL_REPORT"]).write_text(text + "\n")
-    assert {"train", "dump", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report"} <= set(figures)
+    assert set(STAGES) <= set(figures)
