@@ -149,6 +149,9 @@ def test_killed_train_resumes_bit_identical(tmp_path, tiny_base, monkeypatch):
     with pytest.raises(_Killed):
         train_model(tiny_base, cfg, "rp", "joint", out, progress=False)
     assert not out.exists() and (staging_dir(out) / "resume.pt").is_file()  # nothing half-written is visible
+    # saves a kill cut short (a checkpoint, the resume state) must not be swapped in with the finished run
+    (staging_dir(out) / "checkpoints" / "step_000015.pt.tmp").write_bytes(b"cut")
+    (staging_dir(out) / "resume.pt.tmp").write_bytes(b"cut")
     calls.clear()
     monkeypatch.undo()
     calls = _kill_at(monkeypatch, 10**9)
@@ -158,6 +161,7 @@ def test_killed_train_resumes_bit_identical(tmp_path, tiny_base, monkeypatch):
     for name in ("step_000005.pt", "step_000010.pt"):
         assert file_sha256(out / "checkpoints" / name) == file_sha256(tmp_path / "ref" / "checkpoints" / name)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000005.pt", "step_000010.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.json", "model.pt"]
     ref = json.loads((tmp_path / "ref" / "metrics.json").read_text())
     got = json.loads((out / "metrics.json").read_text())
     assert got["history"] == ref["history"] and got["final_train_loss"] == ref["final_train_loss"]

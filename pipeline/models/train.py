@@ -315,6 +315,8 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         for stale in (stage / "checkpoints").glob("step_*.pt"):  # written after the resume state was saved
             if int(stale.stem.split("_")[1]) > start:
                 stale.unlink()
+        for tmp in stage.rglob("*.tmp"):  # a save the kill cut short (it would be swapped in with the rest)
+            tmp.unlink()
 
     def save_resume(done: int) -> None:
         _save_resume(stage, {"fingerprint": fingerprint, "step": done, "model": model.state_dict(),
