@@ -308,3 +308,21 @@ def test_identical_weights_retrained_keep_the_fingerprint(tmp_path, monkeypatch)
     other = tiny_model(vocab=5, seq=8, loops=3)
     torch.nn.init.normal_(next(other.parameters()))
     assert weights_hash(LoopedTransformerAdapter(other, "rs-test")) != weights_hash(ad_a)
+
+
+def test_killed_inside_the_layout_before_loop_group_is_finished_by_a_rerun(tmp_path, reference, monkeypatch):
+    """A kill after the arrays are created but before ``loop_group``'s only chunk is written (a token-chunk marker
+    never covers it): the re-run resumes, finalises with ``loop_group`` written, and equals an uninterrupted dump."""
+    path = tmp_path / "val.zarr"
+    real = StoreWriter.write_small
+
+    def killed(self, name, value):
+        raise KeyboardInterrupt  # stands in for the SIGKILL the harness found this window with
+
+    monkeypatch.setattr(StoreWriter, "write_small", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _dump(path)
+    monkeypatch.setattr(StoreWriter, "write_small", real)
+    st = _dump(path)
+    assert st.complete and np.array_equal(open_store(path).loop_group, open_store(reference).loop_group)
+    assert_same_tree(path, reference)

@@ -531,6 +531,9 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         writer = StoreWriter.reopen(path)
         if not writer.attrs.get("complete") or not writer.metadata_ok():
             remove_debris(path)  # every shard is done: no live writer can own a temp file now
+            # a kill inside create_layout (after the arrays, before this one's only chunk) leaves it unwritten, and
+            # only token chunks are markers: the finaliser (one process) writes it again, identical bytes
+            writer.write_small("loop_group", np.asarray(info.loop_group))
             # columns known only once every chunk is written (a text dump's loss-bin difficulty), before `complete`
             writer.finish(finalize(writer) if finalize is not None else None)
         coord.finish(fin)
