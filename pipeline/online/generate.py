@@ -555,14 +555,13 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
             has_gate = model.gate is not None
             ckpt_hash = file_sha256(ckpt)
         store = Path(dump_root) / name / "test.zarr"
-        if store.exists():  # (load_prompts names a missing store)
-            from looptrace.io.store import check_store_model, open_store
+        from looptrace.io.store import check_store_model, open_store
 
-            check_store_model(open_store(store), name, ckpt_hash, str(ckpt))
+        st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
+        if st is not None:  # identity first: load_prompts' own checks would blame the data instead
+            check_store_model(st, name, ckpt_hash, str(ckpt))
         prompts, hidden_dtype = load_prompts(store, cfg.prompts, cfg.prompt_len, text_windows)
-        from looptrace.io.store import open_store
-
-        n_tokens = open_store(store).n_tokens
+        n_tokens = st.n_tokens
         specs, skip = rule_specs(cfg, Path(readouts_root) / name, Path(gates_root) / name, n_tokens, has_gate,
                                  hidden_dtype)
         decoders, skip_p = model_decoders(model, cfg, seed)

@@ -130,8 +130,12 @@ class LatencyConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-def load_test_data(store_path: Path | str) -> tuple[TaskBatch, np.ndarray, str]:
+def load_test_data(store_path: Path | str, model: str | None = None, checkpoint: Path | str | None = None
+                   ) -> tuple[TaskBatch, np.ndarray, str]:
     """Rebuild the exact test sequences of a dump store and check them against the store.
+
+    ``model`` / ``checkpoint``, when given: the store must be that model's dump of that checkpoint
+    (:func:`looptrace.io.store.check_store_model`), checked on the store opened here.
 
     The store records its task (``task`` attrs), ``data_seed`` and ``n_sequences``; the sequences are
     regenerated with ``task.dataset`` (deterministic) and verified against the store's ``token_id``,
@@ -146,13 +150,18 @@ def load_test_data(store_path: Path | str) -> tuple[TaskBatch, np.ndarray, str]:
         FileNotFoundError: the store is missing.
         ValueError: attributes missing, or the regenerated data do not match the store.
     """
-    from looptrace.io.store import open_store
+    from looptrace.io.store import check_store_model, open_store
     from looptrace.tasks import IGNORE, make_task
 
     store_path = Path(store_path)
     if not store_path.exists():
         raise MissingInputError(f"{store_path} not found; run the dump stage first (dvc repro dump)")
     st = open_store(store_path)
+    if model is not None:
+        from looptrace.models.interface import file_sha256
+
+        check_store_model(st, model, None if checkpoint is None else file_sha256(checkpoint),
+                          None if checkpoint is None else str(checkpoint))
     a = st.attrs
     spec = a.get("task")
     if not spec or a.get("data_seed") is None or a.get("n_sequences") is None:
@@ -430,8 +439,6 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
     Returns:
         (latency frame, metrics dict with per-model headline numbers and skipped rules with reasons).
     """
-    from looptrace.io.store import check_store_model, open_store
-    from looptrace.models.interface import file_sha256
     from looptrace.models.looped import load_checkpoint
 
     all_rows, skipped, info = [], {}, {}
@@ -439,10 +446,7 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
         ckpt = Path(train_root) / name / "model.pt"
         model, _ = load_checkpoint(ckpt, name=name)
         model = model.to(device).eval()
-        store_path = Path(dump_root) / name / "test.zarr"
-        if store_path.exists():  # (load_test_data names a missing store)
-            check_store_model(open_store(store_path), name, file_sha256(ckpt), str(ckpt))
-        data, token, hidden_dtype = load_test_data(store_path)
+        data, token, hidden_dtype = load_test_data(Path(dump_root) / name / "test.zarr", name, ckpt)
         n_tokens = int((token >= 0).sum())
         specs, skip = readout_rule_specs(Path(readouts_root) / name, cfg.rules, n_tokens, model.gate is not None,
                                          hidden_dtype)
