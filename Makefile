@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: repro status test test-lowest lint bench clean-venv
+.PHONY: repro quick status test test-lowest lint bench clean-venv
 
 # torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -17,6 +17,11 @@ $(STAMP): pyproject.toml
 # profiles run with `dvc repro profiles/<name>/dvc.yaml` (README, "Profiles").
 repro: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
+
+# The quick profile: the default experiment on running parity only (9 models, three seeds), outputs under
+# artifacts/quick/; fits in 25 min on a 2-core machine, which the 18-model default does not (docs/train.md).
+quick: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro profiles/quick/dvc.yaml
 
 # The default pipeline's status (a bare `dvc status` also lists every profile's stages).
 status: $(STAMP)

@@ -26,7 +26,9 @@ from looptrace.config import ConfigError, load_section, merge_params, read_param
 from tests.import_graph import REPO
 from tests.test_dvc_deps import _has_key, params_reads, stage_script
 
-PROFILES = ("ad", "lm")
+PROFILES = ("ad", "lm", "quick")
+#: Profiles whose dvc.yaml is generated from dvc.yaml (the default pipeline on the profile's override).
+GENERATED = ("ad", "quick")
 
 
 # ---------------------------------------------------------------------------------------------- layering
@@ -140,13 +142,22 @@ def _artifact_options(stage: str, profile: str) -> list[str]:
     return args
 
 
-HEADER = """\
+HEADERS = {
+    "ad": """\
 # GENERATED from dvc.yaml by `python -m tests.test_profiles` (tests/test_profiles.py fails when it is stale).
 # The [AD] GPU-scale profile (SPEC §9): the default pipeline on params.yaml + profiles/ad/params.yaml, every
 # output under artifacts/ad/, so it never touches the default artifacts or any tracked file.
 #   dvc repro profiles/ad/dvc.yaml          (on a GPU machine; dvc status profiles/ad/dvc.yaml)
 # The matrix comes from profiles/ad/params.yaml (DVC loads the params.yaml beside this file as its vars).
-"""
+""",
+    "quick": """\
+# GENERATED from dvc.yaml by `python -m tests.test_profiles` (tests/test_profiles.py fails when it is stale).
+# The quick profile: the default pipeline on params.yaml + profiles/quick/params.yaml (running parity only, three
+# seeds), every output under artifacts/quick/, so it never touches the default artifacts or any tracked file.
+#   make quick   (= dvc repro profiles/quick/dvc.yaml; dvc status profiles/quick/dvc.yaml)
+# The matrix comes from profiles/quick/params.yaml (DVC loads the params.yaml beside this file as its vars).
+""",
+}
 
 
 def profile_pipeline(profile: str = "ad") -> dict:
@@ -177,7 +188,13 @@ def profile_pipeline(profile: str = "ad") -> dict:
 
 
 def render_profile(profile: str = "ad") -> str:
-    return HEADER + yaml.safe_dump(profile_pipeline(profile), sort_keys=False, width=120)
+    return HEADERS[profile] + yaml.safe_dump(profile_pipeline(profile), sort_keys=False, width=120)
+
+
+@pytest.mark.parametrize("profile", GENERATED)
+def test_generated_profile_pipelines_are_fresh(profile):
+    path = REPO / "profiles" / profile / "dvc.yaml"
+    assert path.read_text() == render_profile(profile), f"{path} is stale: python -m tests.test_profiles"
 
 
 def test_ad_pipeline_is_the_default_pipeline_on_the_profile():
@@ -245,6 +262,7 @@ def test_dvc_sees_every_pipeline_and_status_of_the_default_one_stays_its_own(tmp
     assert names and not any(n.startswith("profiles/") for n in names), status
 
 
-if __name__ == "__main__":  # python -m tests.test_profiles: regenerate profiles/ad/dvc.yaml from dvc.yaml
-    (REPO / "profiles" / "ad" / "dvc.yaml").write_text(render_profile("ad"))
-    print("profiles/ad/dvc.yaml written")
+if __name__ == "__main__":  # python -m tests.test_profiles: regenerate the generated profiles' dvc.yaml from dvc.yaml
+    for name in GENERATED:
+        (REPO / "profiles" / name / "dvc.yaml").write_text(render_profile(name))
+        print(f"profiles/{name}/dvc.yaml written")
