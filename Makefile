@@ -19,7 +19,7 @@ repro: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
 # The quick profile: the default experiment on running parity only (9 models, three seeds), outputs under
-# artifacts/quick/; fits in 25 min on a 2-core machine, which the 18-model default does not (docs/train.md).
+# artifacts/quick/; estimated ≈ 20 min on a 2-core machine (not yet measured; docs/train.md).
 quick: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro profiles/quick/dvc.yaml
 
