@@ -45,10 +45,11 @@ def run(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args(argv)
 
+    from transformers import DoryConfig, DoryForCausalLM
+
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.models.adapters.hf import AdapterConfig, load_adapter
     from looptrace.tasks import TaskBatch
-    from transformers import DoryConfig, DoryForCausalLM
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -45,6 +45,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import torch
+
 from looptrace.models.decode import decoder_for
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.engine import OnlineRule, RegistryRule

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from looptrace.models.looped import load_checkpoint
 from looptrace.online.engine import OnlineRule, full_work, minimal_work
 from looptrace.online.latency import load_test_data, readout_rule_specs, run_split

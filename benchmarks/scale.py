@@ -58,6 +58,7 @@ def child(spec: dict) -> None:
     t_start = time.perf_counter()
     import numpy as np
     import torch
+
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
@@ -151,6 +152,7 @@ def build_analysis_store(path: Path, n_tokens: int, d_model: int, loops: int, ch
     an argmax equal to the target 80 % of the time.
     """
     import numpy as np
+
     from looptrace.io.store import ATTR_DEFAULTS, DIMS, DTYPES, ArraySpec, StoreWriter
 
     names = {"hidden": (loops, d_model), "hidden_init": (d_model,), **{s: (loops,) for s in

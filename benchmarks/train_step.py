@@ -28,6 +28,7 @@ import time
 def _child(mode: str, threads: int, task_name: str, regime_name: str, steps: int, params: str) -> dict:
     import numpy as np
     import torch
+
     from looptrace.config import load_section
     from looptrace.models.looped import LoopedTransformer
     from looptrace.models.regimes import regime_loss

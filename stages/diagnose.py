@@ -1,52 +1,7 @@
-"""DVC stage ``diagnose``: failure classes, Spearman, verdicts and [AD]'s claims -> artifacts/diagnose/."""
+"""DVC stage ``diagnose`` (dvc.yaml): runs ``looptrace.stages.diagnose.main``, the entry ``looptrace diagnose`` runs too."""
 
-from __future__ import annotations
-
-from pathlib import Path
-
-import typer
-from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
-from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
-from looptrace.errors import run, user_errors
-from looptrace.intervals import IntervalsConfig
-from looptrace.io.claims import stage_output
-from looptrace.io.parallel import dask_runner
-from looptrace.project import model_names, versions
-from looptrace.rules.scoring import CalibrationConfig
-
-
-def main(
-    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
-    models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),
-    readouts_root: Path = typer.Option(Path("artifacts/readouts"), help="root of the readouts stage's outputs"),
-    gates_root: Path = typer.Option(Path("artifacts/gates"), help="root of the gates stage's outputs (optional)"),
-    geometry_root: Path = typer.Option(Path("artifacts/geometry"), help="root of the geometry stage's outputs"),
-    out: Path = typer.Option(Path("artifacts/diagnose"), help="output directory"),
-) -> None:
-    """Trajectory vs readout failures per model × rule, and whether [AD]'s findings hold."""
-    with user_errors():
-        base = load_base(params)
-        cfg = load_section(DiagnoseConfig, "diagnose", params, required=True)
-        # The claims are tested at D@x, which exists only if readouts and gates computed it.
-        ivc = load_section(IntervalsConfig, "intervals", params)
-        require_in("diagnose.x", cfg.x, "calibration.dx", load_section(CalibrationConfig, "calibration", params).dx)
-        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
-            names = model_names(params, models)
-            meta = {"seed": base.seed, "params": {**to_dict(cfg), "intervals": to_dict(ivc)}, "versions": versions(),
-                    "models_list": names}
-            with dask_runner(base.dask) as runner:
-                frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta,
-                                                           runner=runner, intervals=ivc, seed=base.seed)
-            write_diagnosis(out, frames, summary, metrics)
-    for name, status in metrics["claims"].items():
-        typer.echo(f"[AD] claim ({name}): {status}")
-    for name, m in metrics["models"].items():
-        typer.echo(f"{name}: {m['verdict']} ({m['reason']})")
-    for name, g in metrics["groups"].items():
-        typer.echo(f"{name} ({g['n_seeds']} seed{'s' if g['n_seeds'] != 1 else ''}): {g['verdict']} ({g['reason']}); "
-                   f"per seed: {g['seed_verdicts']}")
-
+from looptrace.errors import run
+from looptrace.stages.diagnose import main
 
 if __name__ == "__main__":
     run(main)

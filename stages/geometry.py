@@ -1,42 +1,7 @@
-"""DVC stage ``geometry``: trajectory geometry of one model's dump -> artifacts/geometry/<model>/."""
+"""DVC stage ``geometry`` (dvc.yaml): runs ``looptrace.stages.geometry.main``, the entry ``looptrace geometry`` runs too."""
 
-from __future__ import annotations
-
-from pathlib import Path
-
-import typer
-from looptrace.config import PARAMS_HELP, load_base, load_section
-from looptrace.errors import run, user_errors
-from looptrace.geometry import GeometryConfig, geometry_model
-from looptrace.io.claims import stage_output
-from looptrace.io.parallel import dask_runner
-from looptrace.io.store import open_split_stores
-from looptrace.project import versions
-
-
-def main(
-    model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/dump/<model>)"),
-    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
-    dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores"),
-    out: Path = typer.Option(Path("artifacts/geometry"), help="output root"),
-) -> None:
-    """Step norms, step cosines, acceleration, convergence depth and DLR of a model's trajectories."""
-    with user_errors():
-        base = load_base(params)
-        cfg = load_section(GeometryConfig, "geometry", params, required=True)
-        # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out / model):
-            stores = open_split_stores(dump_root, model, cfg.splits)  # checked to be one dump of this model
-            meta = {"model": model, "seed": base.seed,
-                    "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
-            with dask_runner(base.dask) as runner:
-                metrics = geometry_model(stores, cfg, out / model, meta=meta, runner=runner)
-    split = "test" if "test" in metrics["splits"] else next(iter(metrics["splits"]))
-    m = metrics["splits"][split]
-    norms = " ".join(f"{v:.3g}" for v in m["step_norm_mean_per_loop"])
-    typer.echo(f"{model} ({split}): mean step norm per loop {norms}; "
-               f"last-loop step cosine {m['step_cos_mean_last_loop']}")
-
+from looptrace.errors import run
+from looptrace.stages.geometry import main
 
 if __name__ == "__main__":
     run(main)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from looptrace import testing
 from looptrace.config import BaseConfig
 
@@ -35,6 +36,7 @@ def reference(tmp_path_factory) -> Path:
     """The 1-process dump (on disk) of :func:`looptrace.testing.tiny_adapter_and_data` (60 sequences) with
     :func:`looptrace.testing.tiny_dump_config`: what the sharded, killed and repaired dumps must equal."""
     import torch
+
     from looptrace.capture.dump import dump_split
 
     torch.set_num_threads(1)

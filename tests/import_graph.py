@@ -4,9 +4,8 @@ imports, transitively, function-level imports included.
 Used by tests/test_dvc_deps.py (dvc.yaml deps are exactly a stage's closure; offline stages import no
 torch/model/capture code) and tests/test_layout.py (the module graph drawn in docs/DESIGN.md is true).
 
-A module name maps to its file through pyproject.toml's ``[tool.setuptools.package-dir]`` (``looptrace`` ->
-``pipeline/``, ``looptrace.stages`` -> ``stages/``), the mapping pip installs, so the walk follows exactly what
-``import looptrace.x`` loads. Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first: they
+A module name maps to its file by the source layout pip installs (``looptrace`` -> ``pipeline/looptrace/``: import
+path = file path), so the walk follows exactly what ``import looptrace.x`` loads. Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first: they
 are part of the closure. Imports inside ``if TYPE_CHECKING:`` do not exist here (checked: none in the tree).
 """
 
@@ -24,15 +23,16 @@ class ImportGraph:
 
     Args:
         root: the tree's top directory.
-        package_dirs: package name -> directory relative to ``root`` (default: ``root``'s pyproject.toml
-            ``package-dir``).
+        package_dirs: package name -> directory relative to ``root`` (default: ``looptrace`` under each
+            ``where`` folder of ``root``'s pyproject.toml ``packages.find``).
     """
 
     def __init__(self, root: Path = REPO, package_dirs: dict[str, str] | None = None):
         self.root = root.resolve()
         if package_dirs is None:
             cfg = tomllib.loads((self.root / "pyproject.toml").read_text())
-            package_dirs = cfg["tool"]["setuptools"]["package-dir"]
+            (where,) = cfg["tool"]["setuptools"]["packages"]["find"]["where"]
+            package_dirs = {"looptrace": f"{where}/looptrace"}
         self.package_dirs = {k: self.root / v for k, v in sorted(package_dirs.items(), key=lambda kv: -len(kv[0]))}
         self._direct: dict[Path, tuple[frozenset[str], frozenset[str]]] = {}
 

@@ -17,9 +17,9 @@ import importlib  # noqa: E402
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
-from looptrace.cli import app  # noqa: E402
 from typer.main import get_command  # noqa: E402
 
+from looptrace.cli import app  # noqa: E402
 from tests.test_kill_anywhere import PRELOAD  # noqa: E402
 
 for mod in PRELOAD:

@@ -14,10 +14,10 @@ import copy
 import numpy as np
 import pytest
 import torch
-from looptrace.config import ConfigError
-from looptrace.models.adapters.hf import AdapterConfig, load_adapter
 from torch import nn
 
+from looptrace.config import ConfigError
+from looptrace.models.adapters.hf import AdapterConfig, load_adapter
 from tests import hf_helpers as H
 
 torch.set_num_threads(1)
@@ -236,9 +236,10 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path, monk
     import builtins
 
     import polars as pl
+    from typer.testing import CliRunner
+
     from looptrace.cli import app
     from looptrace.io.store import open_store
-    from typer.testing import CliRunner
 
     prompts = []  # bug 6: the tokenizer of a remote-code directory asked "Do you wish to run ...? [y/N]"
     monkeypatch.setattr(builtins, "input", lambda *a, **k: prompts.append(a) or "n")  # (transformers swallows raises)

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from looptrace.cli import app
 from typer.testing import CliRunner
+
+from looptrace.cli import app
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "bad-inputs.md"

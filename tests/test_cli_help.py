@@ -6,6 +6,8 @@ import re
 
 import pytest
 import yaml
+from typer.testing import CliRunner
+
 from looptrace.cli import STAGES, app, rule_line
 from looptrace.models.adapters.hf import KINDS as ADAPTERS
 from looptrace.models.regimes import KINDS as REGIMES
@@ -13,7 +15,6 @@ from looptrace.rules import exit_rule
 from looptrace.rules.builtin import OURO_Q_EXIT_RULES
 from looptrace.rules.registry import builtin_rules
 from looptrace.tasks import KINDS as TASKS
-from typer.testing import CliRunner
 
 
 def _help(*args: str) -> str:

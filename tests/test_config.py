@@ -1,6 +1,7 @@
 """Config loading: unknown keys are rejected with a one-line error naming key and section."""
 
 import pytest
+
 from looptrace.config import BaseConfig, ConfigError, from_dict, load_section
 from looptrace.models.train import TrainConfig
 

@@ -23,6 +23,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from looptrace.capture.dump import DumpConfig
 from looptrace.capture.dynamics import DynamicsConfig
 from looptrace.config import BaseConfig, ConfigError, from_dict, read_params, to_dict
@@ -183,8 +184,9 @@ STAGE_SECTIONS = {"dump": ["dump", "base"], "dynamics": ["dynamics", "dump", "ba
 
 @pytest.mark.parametrize("stage", sorted(STAGE_SECTIONS))
 def test_random_params_mutations_never_give_a_traceback_at_the_command(stage, tmp_path):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     runner = CliRunner()
     counter = iter(range(10**6))

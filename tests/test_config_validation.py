@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+
 from looptrace.config import (
     BaseConfig,
     Check,

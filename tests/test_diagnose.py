@@ -9,6 +9,8 @@ import re
 import numpy as np
 import polars as pl
 import pytest
+from scipy.stats import rankdata
+
 from looptrace import diagnose as D
 from looptrace.config import ConfigError, from_dict
 from looptrace.intervals import IntervalsConfig
@@ -18,7 +20,6 @@ from looptrace.project import resolve_model
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
 from looptrace.testing import token_loop_splits, write_token_loop
-from scipy.stats import rankdata
 
 F, T_ = False, True
 
@@ -471,8 +472,9 @@ def _gate_outputs(root, model, splits, seed):
 
 
 def test_diagnose_end_to_end(tmp_path, repo_root):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     models = ["running_parity-uniform", "running_parity-geometric", "running_parity-joint"]
     train_meta = {"running_parity": None}

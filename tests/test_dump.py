@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
+
 from looptrace.capture.dump import DumpConfig, dump_split
 from looptrace.config import ConfigError, from_dict, load_section
 from looptrace.io.store import STAT_NAMES, StoreError, StoreWriter, memory_store, open_store
 from looptrace.models.interface import LoopedTransformerAdapter, States
 from looptrace.tasks import IGNORE, make_task
 from looptrace.testing import tiny_adapter_and_data, tiny_dump_config, tiny_train_config
-
 from tests.test_stats import _np_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -238,7 +238,7 @@ def test_sigkill_at_a_random_point_then_resume_equals_uninterrupted(tmp_path, ca
     rng = random.Random(1234)
     target = rng.randint(2, n_chunks - 3)  # chunks written before the kill (then a random extra delay)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, text=True)
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": f"{REPO / 'pipeline'}{os.pathsep}{REPO}"}, text=True)
     assert proc.stdout.readline().strip() == "ready"
     deadline = time.monotonic() + 60
     while _markers(path) < target and time.monotonic() < deadline and proc.poll() is None:
@@ -273,9 +273,10 @@ def test_config_defaults_match_params_yaml_and_reject_bad_values():
 
 
 def test_stage_dumps_every_split_with_checkpoint_seeds(tmp_path, tiny_base):
+    from typer.testing import CliRunner
+
     import looptrace.stages.dump as stage
     from looptrace.models.train import train_model
-    from typer.testing import CliRunner
 
 
     train_model(tiny_base, tiny_train_config(steps=2), "rp", "uniform", tmp_path / "train" / "rp-uniform",

@@ -31,6 +31,7 @@ import pytest
 import torch
 import xarray as xr
 from fsspec.implementations.memory import MemoryFileSystem
+
 from looptrace.capture.dump import DumpConfig, dump_split, weights_hash
 from looptrace.io.claims import ClaimError, claims_location
 from looptrace.io.store import (
@@ -45,7 +46,6 @@ from looptrace.io.store import (
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import save_checkpoint
 from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_dump_config, tiny_model
-
 from tests.test_shard import CHILD, REPO, assert_clean, assert_same_tree, wait_line
 
 

@@ -1,6 +1,6 @@
 """End to end (slow): in a tiny copy of the project, changing only a ``gates`` parameter re-runs the
 ``gates`` stage and invalidates the stages downstream of it — never anything upstream (train, dump,
-geometry, readouts); editing the model's code (pipeline/models/looped.py) changes only the stages that
+geometry, readouts); editing the model's code (pipeline/looptrace/models/looped.py) changes only the stages that
 run the model (train, dump, dynamics, latency, generate).
 
 The project is built in tmp_path from the repository's own dvc.yaml, params.yaml (shrunk to a tiny
@@ -102,7 +102,7 @@ def build_project(root: Path) -> tuple[dict, dict]:
     params = {k: _merge(v, TINY[k]) if k in TINY and isinstance(v, dict) else v for k, v in params.items()}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
-           "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+           "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(root / "pipeline"), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     _dvc(["init", "--no-scm", "-q"], root, env)
     return yaml.safe_load((root / "dvc.yaml").read_text()), env
 
@@ -153,8 +153,9 @@ def run_in_process(cmd: str, cwd: Path) -> None:
     """``python stages/<name>.py args`` through the looptrace CLI in this process (same code path)."""
     import shlex
 
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     argv = shlex.split(cmd)
     assert argv[0] == "python" and argv[1].startswith("stages/"), f"unexpected stage command {cmd!r}"
@@ -190,10 +191,10 @@ def test_gates_param_change_reruns_only_gates_and_downstream(tmp_path):
 
     # editing the looped transformer's code changes exactly the stages that run the model, never the offline
     # analysis (geometry, readouts, gates, diagnose, report read stores and tables only)
-    model_py = tmp_path / "pipeline" / "models" / "looped.py"
+    model_py = tmp_path / "pipeline" / "looptrace" / "models" / "looped.py"
     source = model_py.read_text()
     model_py.write_text(source + "\n# an edit\n")
-    runs_model = {n for n, st in dvc_yaml["stages"].items() if "pipeline/models/looped.py" in _paths(st.get("deps"))}
+    runs_model = {n for n, st in dvc_yaml["stages"].items() if "pipeline/looptrace/models/looped.py" in _paths(st.get("deps"))}
     assert runs_model == {"train", "dump", "dynamics", "latency", "generate"}, runs_model
     changed = _stage_names(_dvc(["status"], tmp_path, env), r"(?m)^(\S+):\s*$")
     assert changed == runs_model, f"dvc status after a model code edit lists {sorted(changed)}"

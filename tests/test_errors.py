@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from looptrace.cli import app
 from looptrace.config import CheckpointLoadError, InputError, MissingInputError
 from looptrace.errors import BUG_EXIT, USER_EXIT, user_errors
 from looptrace.models.looped import load_checkpoint
 from looptrace.testing import tiny_checkpoint
-from typer.testing import CliRunner
 
 
 def _exit_of(fn) -> int:

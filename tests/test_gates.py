@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import math
 
-import looptrace.gates.stage as gates_stage_module
 import numpy as np
 import polars as pl
 import pytest
 import torch
+
+import looptrace.gates.stage as gates_stage_module
 from looptrace.config import ConfigError, from_dict
 from looptrace.gates.config import SPLITS, GatesConfig, GateSpec, PonderConfig
 from looptrace.gates.features import FeaturePipeline, block_stats, transform_stats
@@ -427,8 +428,9 @@ def test_defaults_equal_params_yaml(repo_root):
 
 def test_stage_cli(tmp_path, repo_root):
     import yaml
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     two_group_stores(tmp_path / "dump", "rp-uniform", n=(80, 40, 40))
     params = yaml.safe_load((repo_root / "params.yaml").read_text())

@@ -18,6 +18,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from looptrace.models.decode import DecodeUnsupported, decoder_for
 from looptrace.models.kv import CODA, LOOP, PRELUDE, LoopKVCache
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
@@ -28,7 +29,6 @@ from looptrace.rules.registry import get_rule, loop_signals
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.logits import logit_stats
 from looptrace.signals.steps import step_metrics
-
 from tests import hf_helpers as H
 
 torch.set_num_threads(1)
@@ -560,12 +560,12 @@ def test_generate_stage_on_a_tiny_pipeline(tmp_path):
     import json
 
     import polars as pl
+    from typer.testing import CliRunner
+
     from looptrace.cli import app
     from looptrace.io.store import open_store
     from looptrace.models.looped import load_checkpoint
     from looptrace.online.generate import GenerateConfig, generate_models, write_generate
-    from typer.testing import CliRunner
-
     from tests.test_latency import _tiny_pipeline
 
     name, rows, _ = _tiny_pipeline(tmp_path)

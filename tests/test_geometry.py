@@ -8,6 +8,7 @@ import math
 import numpy as np
 import polars as pl
 import pytest
+
 from looptrace.config import ConfigError
 from looptrace.geometry import (
     GeometryConfig,
@@ -369,6 +370,7 @@ def test_single_group_writes_empty_dlr_and_failed_run_leaves_nothing(tmp_path):
 
 def test_training_dynamics_match_an_independent_forward(tmp_path, tiny_base):
     import torch
+
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig, training_dynamics
     from looptrace.models.looped import load_checkpoint
@@ -404,12 +406,13 @@ def test_training_dynamics_match_an_independent_forward(tmp_path, tiny_base):
 def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     import json
 
+    import typer
+    from typer.testing import CliRunner
+
     import looptrace.stages.dump as dump_stage
     import looptrace.stages.dynamics as dynamics_stage
     import looptrace.stages.geometry as stage
-    import typer
     from looptrace.models.train import train_model
-    from typer.testing import CliRunner
 
 
     train_model(tiny_base, tiny_train_config(steps=10), "rp", "uniform", tmp_path / "train" / "rp-uniform",

@@ -6,8 +6,9 @@ import math
 
 import numpy as np
 import pytest
-from looptrace.intervals import Interval, Resampler, across_seeds, percentile_interval, spearman_token_samples
 from scipy import stats
+
+from looptrace.intervals import Interval, Resampler, across_seeds, percentile_interval, spearman_token_samples
 
 
 def test_ratio_over_every_resample_of_two_sequences_by_hand():

@@ -9,6 +9,7 @@ import numpy as np
 import polars as pl
 import pytest
 import torch
+
 from looptrace.models.looped import GroupConfig, LoopedTransformer
 from looptrace.online.engine import (
     OnlineRule,
@@ -295,8 +296,9 @@ def test_stage_refuses_mismatching_offline_exits(tmp_path):
 
 
 def test_stage_cli_one_line_error(tmp_path):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     res = CliRunner().invoke(app, ["latency", "--models", "nope", "--train-root", str(tmp_path)])
     assert res.exit_code == 2

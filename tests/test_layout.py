@@ -26,7 +26,7 @@ def unit(module: str) -> str:
 def package_edges() -> dict[str, set[str]]:
     """unit -> the units it imports (anywhere in its files, function-level imports included)."""
     edges: dict[str, set[str]] = {}
-    for f in sorted([*(REPO / "pipeline").rglob("*.py"), *(REPO / "stages").rglob("*.py")]):
+    for f in sorted((REPO / "pipeline").rglob("*.py")):
         u = unit(GRAPH.module_name(f))
         ours, _ = GRAPH.direct_imports(f)
         edges.setdefault(u, set()).update(v for v in map(unit, ours) if v not in (u, "looptrace"))
@@ -79,11 +79,21 @@ def test_testing_builders_are_imported_by_tests_only():
     assert users == [], users
 
 
-def test_pyproject_lists_every_package():
+def test_import_path_is_the_file_path():
+    """Source layout: every module of the package is ``pipeline/<dotted path>.py``, so tools that know nothing of
+    setuptools (mypy, pyright, editors, import-graph drawers) resolve ``looptrace.*`` from ``pipeline/``; and the
+    launchers in stages/ are scripts, not a package."""
     cfg = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(cfg["packages"])
-    found = {GRAPH.module_name(p) for p in [*(REPO / "pipeline").rglob("__init__.py"), *(REPO / "stages").rglob("__init__.py")]}
-    assert listed == found, sorted(listed ^ found)
+    assert cfg["packages"]["find"]["where"] == ["pipeline"] and "package-dir" not in cfg
+    assert sorted(p.name for p in (REPO / "pipeline").iterdir() if not p.name.endswith((".egg-info", "__pycache__"))) == ["looptrace"]
+    for f in (REPO / "pipeline").rglob("*.py"):
+        assert GRAPH.module_name(f) == ".".join(f.relative_to(REPO / "pipeline").with_suffix("").parts).removesuffix(
+            ".__init__")
+        if f.name != "__init__.py":
+            assert (f.parent / "__init__.py").is_file(), f"{f}: its folder is not a package"
+    assert not (REPO / "stages" / "__init__.py").exists()
+    for f in (REPO / "stages").glob("*.py"):
+        assert f"from looptrace.stages.{f.stem} import main" in f.read_text(), f
 
 
 def test_installed_names_do_not_squat(tmp_path):
@@ -99,14 +109,15 @@ def test_installed_names_do_not_squat(tmp_path):
 
     no_pipeline, no_stages, lt, st = json.loads(res.stdout)
     assert no_pipeline and no_stages
-    assert Path(lt) == REPO / "pipeline" / "__init__.py" and Path(st) == REPO / "stages" / "__init__.py"
+    assert Path(lt) == REPO / "pipeline" / "looptrace" / "__init__.py"
+    assert Path(st) == REPO / "pipeline" / "looptrace" / "stages" / "__init__.py"
 
 
 def test_wheel_holds_only_looptrace(tmp_path):
     """A regular (non-editable) build, what ``pip install .`` installs: one top-level package, ``looptrace``, with
-    every module of pipeline/ and stages/ in it."""
+    every module of pipeline/looptrace/ in it."""
     src = tmp_path / "src"
-    for d in ("pipeline", "stages"):
+    for d in ("pipeline",):
         shutil.copytree(REPO / d, src / d, ignore=shutil.ignore_patterns("__pycache__"))
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / f, src / f)
@@ -117,8 +128,7 @@ def test_wheel_holds_only_looptrace(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     names = zipfile.ZipFile(next((tmp_path / "dist").glob("looptrace-*.whl"))).namelist()
     assert {n.split("/")[0] for n in names} == {"looptrace", "looptrace-0.1.0.dist-info"}
-    want = {"looptrace/" + p.relative_to(REPO / "pipeline").as_posix() for p in (REPO / "pipeline").rglob("*.py")}
-    want |= {"looptrace/stages/" + p.relative_to(REPO / "stages").as_posix() for p in (REPO / "stages").rglob("*.py")}
+    want = {p.relative_to(REPO / "pipeline").as_posix() for p in (REPO / "pipeline").rglob("*.py")}
     assert want <= set(names), sorted(want - set(names))
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from looptrace.models.looped import (
     GroupConfig,
     LoopedTransformer,

@@ -11,11 +11,12 @@ import os
 import socket
 
 import numpy as np
+from typer.testing import CliRunner
+
 from looptrace.cli import app
 from looptrace.io.artifacts import clear_debris
 from looptrace.io.claims import claims_location, output_lock
 from looptrace.testing import random_signal_arrays, write_arrays
-from typer.testing import CliRunner
 
 
 def _geometry(tmp_path):

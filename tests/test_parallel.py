@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+
 from looptrace.config import ConfigError, DaskConfig, from_dict
 from looptrace.io import parallel
 from looptrace.io.parallel import DaskRunner, dask_runner, map_chunks, map_tasks, scheduler_of

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from looptrace.capture.encode import encode_states_counted
 from looptrace.io.precision import (
     PrecisionError,

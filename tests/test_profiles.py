@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from looptrace.config import ConfigError, load_section, merge_params, read_params
 
+from looptrace.config import ConfigError, load_section, merge_params, read_params
 from tests.import_graph import REPO
 from tests.test_dvc_deps import _has_key, params_reads, stage_script
 
@@ -63,10 +63,11 @@ def test_stage_cli_layers_repeated_params(tmp_path):
     """``--params a --params b`` reaches the stage's config (here: readouts' rules from the override)."""
     import json
 
-    import looptrace.stages.readouts as stage
     import typer
-    from looptrace.testing import token_loop_splits, write_token_loop
     from typer.testing import CliRunner
+
+    import looptrace.stages.readouts as stage
+    from looptrace.testing import token_loop_splits, write_token_loop
 
     write_token_loop(tmp_path / "geometry" / "m" / "token_loop.parquet", token_loop_splits(n=120))
     over = tmp_path / "over.yaml"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 
-import looptrace.rules.scoring as scoring_module
 import numpy as np
 import polars as pl
 import pytest
+
+import looptrace.rules.scoring as scoring_module
 from looptrace.config import ConfigError, from_dict
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, argmax_stable_depths, oracle_depths
@@ -271,8 +272,9 @@ def test_bad_inputs_and_config(tmp_path):
 
 
 def test_stage_cli(tmp_path, repo_root):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     write_token_loop(tmp_path / "geometry" / "running_parity-uniform" / "token_loop.parquet",
                      synthetic_splits(n=60, T=6))

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from looptrace.models.adapters.hf import AdapterConfig, load_adapter, sequence_seed
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from looptrace.models.regimes import (
     RegimeConfig,
     geometric_weights,

@@ -16,13 +16,13 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from looptrace.models.adapters import compat
 from looptrace.models.adapters.compat import CheckpointLoadError
 from looptrace.models.adapters.hf import AdapterConfig, OuroAdapter, load_adapter, sequence_seed
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.halting import ouro_halting_cdf, ouro_threshold
-
 from tests import hf_helpers as H
 
 torch.set_num_threads(1)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+
 from looptrace.online.generate import GENERATE_SCHEMA
 from looptrace.online.latency import LATENCY_SCHEMA
 from looptrace.report import ReportConfig, build_report, generate_findings, latency_findings, markdown_to_html
@@ -228,8 +229,9 @@ def test_markdown_subset():
 
 
 def test_report_stage_cli(artifacts, tmp_path):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     params = tmp_path / "params.yaml"
     params.write_text("report:\n  dpi: 60\n  bogus: 1\n")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from looptrace.capture.dump import dump_split
 from looptrace.io.store import open_store, remove_store, store_exists, write_store
 from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
@@ -85,8 +86,9 @@ def test_store_round_trip_and_refusals_on_s3(s3):
 
 
 def test_dump_and_geometry_stages_on_s3_equal_local(s3, tmp_path):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     tiny_checkpoint(tmp_path / "train")
     params = tmp_path / "params.yaml"

@@ -15,6 +15,9 @@ from copy import deepcopy
 import numpy as np
 import pytest
 import torch
+from sklearn.linear_model import LogisticRegression
+from sklearn.neural_network import MLPClassifier
+
 from looptrace.config import CheckpointLoadError, InputError
 from looptrace.gates.artifact import load_fitted, save_fitted
 from looptrace.gates.config import GateSpec, PonderConfig
@@ -23,8 +26,6 @@ from looptrace.gates.fit import FittedGate
 from looptrace.gates.ponder import fit_ponder
 from looptrace.models.looped import load_checkpoint
 from looptrace.testing import tiny_checkpoint
-from sklearn.linear_model import LogisticRegression
-from sklearn.neural_network import MLPClassifier
 
 
 class _Boom:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from looptrace.capture.dump import dump_split
 from looptrace.io.claims import (
     ClaimError,

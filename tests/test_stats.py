@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+
 from looptrace.signals.logits import STAT_NAMES, LoopStats, kl_div, logit_stats
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xarray as xr
+
 from looptrace.io.store import (
     TOKEN_FIELDS,
     ArraySpec,

@@ -4,6 +4,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from looptrace.tasks import IGNORE, TaskBatch, TaskConfig, make_task
 from looptrace.tasks.base import (
     difficulty_counts,

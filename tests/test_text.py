@@ -17,6 +17,7 @@ import polars as pl
 import pytest
 import torch
 import yaml
+
 from looptrace.tasks.text import (
     TOKEN_TYPES,
     TextConfig,
@@ -30,7 +31,6 @@ from looptrace.tasks.text import (
     text_batch,
     unigram_surprisal,
 )
-
 from tests import hf_helpers as H
 from tests.hf_helpers import corpus, lm_params
 
@@ -163,11 +163,12 @@ def test_loss_bins_hand_case():
 
 
 def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
+    from transformers import DoryForCausalLM
+    from typer.testing import CliRunner
+
     from looptrace.cli import app
     from looptrace.io.store import open_store
     from looptrace.tasks.text import text_splits
-    from transformers import DoryForCausalLM
-    from typer.testing import CliRunner
 
     ckpt = H.build_dory(tmp_path / "dory")
     params = lm_params(tmp_path, ckpt, corpus(tmp_path / "corpus.jsonl"))
@@ -303,11 +304,12 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
 def test_final_loss_difficulty_is_the_models_own_loss_decile(tmp_path):
     """``text.difficulty: final_loss``: the column is rewritten after the forward from the stored loss at loop T
     (independent: the model's own forward, numpy quantiles within the split)."""
+    from transformers import DoryForCausalLM
+    from typer.testing import CliRunner
+
     from looptrace.cli import app
     from looptrace.io.store import open_store
     from looptrace.tasks.text import text_splits
-    from transformers import DoryForCausalLM
-    from typer.testing import CliRunner
 
     ckpt = H.build_dory(tmp_path / "dory")
     params = lm_params(tmp_path, ckpt, corpus(tmp_path / "corpus.jsonl"))
@@ -332,8 +334,9 @@ def test_final_loss_difficulty_is_the_models_own_loss_decile(tmp_path):
 
 
 def test_lm_stage_errors_are_one_line(tmp_path):
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     params = lm_params(tmp_path, tmp_path / "nope", tmp_path / "none.jsonl")
     r = CliRunner().invoke(app, ["dump", "--params", str(params), "--out", str(tmp_path / "a")])

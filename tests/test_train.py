@@ -5,13 +5,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
+
 from looptrace.cli import app
 from looptrace.config import ConfigError
 from looptrace.models.interface import file_sha256
 from looptrace.models.looped import load_checkpoint
 from looptrace.models.train import evaluate, lr_at, train_model
 from looptrace.testing import tiny_train_config
-from typer.testing import CliRunner
 
 
 def test_lr_schedule():

@@ -12,13 +12,13 @@ import polars as pl
 import pytest
 import torch
 import yaml
+
 from looptrace.config import ConfigError, from_dict
 from looptrace.io.tables import SplitArrays
 from looptrace.rules import ExitRule, exit_rule, get_rule
 from looptrace.rules.builtin import ALL_RULES
 from looptrace.rules.evaluate import ReadoutsConfig, evaluate_model_rules
 from looptrace.rules.scoring import CalibrationConfig
-
 from tests import user_rules
 
 RULE = "tests.user_rules:confident_and_stable"
@@ -71,13 +71,14 @@ def _front(depth: np.ndarray, acc: np.ndarray) -> set[tuple[float, float]]:
 def pipeline_run(tmp_path_factory):
     from pathlib import Path
 
+    from typer.testing import CliRunner
+
     from looptrace.capture.dump import DumpConfig, dump_model
     from looptrace.cli import app
     from looptrace.geometry import GeometryConfig, geometry_model
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
     from looptrace.tasks import make_task
-    from typer.testing import CliRunner
 
     torch.set_num_threads(1)
     repo = Path(__file__).resolve().parents[1]
@@ -291,8 +292,9 @@ def test_non_causal_and_cross_token_rules_refused():
 
 def test_stage_refuses_bad_rules_in_one_line(pipeline_run, tmp_path):
     """readouts (and latency's params) name a non-causal rule or an unknown one: exit 2, one line."""
-    from looptrace.cli import app
     from typer.testing import CliRunner
+
+    from looptrace.cli import app
 
     root = pipeline_run["root"]
     params = yaml.safe_load((root.parent / "params.yaml").read_text())

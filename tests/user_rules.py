@@ -4,6 +4,7 @@ in params as ``tests.user_rules:<function>``)."""
 from __future__ import annotations
 
 import numpy as np
+
 from looptrace.rules import exit_rule
 
 

@@ -1,0 +1,94 @@
+"""Shared plumbing of the stage entries: user errors become one line and exit 2, bugs keep their traceback.
+
+A :class:`~looptrace.config.UserError` (ConfigError, InputError, CheckpointLoadError, StoreError, ClaimError ...) is
+raised where the cause is known and names the key or file and the fix: it prints as ``error: <one line>`` and the
+stage exits with status 2. An operating-system refusal that names its file (a missing file, permission denied,
+disk full) is the user's to fix as well and prints the same way. Anything else is a bug in looptrace: it prints a
+short message naming a log file that holds the traceback (``$LOOPTRACE_LOG_DIR``, default the system temporary
+directory) and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import typer
+
+from looptrace.config import (  # noqa: F401  (the error family, re-exported for the stages)
+    CheckpointLoadError,
+    ConfigError,
+    InputError,
+    MissingInputError,
+    UserError,
+)
+
+#: Exit status of a user error (bad params, a missing or damaged input) and of a bug.
+USER_EXIT, BUG_EXIT = 2, 1
+#: OS errors the user fixes (the message names the file): missing file, permission, disk full, read-only fs.
+_ENV_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EISDIR,
+               errno.ENOTDIR}
+
+
+def one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when empty)."""
+    msg = str(exc).strip()
+    return msg.splitlines()[0] if msg else type(exc).__name__
+
+
+def bug_log_dir() -> Path:
+    """Where bug tracebacks are written: ``$LOOPTRACE_LOG_DIR`` or the system temporary directory."""
+    return Path(os.environ.get("LOOPTRACE_LOG_DIR") or tempfile.gettempdir())
+
+
+def _write_bug_log(exc: BaseException) -> Path | None:
+    try:
+        d = bug_log_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"looptrace-bug-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+        path.write_text(f"looptrace {' '.join(sys.argv)}\n\n" + "".join(traceback.format_exception(exc)))
+        return path
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def user_errors():
+    """Report errors of a stage body: a user error as one line and exit 2, a bug with its traceback and exit 1."""
+    try:
+        yield
+    except UserError as exc:
+        typer.echo(f"error: {one_line(exc)}", err=True)
+        raise typer.Exit(code=USER_EXIT) from None
+    except OSError as exc:
+        if exc.errno not in _ENV_ERRNOS:
+            _bug(exc)
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
+        typer.echo(f"error: {one_line(exc)}{where}", err=True)
+        raise typer.Exit(code=USER_EXIT) from None
+    except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # a bug: keep the traceback
+        _bug(exc)
+
+
+def _bug(exc: BaseException) -> None:
+    log = _write_bug_log(exc)
+    if log is None:  # nowhere to keep it: the traceback goes to stderr instead
+        typer.echo("".join(traceback.format_exception(exc)).rstrip(), err=True)
+    where = f"; traceback in {log}" if log else "; traceback above"
+    typer.echo(f"internal error (a bug in looptrace, not in your input): {type(exc).__name__}: {one_line(exc)}"
+               f"{where} — please report it", err=True)
+    raise typer.Exit(code=BUG_EXIT) from None
+
+
+def run(main) -> None:
+    """``python stages/<name>.py ...``: run a stage's ``main`` under Typer."""
+    sys.argv[0] = main.__module__
+    typer.run(main)

@@ -1,0 +1,617 @@
+"""Trajectory geometry (SPEC §2): per-token, per-loop step metrics, convergence depth and the
+drift-to-loop ratio, streamed from the trajectory store block by block (the ``geometry`` stage).
+
+All metric code is written as *block functions*: numpy in, numpy out, on a block of tokens
+(``hidden`` [token, loop, d_model] and ``hidden_init`` [token, d_model]). A token's metrics depend
+only on that token's row, so the stage can feed blocks aligned to the store's chunks (here, in a
+loop; later, under a parallel engine over Zarr chunks) and the result does not depend on the block
+size. Nothing here ever holds the whole ``hidden`` array of a store in memory.
+
+Numerics: the store keeps states in float16 by default. Every block is upcast, and each loop's
+[token, d_model] slice is processed in float64 (differences, norms and dot products), then the
+per-(token, loop) metrics are returned as float32. Values that need a loop that does not exist
+(t − 1 or t − 2) are NaN, never 0 (SPEC §2–3), and so are ratios whose denominator is 0.
+
+Conventions chosen here (SPEC leaves them open; docs/geometry.md repeats them):
+- The step at loop 1 is Δ_1 = h_1 − h_0 (h_0 = ``hidden_init``), so step_norm, rel_step and
+  state_cos_dist are defined at t = 1; step_cos and accel need Δ_{t−1} (t ≥ 2); step_d2 needs
+  s_{t−2} (t ≥ 3).
+- "Below ε" is strict (value < ε); NaN is never below. Convergence on ``argmax`` uses the 0/1
+  signal "argmax_t differs from argmax_T", so any ε in (0, 1] gives the same depth.
+- DLR: the steps "within g" are Δ_t with loops t − 1 and t both in g; the step that enters g (from
+  h_0 or from the previous group) is the hand-off drift, not a loop step of g.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm.auto import tqdm
+
+from looptrace.config import ConfigError, InputError, to_dict
+from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.parallel import DaskRunner, map_chunks
+from looptrace.io.tables import SplitArrays
+from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
+
+SPLITS = ("fit", "val", "test")
+
+#: Logit statistics copied from the store (SPEC §3), in column order.
+STORE_STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final",
+               "logit_change")
+#: Signals a convergence depth can be computed on (``geometry.eps`` keys).
+CONVERGENCE_SIGNALS = ("kl_prev", "kl_prev_rev", "kl_final", "logit_change", "rel_step", "step_norm",
+                       "state_cos_dist", "accel_norm", "argmax")
+#: ``token_loop.parquet`` columns, exactly as docs/DESIGN.md lists them.
+TOKEN_LOOP_COLUMNS = ("split", "token", "sequence", "position", "loop", "loop_group", "difficulty",
+                      "token_type", "target", "argmax", "correct", *GEOMETRY_METRICS, "hidden_change",
+                      *STORE_STATS, "gate_logit")
+#: Per-loop quantities summarised in ``loop_summary.parquet`` (``correct`` as accuracy).
+SUMMARY_METRICS = (*GEOMETRY_METRICS, *STORE_STATS, "correct")
+
+_INT_COLUMNS = ("token", "sequence", "position", "loop", "loop_group", "difficulty", "token_type", "target",
+                "argmax")
+_TOKEN_LOOP_SCHEMA = pa.schema(
+    [("split", pa.string())]
+    + [(c, pa.int64()) for c in _INT_COLUMNS]
+    + [("correct", pa.bool_())]
+    + [(c, pa.float32()) for c in (*GEOMETRY_METRICS, "hidden_change", *STORE_STATS, "gate_logit")]
+)
+#: ``loop_summary.parquet`` (long format).
+SUMMARY_SCHEMA = {"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
+                  "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
+                  "q75": pl.Float64, "count": pl.Int64, "n_nan": pl.Int64, "n_inf": pl.Int64}
+#: ``dlr.parquet``: one row per split × hand-off g -> g + 1 (loops 1-based).
+DLR_SCHEMA = {"split": pl.String, "group": pl.Int64, "next_group": pl.Int64, "last_loop": pl.Int64,
+              "first_loop_next": pl.Int64, "n_tokens": pl.Int64, "drift_mean": pl.Float64,
+              "loop_step_mean": pl.Float64, "dlr_mean": pl.Float64, "dlr_median": pl.Float64,
+              "dlr_of_means": pl.Float64}
+_CONVERGENCE_SCHEMA = pa.schema([
+    ("split", pa.string()), ("token", pa.int64()), ("difficulty", pa.int64()), ("token_type", pa.int64()),
+    ("signal", pa.string()), ("eps", pa.float64()), ("kind", pa.string()), ("depth", pa.int64()),
+    ("censored", pa.bool_()),
+])
+
+
+@dataclass(frozen=True)
+class GeometryConfig:
+    """``geometry`` section of ``params.yaml``.
+
+    Attributes:
+        eps: convergence thresholds per signal (keys from :data:`CONVERGENCE_SIGNALS`); every
+            (signal, ε) gives a ``first`` and a ``settled`` depth per token (SPEC §2).
+        block_tokens: tokens per block read from the store; ``None`` = the store's chunk size
+            (chunk-aligned reads, the memory bound of the stage).
+        splits: splits of the model's dump to analyse.
+    """
+
+    eps: dict[str, tuple[float, ...]] = field(default_factory=lambda: {
+        "kl_prev": (1e-3, 5e-4), "rel_step": (0.3, 0.1, 0.03), "argmax": (0.5,)})
+    block_tokens: int | None = None
+    splits: tuple[str, ...] = SPLITS
+
+    def __post_init__(self) -> None:
+        for sig, values in self.eps.items():
+            if sig not in CONVERGENCE_SIGNALS:
+                raise ConfigError(f"geometry.eps: unknown signal '{sig}'; allowed: {', '.join(CONVERGENCE_SIGNALS)}")
+            if not values or any(not (isinstance(e, int | float) and e > 0) for e in values):
+                raise ConfigError(f"geometry.eps.{sig}: give a non-empty list of thresholds > 0, got {values!r}")
+        if self.block_tokens is not None and self.block_tokens < 1:
+            raise ConfigError(f"geometry.block_tokens must be >= 1 or null, got {self.block_tokens}")
+        bad = [s for s in self.splits if s not in SPLITS]
+        if bad or not self.splits:
+            raise ConfigError(f"geometry.splits: each must be one of {', '.join(SPLITS)}, got {list(self.splits)}")
+
+    def convergence_keys(self) -> list[tuple[str, float]]:
+        """(signal, ε) pairs in a fixed order (config order of signals, then of thresholds)."""
+        return [(s, float(e)) for s, values in self.eps.items() for e in values]
+
+
+# ---------------------------------------------------------------------------------------------
+# Block functions (numpy; one row per token, independent of the block size)
+# ---------------------------------------------------------------------------------------------
+
+def argmax_differs(argmax: np.ndarray) -> np.ndarray:
+    """The convergence signal of the readout: 1 where argmax_t ≠ argmax_T, else 0.
+
+    Args:
+        argmax: [token, loop] int predicted ids.
+
+    Returns:
+        [token, loop] float32 in {0, 1} (always 0 at the last loop).
+    """
+    return (argmax != argmax[:, -1:]).astype(np.float32)
+
+
+def convergence_depth(signal: np.ndarray, eps: float) -> dict[str, np.ndarray]:
+    """Per-token convergence depth of a signal at threshold ε (SPEC §2, [FP]).
+
+    ``first`` = first loop t with signal_t < ε; ``settled`` = first loop t from which the signal stays
+    below ε through T. NaN is never below ε (a signal undefined at t = 1 cannot converge there).
+    A token that never gets there is censored: depth T + 1 and ``censored`` True — counted, never
+    dropped.
+
+    Args:
+        signal: [token, loop] float values (NaN allowed).
+        eps: threshold (> 0).
+
+    Returns:
+        ``first``, ``settled`` [token] int64 (1-based loops, T + 1 when censored) and
+        ``first_censored``, ``settled_censored`` [token] bool.
+    """
+    n_loops = signal.shape[1]
+    with np.errstate(invalid="ignore"):
+        below = np.asarray(signal) < eps  # NaN compares False
+    any_below = below.any(axis=1)
+    first = np.where(any_below, below.argmax(axis=1) + 1, n_loops + 1)
+    above = ~below
+    # 1-based index of the last loop that is not below ε (0 when every loop is below).
+    last_above = np.where(above.any(axis=1), n_loops - above[:, ::-1].argmax(axis=1), 0)
+    settled = last_above + 1
+    return {"first": first.astype(np.int64), "settled": settled.astype(np.int64),
+            "first_censored": first > n_loops, "settled_censored": settled > n_loops}
+
+
+def group_handoffs(loop_group: np.ndarray) -> list[tuple[int, int, int]]:
+    """Hand-offs between consecutive looped groups.
+
+    Args:
+        loop_group: [loop] group index of each loop (contiguous, increasing by 1: 0,0,1,1,1,2...).
+
+    Returns:
+        (g, last loop of g, first loop of g + 1) per hand-off, loops 0-based; empty for one group.
+
+    Raises:
+        ValueError: when the groups are not contiguous and increasing.
+    """
+    lg = np.asarray(loop_group).astype(np.int64)
+    if lg.size == 0 or lg[0] != 0 or np.any(np.diff(lg) < 0) or np.any(np.diff(lg) > 1):
+        raise ValueError(f"loop_group must start at 0 and increase by 0 or 1 per loop, got {lg.tolist()}")
+    return [(int(lg[t - 1]), t - 1, t) for t in range(1, lg.size) if lg[t] != lg[t - 1]]
+
+
+def drift_to_loop_ratio(step_norm: np.ndarray, loop_group: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+    """Drift-to-loop ratio at each group hand-off, per token ([TS]; SPEC §2).
+
+    DLR_g = ‖h(first loop of g+1) − h(last loop of g)‖ / mean_k ‖Δ_k within g‖. The numerator is the
+    step norm at the first loop of g + 1; the loop steps within g are Δ_t with loops t − 1 and t both
+    in g (see the module docstring). A group with a single loop has no loop step: DLR is NaN.
+
+    Args:
+        step_norm: [token, loop] s_t from :func:`step_metrics`.
+        loop_group: [loop] group index per loop.
+
+    Returns:
+        g -> ``drift`` [token], ``loop_step`` [token] (mean within-g step norm), ``dlr`` [token]
+        (float64), one entry per hand-off g -> g + 1.
+    """
+    lg = np.asarray(loop_group).astype(np.int64)
+    out = {}
+    for g, _last, first_next in group_handoffs(lg):
+        within = [t for t in range(1, lg.size) if lg[t] == g and lg[t - 1] == g]
+        drift = step_norm[:, first_next].astype(np.float64)
+        if within:
+            loop_step = step_norm[:, within].astype(np.float64).mean(axis=1)
+        else:
+            loop_step = np.full(step_norm.shape[0], np.nan)
+        out[g] = {"drift": drift, "loop_step": loop_step, "dlr": _ratio(drift, loop_step)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming over a store
+# ---------------------------------------------------------------------------------------------
+
+_TOKEN_NAMES = ("target", "sequence", "position", "difficulty", "token_type")
+_MALLOC_SET = False
+
+
+def release_large_buffers() -> None:
+    """Make glibc return freed multi-MB buffers to the OS (no-op on other C libraries).
+
+    Why: zarr decodes chunks in worker threads. Under glibc's *dynamic* mmap threshold, freed chunk-sized
+    buffers are recycled inside per-thread malloc arenas instead of being unmapped, so peak RSS creeps up
+    by about a block per thread (measured with benchmarks/geometry.py, 40k tokens × d_model 512:
+    406 MiB -> 246 MiB peak). A fixed 1 MiB threshold (``mallopt(M_MMAP_THRESHOLD)``) puts every large
+    array in its own mapping, released on free; small allocations are unaffected.
+    """
+    global _MALLOC_SET
+    if _MALLOC_SET:
+        return
+    _MALLOC_SET = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = -3 in glibc's malloc.h
+    except (OSError, AttributeError):
+        pass  # not glibc: keep the default allocator behaviour
+
+
+def iter_blocks(store, block_tokens: int | None = None) -> Iterator[SplitArrays]:
+    """Stream a trajectory store block by block, computing the step metrics of each block.
+
+    Args:
+        store: a :class:`looptrace.io.store.TrajectoryStore` (from ``open_store``).
+        block_tokens: tokens per block; ``None`` = the store's chunk size (chunk-aligned reads).
+
+    Yields:
+        :func:`read_block` of each token slice, in store order. Only one block's ``hidden`` is in memory.
+    """
+    release_large_buffers()
+    for tokens in store.blocks(block_tokens):
+        yield read_block(store, tokens)
+
+
+def read_block(store, tokens: slice) -> SplitArrays:
+    """One block of a store with its step metrics.
+
+    Returns:
+        A :class:`~looptrace.io.tables.SplitArrays`: ``token`` the store rows, ``fields`` target, sequence,
+        position, difficulty, token_type ([token] int64), ``loop`` the geometry metrics and store stats
+        (float32), ``argmax`` (int64), ``correct`` (bool) and ``gate_logit`` (float32, only when the model has
+        a gate).
+    """
+    names = ["hidden", "hidden_init", "argmax", *STORE_STATS, *_TOKEN_NAMES]
+    if store.has_gate:
+        names.append("gate_logit")
+    arr = store.read_block(names, tokens)
+    per_loop = step_metrics(arr.pop("hidden"), arr.pop("hidden_init"))
+    for s in STORE_STATS:
+        per_loop[s] = np.asarray(arr.pop(s), dtype=np.float32)
+    per_loop["argmax"] = np.asarray(arr.pop("argmax"), dtype=np.int64)
+    if "gate_logit" in arr:
+        per_loop["gate_logit"] = np.asarray(arr.pop("gate_logit"), dtype=np.float32)
+    fields = {k: np.asarray(arr[k], dtype=np.int64) for k in _TOKEN_NAMES}
+    per_loop["correct"] = per_loop["argmax"] == fields["target"][:, None]
+    start = tokens.start or 0
+    token = np.arange(start, start + len(fields["target"]), dtype=np.int64)
+    return SplitArrays(token=token, loop=per_loop, fields=fields)
+
+
+def _signal(block: SplitArrays, name: str) -> np.ndarray:
+    return argmax_differs(block.loop["argmax"]) if name == "argmax" else block.loop[name]
+
+
+def token_loop_table(block: SplitArrays, split: str, loop_group: np.ndarray) -> pa.Table:
+    """The ``token_loop.parquet`` rows of one block: one row per (token, loop), token-major.
+
+    Args:
+        block: a block from :func:`iter_blocks`.
+        split: split name written in the ``split`` column.
+        loop_group: [loop] group of each loop.
+
+    Returns:
+        Arrow table with :data:`TOKEN_LOOP_COLUMNS` (loop 1-based; ``gate_logit`` null without a gate).
+    """
+    n, n_loops = block.loop["argmax"].shape
+    rep = lambda a: np.repeat(a, n_loops)  # noqa: E731 - [token] -> [token * loop]
+    flat = lambda a: a.reshape(-1)  # noqa: E731 - [token, loop] -> [token * loop], token-major
+    cols: dict[str, Any] = {
+        "split": pa.array([split] * (n * n_loops), pa.string()),
+        "token": rep(block.token), "sequence": rep(block.fields["sequence"]),
+        "position": rep(block.fields["position"]),
+        "loop": np.tile(np.arange(1, n_loops + 1, dtype=np.int64), n),
+        "loop_group": np.tile(np.asarray(loop_group, dtype=np.int64), n),
+        "difficulty": rep(block.fields["difficulty"]), "token_type": rep(block.fields["token_type"]),
+        "target": rep(block.fields["target"]), "argmax": flat(block.loop["argmax"]),
+        "correct": flat(block.loop["correct"]),
+    }
+    for m in GEOMETRY_METRICS:
+        cols[m] = flat(block.loop[m])
+    cols["hidden_change"] = cols["step_norm"]  # SPEC §4 `hidden_change` = ‖h_t − h_{t−1}‖ = step norm
+    for s in STORE_STATS:
+        cols[s] = flat(block.loop[s])
+    gate = block.loop.get("gate_logit")
+    cols["gate_logit"] = (pa.array(flat(gate), pa.float32()) if gate is not None
+                          else pa.nulls(n * n_loops, pa.float32()))
+    return pa.table([pa.array(cols[c], _TOKEN_LOOP_SCHEMA.field(c).type) for c in TOKEN_LOOP_COLUMNS],
+                    schema=_TOKEN_LOOP_SCHEMA)
+
+
+def block_convergence(block: SplitArrays, keys: list[tuple[str, float]]) -> dict[tuple[str, float], dict]:
+    """Convergence depths of one block for every (signal, ε): see :func:`convergence_depth`."""
+    return {(sig, eps): convergence_depth(_signal(block, sig), eps) for sig, eps in keys}
+
+
+def convergence_table(block: SplitArrays, split: str, conv: dict[tuple[str, float], dict]) -> pa.Table:
+    """The ``convergence.parquet`` rows of one block: token × (signal, ε) × kind (first, settled).
+
+    Rows are token-major (all (signal, ε, kind) of a token together), so concatenating the blocks gives
+    the same table whatever the block size.
+    """
+    if not conv:
+        return _CONVERGENCE_SCHEMA.empty_table()
+    combos = [(sig, eps, kind) for (sig, eps) in conv for kind in ("first", "settled")]
+    k = len(combos)
+    depth = np.stack([conv[(sig, eps)][kind] for sig, eps, kind in combos], axis=1)  # [token, combo]
+    cens = np.stack([conv[(sig, eps)][f"{kind}_censored"] for sig, eps, kind in combos], axis=1)
+    rep = lambda a: np.repeat(a, k)  # noqa: E731 - [token] -> [token * combo]
+    tile = lambda vals: np.tile(np.asarray(vals, dtype=object), block.n)  # noqa: E731
+    return pa.table({
+        "split": pa.array([split] * (block.n * k), pa.string()), "token": rep(block.token),
+        "difficulty": rep(block.fields["difficulty"]), "token_type": rep(block.fields["token_type"]),
+        "signal": pa.array(tile([c[0] for c in combos]), pa.string()),
+        "eps": np.tile(np.array([c[1] for c in combos], dtype=np.float64), block.n),
+        "kind": pa.array(tile([c[2] for c in combos]), pa.string()),
+        "depth": depth.reshape(-1), "censored": cens.reshape(-1),
+    }, schema=_CONVERGENCE_SCHEMA)
+
+
+class LoopColumns:
+    """Loop-major scratch columns of one split, for exact per-loop quantiles in bounded memory.
+
+    Each block appends, for every loop t, its tokens' difficulty, token_type and metric values to one
+    raw binary file per (loop, column) under ``root``; a summary later reads one column of one loop
+    at a time ([token] values), never the [token, loop, ...] table.
+
+    Args:
+        root: scratch directory (created).
+        n_loops: T.
+        metrics: per-loop columns to keep (float32).
+    """
+
+    def __init__(self, root: Path, n_loops: int, metrics: tuple[str, ...]):
+        self.root, self.n_loops, self.metrics = Path(root), n_loops, metrics
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._files = {}
+
+    def _path(self, t: int, col: str) -> Path:
+        return self.root / f"loop{t + 1}.{col}.bin"
+
+    def append(self, block: SplitArrays) -> None:
+        """Append a block's values (difficulty/token_type int64, metrics float32) for every loop."""
+        for t in range(self.n_loops):
+            cols = {"difficulty": block.fields["difficulty"], "token_type": block.fields["token_type"]}
+            cols.update({m: block.loop[m][:, t].astype(np.float32) for m in self.metrics})
+            for col, values in cols.items():
+                key = (t, col)
+                if key not in self._files:
+                    self._files[key] = open(self._path(t, col), "ab")  # noqa: SIM115 - closed in close()
+                np.ascontiguousarray(values).tofile(self._files[key])
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def read(self, t: int, col: str) -> np.ndarray:
+        """[token] values of column ``col`` at loop t (0-based)."""
+        dtype = np.int64 if col in ("difficulty", "token_type") else np.float32
+        path = self._path(t, col)
+        return np.fromfile(path, dtype=dtype) if path.exists() else np.zeros(0, dtype)
+
+
+def summary_stats(x: np.ndarray) -> tuple[float, float, float, float, int, int, int]:
+    """mean, median, q25, q75 (numpy's linear interpolation) and count of the finite values of ``x``, and how many
+    values were left out: NaN and ±inf.
+
+    NaN (undefined: t too small, or a zero step) and ±inf are excluded, never averaged as numbers — and counted,
+    so a summary never changes silently (``n_nan``, ``n_inf`` columns; the report shows any ±inf); no finite
+    value gives NaN statistics and count 0.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    n_nan, n_inf = int(np.count_nonzero(np.isnan(x))), int(np.count_nonzero(np.isinf(x)))
+    x = x[np.isfinite(x)]
+    if not x.size:
+        return math.nan, math.nan, math.nan, math.nan, 0, n_nan, n_inf
+    q25, med, q75 = np.quantile(x, [0.25, 0.5, 0.75])
+    return float(x.mean()), float(med), float(q25), float(q75), int(x.size), n_nan, n_inf
+
+
+def summarise_loop(cols: LoopColumns, t: int, split: str, token_types: list[str]) -> list[dict]:
+    """Long-format summary rows of one (split, loop t) (t 0-based) from the scratch columns.
+
+    Args:
+        cols: the split's :class:`LoopColumns`.
+        t: 0-based loop.
+        split: split name.
+        token_types: names indexed by token_type id (ids without a name keep their number).
+
+    Returns:
+        Rows (split, loop, group_by, group_value, metric, mean, median, q25, q75, count, n_nan, n_inf) for
+        group_by ∈ {all, difficulty, token_type}, groups in increasing id order.
+    """
+    groups = [("all", ["all"], [slice(None)])]
+    for key in ("difficulty", "token_type"):
+        ids = cols.read(t, key)
+        order = np.argsort(ids, kind="stable")
+        uniq, starts = np.unique(ids[order], return_index=True)
+        bounds = [*starts.tolist(), ids.size]
+        names = [token_types[int(u)] if key == "token_type" and 0 <= u < len(token_types) else str(int(u))
+                 for u in uniq]
+        groups.append((key, names, [order[bounds[i]:bounds[i + 1]] for i in range(uniq.size)]))
+    rows = []
+    for metric in cols.metrics:
+        x = cols.read(t, metric)
+        for group_by, names, members in groups:
+            for name, idx in zip(names, members, strict=True):
+                mean, med, q25, q75, count, n_nan, n_inf = summary_stats(x[idx])
+                rows.append({"split": split, "loop": t + 1, "group_by": group_by, "group_value": name,
+                             "metric": metric, "mean": mean, "median": med, "q25": q25, "q75": q75,
+                             "count": count, "n_nan": n_nan, "n_inf": n_inf})
+    return rows
+
+
+def _median_int(x: np.ndarray) -> float:
+    return float(np.median(x)) if x.size else math.nan
+
+
+def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | str,
+                   meta: dict | None = None, extra_tables: dict[str, pl.DataFrame] | None = None,
+                   progress: bool = True, runner: DaskRunner | None = None) -> dict:
+    """Run the geometry of one model's dump: stream each split's store and write the artifacts.
+
+    Writes, atomically (a temporary directory next to ``out_dir`` that replaces it at the end):
+    ``token_loop.parquet``, ``loop_summary.parquet``, ``convergence.parquet``, ``dlr.parquet`` (rows
+    only when the model has several looped groups) and ``metrics.json``. Memory is bounded by one block of
+    ``hidden`` plus per-(split, loop) scalar columns for the summary quantiles.
+
+    Args:
+        stores: split -> open :class:`looptrace.io.store.TrajectoryStore` (one model; same T and groups).
+        cfg: the ``geometry`` section.
+        out_dir: ``artifacts/geometry/<model>``.
+        meta: extra entries for ``metrics.json`` (model name, seeds, versions, params).
+        extra_tables: file name -> frame written into the same directory in the same atomic swap
+            (``training_dynamics.parquet``).
+        progress: show progress bars (silent anyway when not a terminal).
+        runner: run the per-chunk work (:func:`geometry_chunk`) as Dask tasks (:mod:`looptrace.io.parallel`);
+            None = in this process. The outputs are the same bytes either way.
+
+    Returns:
+        The metrics dict written to ``metrics.json``.
+    """
+    with atomic_dir(out_dir) as tmp:
+        metrics = _geometry_into(stores, cfg, tmp, dict(meta or {}), progress, runner)
+        for name, df in (extra_tables or {}).items():
+            df.write_parquet(tmp / name)
+    return metrics
+
+
+def geometry_chunk(store, tokens: slice, split: str, loop_group: np.ndarray, keys: list[tuple[str, float]]
+                   ) -> tuple[SplitArrays, pa.Table, dict, pa.Table, dict]:
+    """The per-chunk work of the geometry stage, in this process or as one Dask task per chunk.
+
+    Returns:
+        (the block of :func:`read_block`, its ``token_loop`` rows, its convergence depths
+        (:func:`block_convergence`), its ``convergence`` rows, its DLR parts (:func:`drift_to_loop_ratio`)).
+        The stage writes and accumulates these in chunk order, so the outputs do not depend on where a chunk ran.
+    """
+    block = read_block(store, tokens)
+    conv = block_convergence(block, keys)
+    return (block, token_loop_table(block, split, loop_group), conv, convergence_table(block, split, conv),
+            drift_to_loop_ratio(block.loop["step_norm"], loop_group))
+
+
+def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta: dict, progress: bool,
+                   runner: DaskRunner | None = None) -> dict:
+    release_large_buffers()
+    first = next(iter(stores.values()))
+    n_loops = first.n_loops
+    loop_group = np.asarray(first.loop_group, dtype=np.int64)
+    for split, st in stores.items():
+        if st.n_loops != n_loops or not np.array_equal(np.asarray(st.loop_group), loop_group):
+            raise InputError(f"store of split '{split}' has a different loop structure (n_loops {st.n_loops}, "
+                             f"loop_group {[int(g) for g in st.loop_group]}) from the other splits; "
+                             "re-run the dump")
+    handoffs = group_handoffs(loop_group)
+    has_gate = first.has_gate
+    sum_metrics = SUMMARY_METRICS + (("gate_logit",) if has_gate else ())
+    keys = cfg.convergence_keys()
+    scratch = tmp / "_scratch"
+    tl_writer = pq.ParquetWriter(tmp / "token_loop.parquet", _TOKEN_LOOP_SCHEMA)
+    cv_writer = pq.ParquetWriter(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
+    summaries, dlr_rows, split_metrics = [], [], {}
+    try:
+        for split, st in stores.items():
+            loop_cols = LoopColumns(scratch / split, n_loops, sum_metrics)
+            depths: dict = {}  # (signal, eps, kind) -> [token] int16 blocks; "difficulty" -> [token]
+            dlr_parts: dict[int, dict[str, list]] = {g: {"drift": [], "loop_step": [], "dlr": []}
+                                                     for g, _, _ in handoffs}
+            bar = tqdm(total=st.n_tokens, desc=f"geometry {split}", unit="tok", disable=None if progress else True,
+                       leave=False)
+            chunks = map_chunks(geometry_chunk, st, st.blocks(cfg.block_tokens), (split, loop_group, keys), runner)
+            for block, tl_table, conv, cv_table, dlr in chunks:
+                tl_writer.write_table(tl_table)
+                cv_writer.write_table(cv_table)
+                depths.setdefault("difficulty", []).append(block.fields["difficulty"])
+                for (sig, eps), res in conv.items():
+                    for kind in ("first", "settled"):
+                        depths.setdefault((sig, eps, kind), []).append(res[kind].astype(np.int16))
+                for g, parts in dlr.items():
+                    for k, v in parts.items():
+                        dlr_parts[g][k].append(v.astype(np.float32))
+                loop_cols.append(block)
+                bar.update(block.n)
+            bar.close()
+            loop_cols.close()
+            token_types = list(st.attrs.get("token_types") or [])
+            for t in range(n_loops):
+                summaries.extend(summarise_loop(loop_cols, t, split, token_types))
+            shutil.rmtree(scratch / split)
+            split_metrics[split] = _convergence_metrics(depths, keys, n_loops, st.n_tokens)
+            for g, _last, first_next in handoffs:
+                parts = {k: np.concatenate(v) if v else np.zeros(0, np.float32) for k, v in dlr_parts[g].items()}
+                finite = parts["dlr"][np.isfinite(parts["dlr"])]
+                dlr_rows.append({
+                    "split": split, "group": g, "next_group": g + 1, "last_loop": first_next,
+                    "first_loop_next": first_next + 1, "n_tokens": int(parts["dlr"].size),
+                    "drift_mean": float(np.mean(parts["drift"])) if parts["drift"].size else math.nan,
+                    "loop_step_mean": float(np.nanmean(parts["loop_step"])) if finite.size else math.nan,
+                    "dlr_mean": float(finite.mean()) if finite.size else math.nan,
+                    "dlr_median": float(np.median(finite)) if finite.size else math.nan,
+                    "dlr_of_means": (float(np.mean(parts["drift"]) / np.nanmean(parts["loop_step"]))
+                                     if finite.size else math.nan),
+                })
+    finally:
+        tl_writer.close()
+        cv_writer.close()
+    shutil.rmtree(scratch, ignore_errors=True)
+    summary = pl.DataFrame(summaries, schema=SUMMARY_SCHEMA)
+    summary.write_parquet(tmp / "loop_summary.parquet")
+    # Always written (zero rows for a single looped group) so the stage's outputs are a fixed set.
+    pl.DataFrame(dlr_rows, schema=DLR_SCHEMA).write_parquet(tmp / "dlr.parquet")
+    metrics = _metrics(summary, split_metrics, dlr_rows, stores, cfg, meta)
+    (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=False))
+    return metrics
+
+
+def _convergence_metrics(depths: dict, keys: list[tuple[str, float]], n_loops: int, n_tokens: int) -> dict:
+    """Per (signal, ε): median depth, mean over converged tokens, censored count and fraction for
+    first / settled, and the settled depth by difficulty (mean, censored tokens counted as T + 1)."""
+    diff = np.concatenate(depths.get("difficulty", [np.zeros(0, np.int64)]))
+    levels = np.unique(diff)
+    out = {}
+    for sig, eps in keys:
+        entry = {}
+        for kind in ("first", "settled"):
+            d = np.concatenate(depths.get((sig, eps, kind), [np.zeros(0, np.int16)])).astype(np.int64)
+            censored = d > n_loops
+            entry[f"median_{kind}"] = _median_int(d)
+            entry[f"mean_{kind}_uncensored"] = float(d[~censored].mean()) if (~censored).any() else math.nan
+            entry[f"censored_{kind}"] = int(censored.sum())
+            entry[f"censored_frac_{kind}"] = float(censored.mean()) if d.size else math.nan
+            if kind == "settled":
+                entry["settled_mean_by_difficulty"] = {str(int(v)): float(d[diff == v].mean()) for v in levels}
+        out[f"{sig}@{eps:g}"] = entry
+    return out
+
+
+def _metrics(summary: pl.DataFrame, conv: dict, dlr_rows: list, stores: dict, cfg: GeometryConfig,
+             meta: dict) -> dict:
+    """metrics.json: headline numbers per split (DVC metrics; nested, JSON-able)."""
+    allrows = summary.filter(pl.col("group_by") == "all")
+
+    def per_loop(split: str, metric: str, stat: str = "mean") -> list[float]:
+        rows = allrows.filter((pl.col("split") == split) & (pl.col("metric") == metric)).sort("loop")
+        return [None if v is None or math.isnan(v) else float(v) for v in rows[stat].to_list()]
+
+    out: dict[str, Any] = dict(meta)
+    out.update({"n_loops": int(next(iter(stores.values())).n_loops),
+                "loop_group": [int(g) for g in next(iter(stores.values())).loop_group],
+                "params": to_dict(cfg), "splits": {}})
+    for split, st in stores.items():
+        cos = per_loop(split, "step_cos")
+        out["splits"][split] = {
+            "n_tokens": int(st.n_tokens),
+            "accuracy_per_loop": per_loop(split, "correct"),
+            "step_norm_mean_per_loop": per_loop(split, "step_norm"),
+            "rel_step_median_per_loop": per_loop(split, "rel_step", "median"),
+            "step_cos_mean_per_loop": cos,
+            "step_cos_mean_last_loop": cos[-1] if cos else None,
+            "accel_mean_per_loop": per_loop(split, "accel"),
+            "convergence": conv.get(split, {}),
+            "dlr": [{k: r[k] for k in ("group", "dlr_median", "dlr_of_means")} for r in dlr_rows
+                    if r["split"] == split],
+        }
+    return out

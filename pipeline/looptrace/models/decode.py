@@ -1,0 +1,211 @@
+"""Token-by-token decoding of a looped model, one loop at a time (the ``generate`` stage's model side).
+
+A :class:`LoopDecoder` runs one new position of every batch row through the model in pieces that an exit
+rule can interleave with (:mod:`looptrace.online.generate` drives it):
+
+    start(ids)            embedding (+ prelude) of the rows' current position      -> (inj, h_init)
+    step(t, h, inj, rows) loop t (0-based) of the looped block on batch rows ``rows``  -> h_t
+    readout(h, t, rows)   the exit path after loop t (coda, norm, head)             -> logits [b, 1, vocab]
+    gate_logit(h)         the native halting gate (Ouro)                            -> [b, 1]
+    share(rows, t)        KV policy ``share``: rows exited after loop t
+    advance()             the next position
+
+Every attention layer reads and extends a cache with one slot per (loop, layer) — looptrace's own
+:class:`~looptrace.models.kv.LoopKVCache`, or the model's own cache class for the ``native`` policy — so a
+decoded position costs the loops it runs. ``rows`` is the compacted batch (None = every row): exited rows
+leave it and pay nothing more for that position. ``h_init`` is the state entering loop 1 (the dump's
+``hidden_init``); ``inj`` what the model re-injects every loop (h_0, Huginn's embedded input, Dory's normed
+prelude output; None for Ouro).
+
+Decoders exist for looptrace's own :class:`~looptrace.models.looped.LoopedTransformer` (here) and for the
+``dory``, ``retrofit``, ``ouro`` and ``huginn`` adapters (:mod:`looptrace.models.adapters.hf_decode`);
+:func:`decoder_for` picks one. They live outside the adapters (the dump's modules are untouched, so its
+stores keep their fingerprints and its DVC deps do not include decoding code).
+
+KV policies (``policy``) for the loops a position skipped after exiting at loop d:
+
+- ``share``: copy its loop-d keys/values into loops d+1..T−1 (recompute-free; Huginn's ``latest-m4``);
+- ``recompute``: run loops d+1..T−1 for it (no saving: the exactness reference — the cache is exactly
+  full depth's, only the emitted token comes from loop d);
+- ``native``: the model's own policy, where it has one (:attr:`LoopDecoder.native`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from looptrace.models.kv import LoopKVCache
+from looptrace.models.looped import LoopedTransformer
+
+POLICIES = ("share", "recompute", "native")
+
+#: How the driver runs a ``native`` policy: ``compact`` (exited rows leave the batch, like ``share``),
+#: ``lockstep`` (the model's cache holds the batch in each entry: rows loop together until every row exited,
+#: exited rows keep computing — Huginn's ``generate_with_adaptive_compute``), ``all`` (every row runs all T
+#: loops and the exit only picks the readout — Ouro's ``generate``).
+NATIVE_MODES = ("compact", "lockstep", "all")
+
+
+class DecodeUnsupported(ValueError):
+    """This model (or model × policy) cannot be decoded loop by loop; the message says why."""
+
+
+class LoopDecoder(ABC):
+    """One looped model decoded position by position (module docstring).
+
+    Attributes:
+        n_loops, d_model, vocab_size: T, state width, readout width.
+        has_gate: whether :meth:`gate_logit` exists (Ouro).
+        policy: the KV policy this decoder was built for.
+        native: how the driver runs the ``native`` policy (:data:`NATIVE_MODES`), None when the model has none.
+        native_name: what the model's own policy is (for the report).
+        pos: the current position (prompt positions first).
+    """
+
+    n_loops: int
+    d_model: int
+    vocab_size: int
+    has_gate: bool = False
+    native: str | None = None
+    native_name: str = ""
+
+    def __init__(self, policy: str):
+        if policy not in POLICIES:
+            raise ValueError(f"KV policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.pos = 0
+
+    # -- to implement ------------------------------------------------------------------------
+    @abstractmethod
+    def reset(self, prompts: torch.Tensor, max_len: int) -> None:
+        """Start a batch of sequences ([batch, prompt_len] ids, a fresh cache of ``max_len`` positions)."""
+
+    @abstractmethod
+    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Embed the current position of every row ([batch] ids): (inj, h_init), each [batch, 1, d_model]."""
+
+    @abstractmethod
+    def step(self, t: int, h: torch.Tensor, inj: torch.Tensor | None, rows: torch.Tensor | None) -> torch.Tensor:
+        """Loop ``t`` (0-based) on batch rows ``rows`` (None = all): h_{t} [b, 1, D] -> h_{t+1}."""
+
+    @abstractmethod
+    def readout(self, h: torch.Tensor, t: int, rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits [b, 1, vocab] (float32) of an exit after loop ``t`` (the coda writes its slot of ``rows``)."""
+
+    def gate_logit(self, h: torch.Tensor) -> torch.Tensor:
+        """The native halting gate's logit of h_t [b, 1, D]: [b, 1] float32."""
+        raise NotImplementedError(f"{type(self).__name__} has no halting gate")
+
+    def share(self, rows: torch.Tensor | None, t: int) -> None:
+        """Policy ``share``: the current position of ``rows`` exited after loop ``t``."""
+        self.cache.share(rows, t)
+
+    def advance(self) -> None:
+        """Move to the next position (:meth:`start` points the cache at it)."""
+        self.pos += 1
+
+    # -- shared ------------------------------------------------------------------------------
+    def prefill(self, ids: torch.Tensor) -> None:
+        """Run prompt positions [batch, S] at full depth (every loop's KV, the coda's at loop T), one position at
+        a time through the decode path (exact for every kind; a decoder may do it in one chunk)."""
+        for i in range(ids.shape[1]):
+            inj, h = self.start(ids[:, i])
+            for t in range(self.n_loops):
+                h = self.step(t, h, inj, None)
+            self.readout(h, self.n_loops - 1, None)
+            self.advance()
+
+
+class LoopedTransformerDecoder(LoopDecoder):
+    """looptrace's own :class:`~looptrace.models.looped.LoopedTransformer`, with a :class:`LoopKVCache`.
+
+    The prompt is prefilled in one chunk (causal attention over the empty cache). No native policy.
+    """
+
+    native_name = "none (looptrace's LoopedTransformer has no KV policy of its own)"
+
+    def __init__(self, model: LoopedTransformer, policy: str):
+        super().__init__(policy)
+        cfg = model.cfg
+        if not cfg.causal:
+            raise DecodeUnsupported("generation needs a causal model (model.causal is false)")
+        if policy == "native":
+            raise DecodeUnsupported("KV policy native: looptrace's LoopedTransformer has no KV policy of its own")
+        if policy == "share" and len(cfg.groups) > 1:
+            raise DecodeUnsupported("KV policy share copies a loop's keys/values into later loops of the same block; "
+                                    f"this model has {len(cfg.groups)} looped groups (use recompute)")
+        self.model = model
+        self.n_loops, self.d_model, self.vocab_size = cfg.n_loops, cfg.d_model, cfg.vocab_size
+        self.has_gate = model.gate is not None
+        self.groups = cfg.loop_group
+        self.cache: LoopKVCache | None = None
+        self.device = next(model.parameters()).device
+
+    def reset(self, prompts, max_len):
+        cfg = self.model.cfg
+        if max_len > cfg.block_size:
+            raise DecodeUnsupported(f"{max_len} positions exceed the model's block_size {cfg.block_size} "
+                                    "(learned positions); shorten the prompt or the new tokens")
+        self.cache = LoopKVCache(prompts.shape[0], max_len, self.n_loops, max(g.n_layer for g in cfg.groups),
+                                 cfg.n_prelude, cfg.n_coda, device=self.device)
+        self.pos = 0
+
+    def prefill(self, ids):
+        if ids.shape[1] == 0:
+            return
+        m, c = self.model, self.cache
+        c.rows, c.pos = None, self.pos
+        h0 = m.embed(ids, self.pos, c)
+        h = h0
+        for t in range(self.n_loops):
+            h = m.step(h, h0, self.groups[t], c, t)
+        m.readout(h, c)
+        self.pos += ids.shape[1]
+
+    def start(self, ids):
+        c = self.cache
+        c.rows, c.pos = None, self.pos
+        h0 = self.model.embed(ids[:, None], self.pos, c)
+        return h0, h0
+
+    def step(self, t, h, inj, rows):
+        self.cache.rows = rows
+        return self.model.step(h, inj, self.groups[t], self.cache, t)
+
+    def readout(self, h, t, rows):
+        self.cache.rows = rows
+        return self.model.readout(h, self.cache).float()
+
+    def gate_logit(self, h):
+        if self.model.gate is None:
+            raise NotImplementedError("the model has no halting gate")
+        return self.model.gate_logit(h).float()
+
+
+def decoder_for(model, policy: str, **options) -> LoopDecoder:
+    """The decoder of a model for one KV policy.
+
+    Args:
+        model: a :class:`~looptrace.models.looped.LoopedTransformer`, its
+            :class:`~looptrace.models.interface.LoopedTransformerAdapter`, or an adapter of
+            :func:`looptrace.models.adapters.hf.load_adapter`.
+        policy: ``share`` | ``recompute`` | ``native``.
+        options: kind-specific (``huginn_lookup_strategy`` for Huginn's native cache; ``seed``).
+
+    Raises:
+        DecodeUnsupported: the model or the policy cannot be decoded this way (the message says why).
+    """
+    from looptrace.models.interface import LoopedTransformerAdapter
+
+    if isinstance(model, LoopedTransformerAdapter):
+        model = model.model
+    if isinstance(model, LoopedTransformer):
+        return LoopedTransformerDecoder(model, policy)
+    from looptrace.models.adapters.hf_decode import hf_decoder
+
+    return hf_decoder(model, policy, **options)
+
+
+__all__ = ["NATIVE_MODES", "POLICIES", "DecodeUnsupported", "LoopDecoder", "LoopedTransformerDecoder", "decoder_for"]

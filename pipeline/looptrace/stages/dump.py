@@ -1,0 +1,103 @@
+"""DVC stage ``dump``: capture one model's trajectories -> artifacts/dump/<model>/{fit,val,test}.zarr.
+
+The model is a trained looptrace checkpoint (``--model <task>-<regime>``) or, when ``dump.adapter`` is set
+(e.g. the LM profile, ``--params params.yaml --params profiles/lm/params.yaml``), a real checkpoint directory
+run on the corpus ``dump.text`` (:mod:`looptrace.tasks.text` makes its batches).
+
+``--out`` may be an fsspec URL (``s3://bucket/dump``; credentials and endpoint from the usual ``AWS_*`` /
+fsspec config). N processes may dump one model together: ``--shard i/N`` each (or ``RANK``/``WORLD_SIZE``
+under ``torchrun``); each writes its chunk-aligned share of every split and the last one marks it complete
+(docs/dump.md, "Several processes, one store").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import torch
+import typer
+
+from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
+from looptrace.config import PARAMS_HELP, load_base, load_section
+from looptrace.errors import UserError, user_errors
+from looptrace.io.claims import parse_shard, shard_from_env
+from looptrace.io.store import join_store
+from looptrace.models import check_device
+from looptrace.models.adapters.hf import load_adapter
+from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.tasks import make_task
+
+
+def main(
+    model: str = typer.Option("", help="model name <task>-<regime> (artifacts/train/<model>/model.pt); with "
+                                       "dump.adapter optional (it must equal dump.adapter.name)"),
+    params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
+    train_root: Path = typer.Option(Path("artifacts/train"), help="root of the train stage's checkpoints"),
+    out: str = typer.Option("artifacts/dump", help="output root: a directory or an fsspec URL (s3://bucket/dump)"),
+    shard: str = typer.Option("", help="i/N: this process writes shard i of N of every split (N processes dump "
+                                       "one store together); default RANK/WORLD_SIZE from the environment "
+                                       "(torchrun), else 0/1"),
+) -> None:
+    """Run a looped model once and store every scored token's states, readouts and logit stats per loop."""
+    with user_errors():
+        base = load_base(params)
+        cfg = load_section(DumpConfig, "dump", params, required=True)
+        part = parse_shard(shard) if shard else shard_from_env()
+        torch.set_num_threads(base.threads)
+        device = _device(check_device(base.device))
+        with _sigterm_as_interrupt():  # torchrun's agent stops the other ranks with SIGTERM: drain the writer
+            if cfg.adapter is not None:
+                name = cfg.adapter.run_name
+                if model and model != name:
+                    raise UserError(f"--model {model} differs from dump.adapter.name {name}; drop --model or fix one")
+                model = name
+                adapter = load_adapter(cfg.adapter, device=device)
+                stores = dump_text_model(adapter, cfg, join_store(out, model), base, shard=part)
+            else:
+                if not model:
+                    raise UserError("--model <task>-<regime> is required (or set dump.adapter in the params file)")
+                adapter, stores = _dump_trained(model, cfg, base, train_root, out, device, part)
+    sizes = ", ".join(f"{s} {st.n_tokens}" for s, st in stores.items())
+    pending = [s for s, st in stores.items() if not st.complete]
+    note = f"; shard {part[0]}/{part[1]} written, still incomplete: {', '.join(pending)}" if pending else ""
+    typer.echo(f"{model}: dumped tokens per split: {sizes} (T = {adapter.info.n_loops}){note}")
+
+
+def _device(device: str) -> str:
+    """``cuda`` under torchrun: one GPU per local rank (``cuda:{LOCAL_RANK % device_count}``)."""
+    if device == "cuda" and "LOCAL_RANK" in os.environ and torch.cuda.is_available():
+        return f"cuda:{int(os.environ['LOCAL_RANK']) % torch.cuda.device_count()}"
+    return device
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises KeyboardInterrupt inside the block: queued chunks are written, claims released."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        prev = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread (e.g. a test runner thread): keep the default
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
+
+def _dump_trained(model: str, cfg, base, train_root: Path, out: str, device: str, part: tuple[int, int]):
+    """A trained looptrace checkpoint on its own task's data sets (seeds recorded in the checkpoint)."""
+    ckpt = train_root / model / "model.pt"
+    adapter = LoopedTransformerAdapter.from_checkpoint(ckpt, device=device, name=model)
+    extra = adapter.info.extra
+    if "task" not in extra or "data_seeds" not in extra:
+        raise UserError(f"checkpoint '{ckpt}' records no task or data_seeds; retrain with `looptrace train`")
+    spec = dict(extra["task"])
+    task = make_task(spec.pop("name"), spec)
+    return adapter, dump_model(adapter, task, extra["data_seeds"], join_store(out, model), cfg, base, shard=part)
+
