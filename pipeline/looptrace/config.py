@@ -38,11 +38,14 @@ import types
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import yaml
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 DEFAULT_PARAMS = Path("params.yaml")
 
@@ -275,7 +278,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{where} must be a mapping (key: value lines), got {_kind(value)} {_show(value)}")
-        return from_dict(tp, value, where)
+        return from_dict(typing.cast("type[DataclassInstance]", tp), value, where)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

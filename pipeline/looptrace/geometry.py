@@ -30,7 +30,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import polars as pl
@@ -364,7 +364,7 @@ class LoopColumns:
     def __init__(self, root: Path, n_loops: int, metrics: tuple[str, ...]):
         self.root, self.n_loops, self.metrics = Path(root), n_loops, metrics
         self.root.mkdir(parents=True, exist_ok=True)
-        self._files = {}
+        self._files: dict[tuple[int, str], BinaryIO] = {}
 
     def _path(self, t: int, col: str) -> Path:
         return self.root / f"loop{t + 1}.{col}.bin"
@@ -422,7 +422,7 @@ def summarise_loop(cols: LoopColumns, t: int, split: str, token_types: list[str]
         Rows (split, loop, group_by, group_value, metric, mean, median, q25, q75, count, n_nan, n_inf) for
         group_by ∈ {all, difficulty, token_type}, groups in increasing id order.
     """
-    groups = [("all", ["all"], [slice(None)])]
+    groups: list[tuple[str, list[str], list[slice | np.ndarray]]] = [("all", ["all"], [slice(None)])]
     for key in ("difficulty", "token_type"):
         ids = cols.read(t, key)
         order = np.argsort(ids, kind="stable")
@@ -573,7 +573,7 @@ def _convergence_metrics(depths: dict, keys: list[tuple[str, float]], n_loops: i
     levels = np.unique(diff)
     out = {}
     for sig, eps in keys:
-        entry = {}
+        entry: dict[str, Any] = {}
         for kind in ("first", "settled"):
             d = np.concatenate(depths.get((sig, eps, kind), [np.zeros(0, np.int16)])).astype(np.int64)
             censored = d > n_loops
@@ -592,7 +592,7 @@ def _metrics(summary: pl.DataFrame, conv: dict, dlr_rows: list, stores: dict, cf
     """metrics.json: headline numbers per split (DVC metrics; nested, JSON-able)."""
     allrows = summary.filter(pl.col("group_by") == "all")
 
-    def per_loop(split: str, metric: str, stat: str = "mean") -> list[float]:
+    def per_loop(split: str, metric: str, stat: str = "mean") -> list[float | None]:
         rows = allrows.filter((pl.col("split") == split) & (pl.col("metric") == metric)).sort("loop")
         return [None if v is None or math.isnan(v) else float(v) for v in rows[stat].to_list()]
 

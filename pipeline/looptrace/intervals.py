@@ -35,6 +35,7 @@ import math
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -405,8 +406,9 @@ def across_seeds(items: Sequence[Interval], level: float = 0.95) -> Interval:
     S = est.size
     inf = np.isinf(est)
     fin = est[~inf]
-    base = {"n_seeds": S, "method": "t over seeds", "n_boot": items[0].n_boot, "n_sequences": items[0].n_sequences,
-            "seed_min": float(est.min()), "seed_max": float(est.max()), "n_unreachable": int(inf.sum())}
+    base: dict[str, Any] = {
+        "n_seeds": S, "method": "t over seeds", "n_boot": items[0].n_boot, "n_sequences": items[0].n_sequences,
+        "seed_min": float(est.min()), "seed_max": float(est.max()), "n_unreachable": int(inf.sum())}
     if inf.any():
         lo = float(fin.min()) if fin.size else math.inf
         return Interval(math.inf, lo, math.inf, **base)

@@ -278,6 +278,7 @@ class _BackgroundWriter:
                     counts = data.pop(NONFINITE)
                     if self.before_write is not None:
                         self.before_write()  # heartbeat + fencing of this process's claim
+                    assert self.writer is not None  # opened above, else self.error is set
                     self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                     self.error = exc
@@ -530,6 +531,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             coord.remove_plans_upto(plan_k)
             return _finished(path, label, cfg)
         writer = StoreWriter.reopen(path)
+        assert writer is not None  # every shard is done: the store exists
         if not writer.attrs.get("complete") or not writer.metadata_ok():
             remove_debris(path)  # every shard is done: no live writer can own a temp file now
             # a kill inside create_layout (after the arrays, before this one's only chunk) leaves it unwritten, and
@@ -551,6 +553,8 @@ def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, ow
     Returns None when the store is complete with these inputs and this process's range verified (nothing to
     write), else ``(plan, kind, shard claim or None if already done, {chunk: damage} found before planning)``.
     """
+    k: int | None
+    damage: dict[int, str]
     while True:
         plan = coord.current_plan()
         if plan is not None and plan.active:
@@ -565,8 +569,8 @@ def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, ow
         else:
             writer = StoreWriter.reopen(path)
             same = writer is not None and writer.attrs.get("fingerprint") == fp
-            damage: dict[int, str] = {}
-            if same and writer.attrs.get("complete"):
+            damage = {}
+            if same and writer is not None and writer.attrs.get("complete"):  # (same implies writer)
                 damage = writer.damaged_chunks(own)
                 metadata = writer.metadata_ok()
                 if not damage and metadata and not coord.debris() and not _has_debris(path):
@@ -597,6 +601,7 @@ def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, ow
                         _say(f"{label}: existing store is unreadable or from another schema; starting over")
                     create_layout()
                 elif kind == "repair":
+                    assert writer is not None  # repair: same store
                     writer.set_incomplete()
                 remove_debris(path)  # nothing under an older plan is live: no temp file is being written
                 if kind == "tidy":
@@ -693,9 +698,11 @@ def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore
 
 def _out_dir(out_dir: Path | str) -> Path | str:
     """A model's output root: a local directory (created) or a URL prefix (object stores have no directories)."""
+    loc = store_location(out_dir)
+    assert loc is not None  # a path or URL, not a memory store
     if is_remote(out_dir):
-        return store_location(out_dir)
-    out = Path(store_location(out_dir))
+        return loc
+    out = Path(loc)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, no permission, a full disk

@@ -20,7 +20,7 @@ import json
 import re
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -81,7 +81,7 @@ def save_fitted(gates_dir: Path | str, model: str, features, gates: dict, stats,
            "gates": meta}
     (d / "gates.json").write_text(json.dumps(jsonable(doc), indent=2) + "\n")
     (d / "gates.skops").write_bytes(_canonical_skops(sio.dumps(objs)))
-    np.savez(d / "ponder.npz", **arrays)
+    np.savez(d / "ponder.npz", **cast(dict[str, Any], arrays))  # keys "<gate>/<param>", never allow_pickle
 
 
 def _canonical_skops(data: bytes) -> bytes:

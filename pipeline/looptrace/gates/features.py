@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -10,6 +11,9 @@ from looptrace.config import ConfigError, InputError
 from looptrace.gates.config import GEOMETRY_FEATURES, LOG_FLOOR, SIGNED_STATS
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
+
+if TYPE_CHECKING:
+    from sklearn.decomposition import PCA
 
 
 def transform_stats(stats: np.ndarray, names: Sequence[str], log_stats: bool) -> np.ndarray:
@@ -43,7 +47,7 @@ class FeaturePipeline:
         self.n_loops, self.d_model = int(n_loops), int(d_model)
         self.pca_components, self.stats = int(pca_components), tuple(stats)
         self.log_stats, self.loop_feature = bool(log_stats), loop_feature
-        self.pca = None
+        self.pca: PCA | None = None
         self.scaler = None
 
     @property
@@ -77,9 +81,11 @@ class FeaturePipeline:
 
                 # "full" SVD: exact and deterministic (no randomised solver, no random_state involved).
                 self.pca = PCA(n_components=self.pca_components, svd_solver="full").fit(H)
+            assert self.pca is not None  # fitted by the fit=True call
             H = self.pca.transform(H)
         parts = [H]
         if self.stats:
+            assert stats is not None  # the statistics named by gates.stats come with h
             S = transform_stats(stats, self.stats, self.log_stats).reshape(n * L, len(self.stats))
             inf = np.isinf(S).sum(axis=0)  # NaN is "undefined" (t = 1 of kl_prev, …) and allowed; ±inf is not
             if inf.any():

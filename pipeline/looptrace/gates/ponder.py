@@ -46,6 +46,7 @@ def _ponder_module(n_features: int, arch: str, hidden: int):
         def __init__(self) -> None:
             super().__init__()
             self.n_features, self.arch, self.hidden = n_features, arch, hidden
+            self.net: nn.Module
             if arch == "linear":
                 self.net = nn.Linear(n_features, 1)
             else:

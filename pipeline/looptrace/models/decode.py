@@ -33,6 +33,7 @@ KV policies (``policy``) for the loops a position skipped after exiting at loop 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -70,6 +71,7 @@ class LoopDecoder(ABC):
     has_gate: bool = False
     native: str | None = None
     native_name: str = ""
+    cache: Any  # set by reset: a LoopKVCache, or a model's own cache class (None before)
 
     def __init__(self, policy: str):
         if policy not in POLICIES:

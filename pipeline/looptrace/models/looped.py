@@ -48,7 +48,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import Annotated, Protocol, cast
 
 import torch
 import torch.nn as nn
@@ -238,6 +238,7 @@ class Gate(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.net: nn.Module
         if cfg.gate == "linear":
             self.net = nn.Linear(cfg.d_model, 1)
         else:
@@ -332,10 +333,15 @@ class LoopedTransformer(nn.Module):
         if form == "add":
             x = h + h0 if self.cfg.reinject else h
         elif form == "norm_add":
-            x = self.norm_h(h) + self.norm_e(h0) if self.cfg.reinject else self.norm_h(h)
+            if self.cfg.reinject:
+                assert self.norm_e is not None  # built when reinject
+                x = self.norm_h(h) + self.norm_e(h0)
+            else:
+                x = self.norm_h(h)
         else:
+            assert self.adapter is not None and self.norm_e is not None  # built for loop_form adapter (reinject)
             x = self.adapter(torch.cat([self.norm_h(h), self.norm_e(h0)], dim=-1))
-        for j, layer in enumerate(self.blocks[group]):
+        for j, layer in enumerate(cast(nn.ModuleList, self.blocks[group])):
             x = layer(x, None if cache is None else cache.layer("loop", loop, j))
         return x
 

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import numpy as np
 import torch
@@ -286,8 +286,9 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     model = LoopedTransformer(mcfg).to(base.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    betas = cast(tuple[float, float], tuple(cfg.betas))  # two, checked by TrainConfig
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=betas)
     rng = np.random.default_rng([cfg.data_seeds.fit, SPLITS.index("fit"), seed])
     val = task.dataset("val", cfg.val_sequences, cfg.data_seeds.val)
     out_dir = Path(out_dir)

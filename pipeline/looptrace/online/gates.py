@@ -46,7 +46,7 @@ class OnlineGate:
         if name not in fit["gates"]:
             raise KeyError(f"gate '{name}' is not in the fitted gates ({', '.join(fit['gates'])})")
         self.name, self.gate, self.features = name, fit["gates"][name], fit["features"]
-        self.cdf = None
+        self.cdf: HaltingCDF | None = None
         self.stats = tuple(fit["stats"])
         self.signals = self.stats
         self.hidden_dtype = str(fit.get("hidden_dtype") or "float16")

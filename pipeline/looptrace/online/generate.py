@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import polars as pl
@@ -49,7 +50,11 @@ from looptrace.config import InputError, MissingInputError
 from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder, decoder_for
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
-from looptrace.rules.registry import get_rule, resolve_rules
+from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
+
+if TYPE_CHECKING:
+    from looptrace.models.interface import LoopedModelAdapter
+    from looptrace.models.looped import LoopedTransformer
 
 # ----------------------------------------------------------------------------------------------
 # Decoding with early exit
@@ -138,10 +143,14 @@ def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule
             last = t == T - 1
             if (rule is None and not last) or not bool(und.any()):
                 continue  # full depth before T; or every row decided (mode "all": the loops still run)
-            z = dec.readout(h, t, rows) if (last or rule.needs_logits) else None
+            z = dec.readout(h, t, rows) if (last or (rule is not None and rule.needs_logits)) else None
             if trace is not None:
                 trace.append((n, t, active.clone(), h.clone(), None if z is None else z.clone()))
-            fire = und.clone() if last else (rule.fires(t + 1, h, z, dec).reshape(-1) & und)  # [b, 1] -> [b]
+            if last:
+                fire = und.clone()
+            else:
+                assert rule is not None  # without a rule the loops before T were skipped above
+                fire = rule.fires(t + 1, h, z, dec).reshape(-1) & und  # [b, 1] -> [b]
             if bool(fire.any()):
                 loc = fire.nonzero().squeeze(1)
                 r = active[loc]
@@ -183,8 +192,10 @@ def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule
                     rs = (d == dd).nonzero().squeeze(1)
                     dec.share(_subset(rs, B), dd - 1)
                     if not compact and mode == "compact":  # restore the coda slot to the exit loop's readout
+                        assert h_exit is not None  # allocated when not compact
                         dec.readout(h_exit[rs], dd - 1, _subset(rs, B))
             elif policy == "recompute":  # the skipped loops, for the KV only; then the coda at loop T
+                assert h_exit is not None  # allocated for recompute
                 for t in range(int(d.min()), T):
                     rs = (d <= t).nonzero().squeeze(1)
                     sub = _subset(rs, B)
@@ -344,6 +355,7 @@ def dump_text_windows(dump_cfg, vocab_size: int | None = None) -> np.ndarray:
 
     ad = dump_cfg.adapter
     tok_path = dump_cfg.text.tokenizer or (ad.path if ad is not None else None)
+    assert tok_path is not None  # the dump of a text store refused a config without one
     trust = bool(ad is not None and ad.trust_remote_code)
     return text_splits(dump_cfg.text, dump_cfg.sequences, tok_path, vocab_size, trust)["test"].tokens
 
@@ -357,18 +369,24 @@ def rule_specs(cfg: GenerateConfig, readouts_dir: Path, gates_dir: Path, n_token
         if entry == GATE:
             spec, reason = load_gate_rule(gates_dir, n_tokens, hidden_dtype)
             if spec is None:
+                assert reason is not None  # no spec comes with its reason
                 skipped[GATE] = reason
             else:
                 specs.append(spec)
         elif "@" in entry:
             name, thr = split_rule(entry)
+            assert thr is not None  # "name@threshold"
             r = get_rule(name)
             if r.needs_gate and not has_gate:
                 skipped[entry] = "model has no native halting gate"
                 continue
+
+            def factory(r: ExitRule = r, thr: float = thr) -> OnlineRule:
+                return RegistryRule(r, thr, hidden_dtype)
+
             specs.append(RuleSpec(rule=f"{r.name}@{thr:g}", kind=r.kind, source="explicit", threshold=float(thr),
-                                  factory=(lambda r=r, thr=thr: RegistryRule(r, thr, hidden_dtype)),
-                                  offline_exit=np.zeros(0, np.int64), offline_correct=np.zeros(0, bool)))
+                                  factory=factory, offline_exit=np.zeros(0, np.int64),
+                                  offline_correct=np.zeros(0, bool)))
         else:
             sp, sk = readout_rule_specs(readouts_dir, [entry], n_tokens, has_gate, hidden_dtype)
             specs += sp
@@ -450,7 +468,7 @@ def generate_model(decoders: dict[str, LoopDecoder], prompts: np.ndarray, specs:
             # Quality pass (untimed; also the warm-up): full depth, every rule free and teacher-forced.
             full = run_batches(dec, p_all, bs, N, None)
             full_tok, full_lp = full.cat("tokens"), full.cat("logprob")
-            quality = {}
+            quality: dict[str, dict[str, Any]] = {}
             for sp in specs:
                 free = run_batches(dec, p_all, bs, N, sp.factory)
                 forced = run_batches(dec, p_all, bs, N, sp.factory, force=full_tok)
@@ -538,6 +556,7 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
 
     all_rows, skipped, info = [], {}, {}
     for name in models:
+        model: LoopedModelAdapter | LoopedTransformer
         if adapter is not None:
             from looptrace.models.adapters.hf import load_adapter
 
@@ -550,6 +569,7 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
             from looptrace.models.interface import file_sha256
             from looptrace.models.looped import load_checkpoint
 
+            assert train_root is not None  # looptrace's own checkpoints without an adapter
             ckpt = Path(train_root) / name / "model.pt"
             model, _ = load_checkpoint(ckpt, name=name)
             model = model.to(device).eval()
@@ -562,6 +582,7 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         if st is not None:  # identity first: load_prompts' own checks would blame the data instead
             check_store_model(st, name, ckpt_hash, str(ckpt))
         prompts, hidden_dtype = load_prompts(store, cfg.prompts, cfg.prompt_len, text_windows)
+        assert st is not None  # load_prompts refused a missing store
         n_tokens = st.n_tokens
         specs, skip = rule_specs(cfg, Path(readouts_root) / name, Path(gates_root) / name, n_tokens, has_gate,
                                  hidden_dtype)
@@ -591,10 +612,10 @@ def generate_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
             models.setdefault(name, {})["skipped"] = sk
     summary = {}
     for (policy, bs), sub in df.group_by(["policy", "batch_size"], maintain_order=True):
-        summary[f"{policy}_bs{bs}"] = {"median_speedup_ratio": float(sub["speedup_ratio"].median()),
-                                       "max_realised_speedup": float(sub["realised_speedup"].max()),
+        summary[f"{policy}_bs{bs}"] = {"median_speedup_ratio": float(cast(float, sub["speedup_ratio"].median())),
+                                       "max_realised_speedup": float(cast(float, sub["realised_speedup"].max())),
                                        "runs_ratio_ge_0p8": int((sub["speedup_ratio"] >= 0.8).sum()),
-                                       "median_token_agreement": float(sub["token_agreement"].median()),
+                                       "median_token_agreement": float(cast(float, sub["token_agreement"].median())),
                                        "n_runs": sub.height}
     return {"n_runs": df.height, "summary": summary, "models": models}
 

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import polars as pl
@@ -60,7 +61,7 @@ from looptrace.online.engine import (
     minimal_work,
 )
 from looptrace.online.gates import load_online_gate
-from looptrace.rules.registry import get_rule, resolve_rules
+from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks import TaskBatch
 
 #: The refit-gate entry of ``latency.rules`` (the best gate of the gates stage).
@@ -249,9 +250,12 @@ def readout_rule_specs(readouts_dir: Path | str, rules: Sequence[str], n_tokens:
         r = row.row(0, named=True)
         thr = float(r["threshold"])
         ex, corr = _chosen_exits(epath, rule, n_tokens)
+
+        def factory(r: ExitRule = exit_rule, thr: float = thr) -> OnlineRule:
+            return RegistryRule(r, thr, hidden_dtype)
+
         specs.append(RuleSpec(rule=rule, kind=str(r.get("kind") or "posthoc"), source="readouts", threshold=thr,
-                              factory=(lambda r=exit_rule, thr=thr: RegistryRule(r, thr, hidden_dtype)),
-                              offline_exit=ex, offline_correct=corr))
+                              factory=factory, offline_exit=ex, offline_correct=corr))
     return specs, skipped
 
 
@@ -456,6 +460,7 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
             if spec is not None:
                 specs.append(spec)
             else:
+                assert reason is not None  # no spec comes with its reason
                 skip[GATE] = reason
         meta = regime_meta(name) if regime_meta is not None else {"model": name}
         all_rows += latency_model(model, data, token, specs, cfg, meta, device, progress)
@@ -483,11 +488,11 @@ def latency_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
     ratios = {}
     for bs in sorted(set(df["batch_size"].to_list())) if df.height else []:
         sub = df.filter(pl.col("batch_size") == bs)
-        ratios[f"bs{bs}"] = {"median_speedup_ratio": float(sub["speedup_ratio"].median()),
-                             "min_speedup_ratio": float(sub["speedup_ratio"].min()),
-                             "max_speedup_ratio": float(sub["speedup_ratio"].max()),
+        ratios[f"bs{bs}"] = {"median_speedup_ratio": float(cast(float, sub["speedup_ratio"].median())),
+                             "min_speedup_ratio": float(cast(float, sub["speedup_ratio"].min())),
+                             "max_speedup_ratio": float(cast(float, sub["speedup_ratio"].max())),
                              "runs_ratio_ge_0p8": int((sub["speedup_ratio"] >= 0.8).sum()),
-                             "median_ratio_to_work_ideal": float(sub["ratio_to_work_ideal"].median())}
+                             "median_ratio_to_work_ideal": float(cast(float, sub["ratio_to_work_ideal"].median()))}
     return {"all_exact": bool(df["exact"].all()) if df.height else True, "n_runs": df.height, "summary": ratios,
             "models": models}
 

@@ -135,6 +135,7 @@ def readouts_metrics(results: Sequence[RuleResult], frames: dict[str, pl.DataFra
     rules = {r.rule: headline_entry(r, cal) for r in results}
     best = best_entry(frames["chosen"], rules, ["posthoc"])
     boot = next((r.boot.info for r in results if r.boot is not None), {"n_boot": 0, "n_sequences": 0})
+    assert val.token is not None and test.token is not None  # read from token_loop.parquet: store row ids
     return {**meta, "n_loops": val.n_loops, "has_gate": val.has_gate,
             "n_tokens": {"val": int(val.token.size), "test": int(test.token.size)},
             "intervals": {"n_boot": boot["n_boot"], "n_sequences": boot["n_sequences"],

@@ -31,9 +31,9 @@ def main(
         cfg = load_section(LatencyConfig, "latency", params, required=True)
         # Every rule but `gate` runs at the readouts stage's chosen threshold, so it must be one readouts scored.
         scored = load_section(ReadoutsConfig, "readouts", params).rules
-        for r in cfg.rules:
-            if r != "gate":
-                require_in("latency.rules", r, "readouts.rules", scored)
+        for rule in cfg.rules:
+            if rule != "gate":
+                require_in("latency.rules", rule, "readouts.rules", scored)
         check_device(base.device)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out):

@@ -79,11 +79,11 @@ def make_task(name: str, cfg: TaskConfig | dict) -> Task:
             d["ops"] = tuple(d["ops"])
         cfg = TaskConfig(**d)
     rule = cfg.split_rule
-    fo = {"fit_only_max": FIT_ONLY_MAX.get(cfg.kind, 0) if cfg.fit_only_max is None else cfg.fit_only_max}
+    fo = FIT_ONLY_MAX.get(cfg.kind, 0) if cfg.fit_only_max is None else cfg.fit_only_max
     if cfg.kind == "running_parity":
-        return RunningTask(name, length=cfg.length, modulus=2, split_rule=rule, **fo)
+        return RunningTask(name, length=cfg.length, modulus=2, split_rule=rule, fit_only_max=fo)
     if cfg.kind == "running_sum":
-        return RunningTask(name, length=cfg.length, modulus=cfg.modulus, split_rule=rule, **fo)
+        return RunningTask(name, length=cfg.length, modulus=cfg.modulus, split_rule=rule, fit_only_max=fo)
     if cfg.kind == "parity":
         return ParityTask(name, max_length=cfg.max_length, min_length=cfg.min_length,
                           causal=False if cfg.causal is None else cfg.causal, split_rule=rule)
