@@ -13,7 +13,9 @@ import pytest
 
 from looptrace.online.generate import GENERATE_SCHEMA
 from looptrace.online.latency import LATENCY_SCHEMA
-from looptrace.report import ReportConfig, build_report, generate_findings, latency_findings, markdown_to_html
+from looptrace.report import ReportConfig, build_report
+from looptrace.report.findings import generate_findings, latency_findings
+from looptrace.report.page import markdown_to_html
 
 T = 4
 MODELS = {"ta-uniform": ("ta", "uniform", "uniform"), "ta-joint": ("ta", "joint", "joint"),
