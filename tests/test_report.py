@@ -222,12 +222,15 @@ def test_generate_findings_numbers():
 
 
 def test_markdown_subset():
-    h = markdown_to_html("# T\n\n| a | b |\n|---|---|\n| 1 | <x> |\n\n- one\n  - two\n- three\n\ntext `c`\nmore")
+    """diagnose's summary.md through Python-Markdown: headings shifted, pipe tables, two-space nested bullets nested,
+    raw HTML escaped (the text is text), inline code, bold and emphasis."""
+    h = markdown_to_html("# T\n\n| a | b |\n|---|---|\n| 1 | <x> |\n\n- one\n  - two\n- three\n\ntext `c` **b** *e*\nmore")
     assert h.splitlines() == [
         "<h2>T</h2>",
-        "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>&lt;x&gt;</td></tr></tbody></table>",
-        "<ul><li>one</li><ul><li>two</li></ul><li>three</li></ul>",
-        "<p>text <code>c</code> more</p>"]
+        "<table>", "<thead>", "<tr>", "<th>a</th>", "<th>b</th>", "</tr>", "</thead>",
+        "<tbody>", "<tr>", "<td>1</td>", "<td>&lt;x&gt;</td>", "</tr>", "</tbody>", "</table>",
+        "<ul>", "<li>one<ul>", "<li>two</li>", "</ul>", "</li>", "<li>three</li>", "</ul>",
+        "<p>text <code>c</code> <strong>b</strong> <em>e</em>", "more</p>"]
 
 
 def test_report_stage_cli(artifacts, tmp_path):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import html
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import markdown
 import polars as pl
+from markdown.treeprocessors import Treeprocessor
 
 from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings
 from looptrace.report.headline import (
@@ -23,62 +24,33 @@ from looptrace.report.headline import (
 from looptrace.report.inputs import Inputs, ReportConfig
 
 
-def _inline(s: str) -> str:
-    s = html.escape(s, quote=False)
-    s = re.sub(r"`([^`]+)`", r"<code>\1</code>", s)
-    return re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", s)
+class _ShiftHeadings(Treeprocessor):
+    """Headings down ``shift`` levels (at most h6): the page has its own h1 and h2 sections."""
+
+    def __init__(self, md: markdown.Markdown, shift: int):
+        super().__init__(md)
+        self.shift = shift
+
+    def run(self, root):
+        for el in root.iter():
+            if el.tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+                el.tag = f"h{min(6, int(el.tag[1]) + self.shift)}"
 
 
 def markdown_to_html(md: str, shift: int = 1) -> str:
-    """The Markdown subset diagnose's summary.md uses: headings, (nested) bullet lists, pipe tables,
-    paragraphs, inline code and bold. Headings are shifted down ``shift`` levels (page has its own h1)."""
-    out: list[str] = []
-    lines = md.splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if not line.strip():
-            i += 1
-            continue
-        mh = re.match(r"^(#{1,6})\s+(.*)$", line)
-        if mh:
-            lvl = min(6, len(mh.group(1)) + shift)
-            out.append(f"<h{lvl}>{_inline(mh.group(2))}</h{lvl}>")
-            i += 1
-        elif line.lstrip().startswith("|"):
-            rows = []
-            while i < len(lines) and lines[i].lstrip().startswith("|"):
-                cells = [c.strip() for c in lines[i].strip().strip("|").split("|")]
-                if not all(re.fullmatch(r":?-{2,}:?", c) for c in cells):
-                    rows.append(cells)
-                i += 1
-            if rows:
-                head = "".join(f"<th>{_inline(c)}</th>" for c in rows[0])
-                body = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows[1:])
-                out.append(f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
-        elif re.match(r"^\s*[-*]\s+", line):
-            html_list, depth = [], -1
-            while i < len(lines) and re.match(r"^\s*[-*]\s+", lines[i]):
-                ind = (len(lines[i]) - len(lines[i].lstrip())) // 2
-                text = re.sub(r"^\s*[-*]\s+", "", lines[i])
-                while depth < ind:
-                    html_list.append("<ul>")
-                    depth += 1
-                while depth > ind:
-                    html_list.append("</ul>")
-                    depth -= 1
-                html_list.append(f"<li>{_inline(text)}</li>")
-                i += 1
-            html_list += ["</ul>"] * (depth + 1)
-            out.append("".join(html_list))
-        else:
-            para = []
-            while (i < len(lines) and lines[i].strip() and not re.match(r"^(#{1,6})\s", lines[i])
-                   and not lines[i].lstrip().startswith("|") and not re.match(r"^\s*[-*]\s+", lines[i])):
-                para.append(lines[i].strip())
-                i += 1
-            out.append(f"<p>{_inline(' '.join(para))}</p>")
-    return "\n".join(out)
+    """Markdown (diagnose's summary.md, the findings' bullets) as HTML, by Python-Markdown with pipe tables.
+    Nested bullets are indented by two spaces (``tab_length=2``); raw HTML in the text is escaped, never passed
+    through (the text is text); headings are shifted down ``shift`` levels."""
+    conv = markdown.Markdown(extensions=["tables"], tab_length=2)
+    conv.preprocessors.deregister("html_block")
+    conv.inlinePatterns.deregister("html")
+    conv.treeprocessors.register(_ShiftHeadings(conv, shift), "looptrace_shift_headings", 1)
+    return conv.convert(md)
+
+
+def _bullets(title: str, sentences: Sequence[str]) -> str:
+    """An h3 ``title`` over one bullet per sentence."""
+    return markdown_to_html("\n".join([f"# {title}", "", *(f"- {s}" for s in sentences)]), shift=2)
 
 
 def _table(df: pl.DataFrame, cols: Sequence[tuple[str, str, str | None]]) -> str:
@@ -184,10 +156,10 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
     parts.append("<h2>Findings</h2>")
     lf = latency_findings(inp.latency, inp.latency_metrics)
     if lf:
-        parts.append("<h3>Latency</h3><ul>" + "".join(f"<li>{_inline(s)}</li>" for s in lf) + "</ul>")
+        parts.append(_bullets("Latency", lf))
     gf = generate_findings(inp.generate, inp.generate_metrics)
     if gf:
-        parts.append("<h3>Generation</h3><ul>" + "".join(f"<li>{_inline(s)}</li>" for s in gf) + "</ul>")
+        parts.append(_bullets("Generation", gf))
     if inp.summary:
         parts.append(markdown_to_html(inp.summary, shift=2))
     else:
