@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from looptrace.diagnose import dx_best, with_val_columns
+from looptrace.diagnose.stats import dx_best, with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.project import split_seed
 from looptrace.report.inputs import Inputs, ReportConfig
