@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import polars as pl
 
@@ -64,13 +65,31 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
         list of {"claim": "a"|"b"|"c", "status": holds | does not hold | within noise | partly (...) |
         untestable, "sentences": [str, ...], "details": [dict, ...]}.
     """
+    ctx = _groups(meta, dx, cfg)
+    return [_claim_a(ctx, level), _claim_b(ctx, level), _claim_c(ctx, cfg, gates_present, level)]
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The models of a diagnosis by task × regime (the models that differ by training seed) and their D@X rows."""
+
+    xs: str  # "D@95"
+    dxx: pl.DataFrame  # D@X rows at X, with val columns
+    meta: pl.DataFrame  # meta with group and seed columns
+    ginfo: dict[str, dict]  # group -> its first model's meta row
+    members: dict[str, list[str]]  # group -> its models
+    fixed_prior: list[str]  # groups with a fixed depth prior
+    joint: list[str]  # jointly trained groups
+
+    def best(self, model: str, kinds: Sequence[str], rules: Sequence[str] | None = None):
+        return dx_best(self.dxx.filter(pl.col("model") == model), kinds, rules)
+
+
+def _groups(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig) -> _Groups:
+    """Group the models by task × regime (:func:`looptrace.project.split_seed`) and keep the D@X rows at X."""
     x = float(cfg.x)
     xs = f"D@{x:g}"
     dxx = with_val_columns(dx.filter(pl.col("x") == x))
-
-    def best(model: str, kinds: Sequence[str], rules: Sequence[str] | None = None):
-        return dx_best(dxx.filter(pl.col("model") == model), kinds, rules)
-
     meta = meta.with_columns(group=pl.col("model").map_elements(lambda m: split_seed(m)[0], return_dtype=pl.String),
                              seed=pl.col("model").map_elements(lambda m: split_seed(m)[1], return_dtype=pl.Int64))
     groups = list(dict.fromkeys(meta["group"].to_list()))
@@ -78,9 +97,12 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
     members = {g: meta.filter(pl.col("group") == g)["model"].to_list() for g in groups}
     fixed_prior = [g for g in groups if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS]
     joint = [g for g in groups if ginfo[g]["regime_kind"] == "joint"]
-    claims = []
+    return _Groups(xs, dxx, meta, ginfo, members, fixed_prior, joint)
 
-    # (a) confidence readouts vs fixed depth on fixed-prior trajectories
+
+def _claim_a(ctx: _Groups, level: float) -> dict:
+    """(a) Confidence readouts vs fixed depth on fixed-prior trajectories."""
+    xs, best, members, fixed_prior = ctx.xs, ctx.best, ctx.members, ctx.fixed_prior
     res, sent, det = [], [], []
     for g in fixed_prior:
         per = [(m, *best(m, ["posthoc"], CONFIDENCE_RULES), best(m, ["fixed"])[0]) for m in members[g]]
@@ -102,9 +124,12 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
     head = (f"(a) [AD]: fixed-prior trajectories with confidence readouts reach a lower {xs} than fixed depth "
             f"([AD]: {AD_REFERENCE['confidence_d95']} vs {AD_REFERENCE['fixed_d95']} at D@95). On our models: {status}"
             + ("" if res else " — no fixed-prior (uniform/geometric) model in this run") + ".")
-    claims.append({"claim": "a", "status": status, "sentences": [head, *sent], "details": det})
+    return {"claim": "a", "status": status, "sentences": [head, *sent], "details": det}
 
-    # (b) native joint gate vs post-hoc readouts on fixed-prior trajectories of the same task
+
+def _claim_b(ctx: _Groups, level: float) -> dict:
+    """(b) Native joint gate vs post-hoc readouts on fixed-prior trajectories of the same task."""
+    xs, best, members, joint, ginfo, meta, dxx = ctx.xs, ctx.best, ctx.members, ctx.joint, ctx.ginfo, ctx.meta, ctx.dxx
     res, sent, det = [], [], []
     for g in joint:
         task = ginfo[g]["task"]
@@ -146,9 +171,12 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
     head = (f"(b) [AD]: the native joint gate's frontier is worse than post-hoc readouts on fixed-prior "
             f"trajectories ([AD]: native D@95 {AD_REFERENCE['native_d95']} vs {AD_REFERENCE['confidence_d95']}). "
             f"On our models: {status}" + ("" if res else " — no jointly trained model in this run") + ".")
-    claims.append({"claim": "b", "status": status, "sentences": [head, *sent], "details": det})
+    return {"claim": "b", "status": status, "sentences": [head, *sent], "details": det}
 
-    # (c) refit gates: strong on fixed-prior, weak on joint trajectories
+
+def _claim_c(ctx: _Groups, cfg: DiagnoseConfig, gates_present: bool, level: float) -> dict:
+    """(c) Refit gates: strong on fixed-prior, weak on joint trajectories."""
+    xs, best, members, fixed_prior, joint, ginfo = ctx.xs, ctx.best, ctx.members, ctx.fixed_prior, ctx.joint, ctx.ginfo
     res, sent, det = [], [], []
     text = "(c) [AD]: gates refit on frozen fixed-prior trajectories are strong, on jointly trained ones weak."
     if gates_present:
@@ -180,5 +208,4 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
     else:
         status = "untestable"
         head = f"{text} Not tested: no offline-gate outputs (artifacts/gates/<model>/) were found."
-    claims.append({"claim": "c", "status": status, "sentences": [head, *sent], "details": det})
-    return claims
+    return {"claim": "c", "status": status, "sentences": [head, *sent], "details": det}
