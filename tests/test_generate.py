@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.models.decode import DecodeUnsupported, decoder_for
+from looptrace.models.decode import DecodeUnsupported
+from looptrace.models.decoders import decoder_for
 from looptrace.models.kv import CODA, LOOP, PRELUDE, LoopKVCache
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.engine import OnlineRule, RegistryRule

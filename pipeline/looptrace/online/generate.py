@@ -46,7 +46,8 @@ import polars as pl
 import torch
 
 from looptrace.config import InputError, MissingInputError
-from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder, decoder_for
+from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder
+from looptrace.models.decoders import decoder_for
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.rules.registry import get_rule, resolve_rules
