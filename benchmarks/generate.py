@@ -46,7 +46,7 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
-from looptrace.models.decode import decoder_for
+from looptrace.models.decoders import decoder_for
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens

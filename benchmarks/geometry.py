@@ -35,7 +35,7 @@ TARGETS = {"time_ratio": 1.2, "rss_ratio": 0.25, "rss_growth": 1.10}
 
 def build_store(path: Path, n_tokens: int, d_model: int, loops: int, vocab: int, chunk: int, seed: int) -> None:
     """Write a synthetic store: contracting trajectories h_t = h_{t−1} + r^t ξ_t (float16 hidden)."""
-    from looptrace.io.store import write_store
+    from looptrace.io.store.writer import write_store
 
     rng = np.random.default_rng(seed)
     seq_len = 16
@@ -76,7 +76,7 @@ def build_store(path: Path, n_tokens: int, d_model: int, loops: int, vocab: int,
 def child(mode: str, store: Path, out: Path) -> None:
     """Run ``geometry_model`` once and print {"seconds", "cpu_seconds", "max_rss_mb"} as JSON."""
     from looptrace.geometry import GeometryConfig, geometry_model
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
 
     st = open_store(store)
     block = None if mode == "stream" else st.n_tokens

@@ -153,7 +153,8 @@ def build_analysis_store(path: Path, n_tokens: int, d_model: int, loops: int, ch
     """
     import numpy as np
 
-    from looptrace.io.store import ATTR_DEFAULTS, DIMS, DTYPES, ArraySpec, StoreWriter
+    from looptrace.io.store.schema import ATTR_DEFAULTS, DIMS, DTYPES
+    from looptrace.io.store.writer import ArraySpec, StoreWriter
 
     names = {"hidden": (loops, d_model), "hidden_init": (d_model,), **{s: (loops,) for s in
              ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final",
@@ -206,7 +207,7 @@ def analysis_child(spec: dict) -> None:
     from looptrace.config import DaskConfig
     from looptrace.geometry import GeometryConfig, geometry_model
     from looptrace.io.parallel import dask_runner
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
     from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 

@@ -16,7 +16,7 @@ import torch
 torch.set_num_threads(1)
 
 from looptrace.capture.dump import dump_split  # noqa: E402
-from looptrace.io.store import StoreWriter  # noqa: E402
+from looptrace.io.store.writer import StoreWriter  # noqa: E402
 from looptrace.testing import tiny_adapter_and_data, tiny_dump_config  # noqa: E402
 
 args = json.loads(sys.argv[1])

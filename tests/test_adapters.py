@@ -179,7 +179,7 @@ def _text_batch(path, n=4, seq_len=10):
 
 def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.io.store import memory_store
+    from looptrace.io.store.location import memory_store
 
     a = load_adapter(AdapterConfig(kind="inkling2loop", path=str(ckpts["inkling"])))
     assert a.info.vocab_size == 296 > DumpConfig().full_logits_max_vocab
@@ -188,7 +188,7 @@ def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
     full = dump_split(a, data, memory_store(), DumpConfig(batch_size=3, chunk_tokens=16, hidden_dtype="float32",
                                                            full_logits_max_vocab=1000))
     assert "topk_ids" in topk and "logits" not in topk and "logits" in full
-    from looptrace.io.store import STAT_NAMES
+    from looptrace.io.store.schema import STAT_NAMES
 
     for s in STAT_NAMES:  # exact either way: both computed from the full logits at dump time
         np.testing.assert_array_equal(topk.read(s), full.read(s))
@@ -204,7 +204,7 @@ def test_topk_stats_equal_full_logit_stats_and_full_logits(ckpts):
 
 def test_bf16_model_states_stored_exactly_as_bfloat16_bits(tmp_path):
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.io.store import memory_store
+    from looptrace.io.store.location import memory_store
 
     path = H.build_dory(tmp_path / "dory-bf16", dtype=torch.bfloat16)
     a = load_adapter(AdapterConfig(kind="dory", path=str(path), dtype="auto"))
@@ -219,7 +219,8 @@ def test_bf16_model_states_stored_exactly_as_bfloat16_bits(tmp_path):
 
 def test_float16_overflow_is_refused_not_stored_as_inf(ckpts):
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.io.store import StoreError, memory_store
+    from looptrace.io.store.location import memory_store
+    from looptrace.io.store.schema import StoreError
 
     a = load_adapter(AdapterConfig(kind="retrofit", path=str(ckpts["llama"]), block=(1, 3), n_loops=2))
     with torch.no_grad():
@@ -239,7 +240,7 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path, monk
     from typer.testing import CliRunner
 
     from looptrace.cli import app
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
 
     prompts = []  # bug 6: the tokenizer of a remote-code directory asked "Do you wish to run ...? [y/N]"
     monkeypatch.setattr(builtins, "input", lambda *a, **k: prompts.append(a) or "n")  # (transformers swallows raises)

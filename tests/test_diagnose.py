@@ -1,4 +1,4 @@
-"""Failure localisation, Spearman, verdicts and the [AD] claims (pipeline/diagnose.py)."""
+"""Failure localisation, Spearman, verdicts and the [AD] claims (looptrace.diagnose)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,22 @@ import polars as pl
 import pytest
 from scipy.stats import rankdata
 
-from looptrace import diagnose as D
 from looptrace.config import ConfigError, from_dict
+from looptrace.diagnose import diagnose_models
+from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.config import CLASSES, DiagnoseConfig
+from looptrace.diagnose.stats import (
+    REASONS,
+    VERDICTS,
+    failure_codes,
+    failure_rows,
+    spearman_headlines,
+    spearman_rows,
+)
+from looptrace.diagnose.summary import summary_markdown
+from looptrace.diagnose.verdicts import group_verdicts
+from looptrace.diagnose.verdicts import verdict as model_verdict
+from looptrace.diagnose.words import _rho_basis, check_verdict
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.tables import SplitArrays
@@ -36,10 +50,10 @@ def test_failure_codes_constructed():
         [F, T_, F, T_],   # exit 4: right                       -> correct
     ])
     exits = np.array([3, 2, 1, 4, 3, 2, 4, 4])
-    codes = D.failure_codes(exits, correct)
+    codes = failure_codes(exits, correct)
     np.testing.assert_array_equal(codes, [0, 1, 2, 3, 3, 2, 1, 0])
     diff = np.array([0, 0, 0, 1, 1, 1, 1, 2])
-    rows = {(r["group"], r["difficulty"]): r for r in D.failure_rows(codes, exits, diff)}
+    rows = {(r["group"], r["difficulty"]): r for r in failure_rows(codes, exits, diff)}
     assert set(rows) == {("all", None), ("difficulty", 0), ("difficulty", 1), ("difficulty", 2)}
     a = rows[("all", None)]
     assert (a["correct"], a["trajectory"], a["readout_early"], a["readout_overthinking"]) == (2, 2, 2, 2)
@@ -48,9 +62,9 @@ def test_failure_codes_constructed():
         (4, 0, 1, 1, 2)
     assert d1["frac_readout_overthinking"] == 0.5 and d1["exit_depth_mean"] == pytest.approx(13 / 4)
     for r in rows.values():
-        assert sum(r[c] for c in D.CLASSES) == r["n_tokens"]
+        assert sum(r[c] for c in CLASSES) == r["n_tokens"]
     with pytest.raises(ValueError, match="1..4"):
-        D.failure_codes(np.array([0, 1, 1, 1, 1, 1, 1, 1]), correct)
+        failure_codes(np.array([0, 1, 1, 1, 1, 1, 1, 1]), correct)
 
 
 def test_spearman_rows():
@@ -59,7 +73,7 @@ def test_spearman_rows():
     T = 3
     sig = np.stack([diff + rng.normal(0, 1, 200), -diff + rng.normal(0, 0.1, 200), rng.normal(0, 1, 200)], 1)
     sig[:7, 0] = np.nan
-    rows = D.spearman_rows(diff, {"s": sig, "scalar": diff * 2.0})
+    rows = spearman_rows(diff, {"s": sig, "scalar": diff * 2.0})
     get = {(r["signal"], r["loop"], r["aggregation"]): r for r in rows}
     assert len(rows) == 2 * (T + 1) + 2
     # token aggregation: Pearson correlation of average ranks (independent implementation), NaNs dropped
@@ -76,7 +90,7 @@ def test_spearman_rows():
     assert get[("s", None, "token")]["rho"] == pytest.approx(ref, abs=1e-12)
     assert get[("scalar", None, "token")]["rho"] == pytest.approx(1.0)
     # constant signal -> NaN, not an error
-    assert math.isnan(D.spearman_rows(diff, {"c": np.ones(200)})[0]["rho"])
+    assert math.isnan(spearman_rows(diff, {"c": np.ones(200)})[0]["rho"])
     assert all(math.isnan(r["rho_lo"]) and r["n_boot"] == 0 for r in rows)  # no resampler: no intervals
 
 
@@ -107,7 +121,7 @@ def test_spearman_intervals_are_a_paired_bootstrap_over_sequences():
     B = 60
     counts = rng.multinomial(n_seq, np.full(n_seq, 1 / n_seq), size=B).astype(float)
     rs = Resampler(seq, 0, counts=counts)
-    rows = D.spearman_rows(diff, {"s": sig}, rs)
+    rows = spearman_rows(diff, {"s": sig}, rs)
     get = {(r["signal"], r["loop"], r["aggregation"]): r for r in rows}
     for loop in (1, 2):
         for agg in ("token", "difficulty_mean"):
@@ -122,7 +136,7 @@ def test_spearman_intervals_are_a_paired_bootstrap_over_sequences():
     nz = get[("s", 2, "token")]
     assert nz["rho_lo"] < 0 < nz["rho_hi"]
     # headline only: the other rows have no interval, the headline's is the same numbers
-    only = D.spearman_rows(diff, {"s": sig}, rs, lambda s, loop, agg: loop == 1 and agg == "token")
+    only = spearman_rows(diff, {"s": sig}, rs, lambda s, loop, agg: loop == 1 and agg == "token")
     got = {(r["signal"], r["loop"], r["aggregation"]): r for r in only}
     assert got[("s", 1, "token")]["rho_lo"] == tr["rho_lo"]
     assert math.isnan(got[("s", 2, "token")]["rho_lo"]) and got[("s", None, "difficulty_mean")]["n_boot"] == 0
@@ -133,17 +147,17 @@ def test_spearman_headline_with_intervals_in_summary_and_metrics():
                        "aggregation": ["difficulty_mean"] * 2, "rho": [0.62, 0.70], "pvalue": [0.1, 0.1], "n": [12, 11],
                        "rho_lo": [0.55, 0.61], "rho_hi": [0.69, 0.77], "n_boot": [1000, 1000],
                        "n_sequences": [200, 200]}, schema_overrides={"loop": pl.Int64})
-    groups, models = D.spearman_headlines(sp, D.DiagnoseConfig())
+    groups, models = spearman_headlines(sp, DiagnoseConfig())
     m0 = models["t-joint-s0"]
     assert (m0["iv"].estimate, m0["iv"].lo, m0["iv"].hi, m0["n"]) == (0.62, 0.55, 0.69, 12)
-    assert D._rho_basis(m0) == "n = 12 difficulty levels, bootstrap over 200 test sequences, B = 1000"
+    assert _rho_basis(m0) == "n = 12 difficulty levels, bootstrap over 200 test sequences, B = 1000"
     g = groups["t-joint"]["iv"]
     half = 12.706204736174707 * np.std([0.62, 0.70], ddof=1) / math.sqrt(2)
     assert (g.estimate, g.n_seeds) == (pytest.approx(0.66), 2)
     assert (g.lo, g.hi) == (pytest.approx(0.66 - half), pytest.approx(0.66 + half))
     v = pl.DataFrame([{"model": f"t-joint-s{s}", "regime_kind": "joint", "verdict": "at-ceiling", "best_rule": None,
                        "evidence": "e"} for s in (0, 1)])
-    md = D.summary_markdown(v, [], sp, D.DiagnoseConfig(), groups=pl.DataFrame())
+    md = summary_markdown(v, [], sp, DiagnoseConfig(), groups=pl.DataFrame())
     assert ("- t-joint-s0 (joint): ρ = 0.62 [0.55, 0.69] (n = 12 difficulty levels, bootstrap over 200 test "
             "sequences, B = 1000).") in md
     assert f"- t-joint: ρ = 0.66 [{0.66 - half:.2f}, {0.66 + half:.2f}] (2 seeds; n = 12, 11 difficulty levels)." in md
@@ -224,14 +238,14 @@ FIX = (4.0, 3.9, 4.1)
 ])
 def test_verdict_cases(case, expect, phrases):
     chosen, dx, oracle, fails = _tables(**case)
-    v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig())
+    v = model_verdict(M, chosen, dx, oracle, fails, DiagnoseConfig())
     assert (v["verdict"], v["reason"]) == expect
     assert v["evidence"].startswith(f"m: {expect[0]} — ")
     for p in phrases:
         assert p in v["evidence"], (p, v["evidence"])
     n, ok, traj = case.get("fails", (100, 90, 6))
     assert (v["n_errors"], v["n_trajectory_failures"], v["n_readout_failures"]) == (n - ok, traj, n - ok - traj)
-    assert D.check_verdict(v) == []
+    assert check_verdict(v) == []
     for bad in ("None", "nan", " inf"):
         assert bad not in v["evidence"]
 
@@ -240,7 +254,7 @@ def test_verdict_best_rule_is_chosen_on_val_not_test():
     # the gate has the lower *test* depth (1.8) but the higher *val* depth (2.2): entropy is best
     chosen, dx, oracle, fails = _tables(fixed=FIX, posthoc=(2.5, 2.3, 2.7), gate=(1.8, 1.6, 2.0),
                                         val={"entropy": 2.0, "gate:m-ponder": 2.2}, oracle=(1.7, 1.6, 1.8))
-    v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig())
+    v = model_verdict(M, chosen, dx, oracle, fails, DiagnoseConfig())
     assert v["best_rule"] == "entropy" and v["best_depth"] == 2.5 and (v["best_depth_lo"], v["best_depth_hi"]) == (2.3, 2.7)
     # entropy [2.3, 2.7] vs oracle [1.6, 1.8]: disjoint, 0.8 ≥ 0.5 loops -> below the ceiling
     assert (v["verdict"], v["reason"]) == ("readout-limited", "below_ceiling")
@@ -248,19 +262,19 @@ def test_verdict_best_rule_is_chosen_on_val_not_test():
 
 def test_check_verdict_catches_contradictions():
     chosen, dx, oracle, fails = _tables(fixed=FIX, posthoc=(1.9, 1.8, 2.0), oracle=(1.8, 1.7, 1.9), fails=(100, 80, 0))
-    v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig())
-    assert v["verdict"] == "at-ceiling" and D.check_verdict(v) == []
+    v = model_verdict(M, chosen, dx, oracle, fails, DiagnoseConfig())
+    assert v["verdict"] == "at-ceiling" and check_verdict(v) == []
     # the pre-issue-12 reading of the same numbers: "trajectory-limited" at the ceiling
     old = {**v, "verdict": "trajectory-limited", "reason": "at_ceiling",
            "evidence": v["evidence"].replace("at-ceiling", "trajectory-limited")}
-    probs = D.check_verdict(old)
+    probs = check_verdict(old)
     assert any("the numbers give at-ceiling (at_ceiling)" in p for p in probs)
     assert any("does not belong" in p for p in probs)
     # a sentence that drops a figure, or prints nan
     assert any("does not cite oracle_depth" in p
-               for p in D.check_verdict({**v, "evidence": v["evidence"].replace("1.80 [1.70, 1.90]", "?")}))
-    assert any("prints 'nan'" in p for p in D.check_verdict({**v, "evidence": v["evidence"] + " nan"}))
-    assert any("add up" in p for p in D.check_verdict({**v, "n_readout_failures": 3}))
+               for p in check_verdict({**v, "evidence": v["evidence"].replace("1.80 [1.70, 1.90]", "?")}))
+    assert any("prints 'nan'" in p for p in check_verdict({**v, "evidence": v["evidence"] + " nan"}))
+    assert any("add up" in p for p in check_verdict({**v, "n_readout_failures": 3}))
 
 
 def test_verdicts_never_contradict_their_numbers_on_random_tables():
@@ -277,10 +291,10 @@ def test_verdicts_never_contradict_their_numbers_on_random_tables():
         if rng.random() < 0.5:
             case["gate"] = iv(1.0, 4.0)
         chosen, dx, oracle, fails = _tables(**case, fails=(100, int(rng.integers(50, 100)), 0))
-        v = D.verdict(M, chosen, dx, oracle, fails, D.DiagnoseConfig(gap_tol=float(rng.choice([0.0, 0.5]))))
-        assert D.check_verdict(v) == []
+        v = model_verdict(M, chosen, dx, oracle, fails, DiagnoseConfig(gap_tol=float(rng.choice([0.0, 0.5]))))
+        assert check_verdict(v) == []
         seen.add(v["reason"])
-    assert seen == set(D.REASONS)  # every outcome was exercised
+    assert seen == set(REASONS)  # every outcome was exercised
 
 
 def test_group_verdict_across_seeds_by_hand():
@@ -290,11 +304,11 @@ def test_group_verdict_across_seeds_by_hand():
     for s, (b, o) in enumerate(((2.0, 1.5), (2.2, 1.6), (2.4, 1.7))):
         chosen, dx, oracle, fails = _tables(fixed=(4.0, 4.0, 4.0), posthoc=(b, b - 0.1, b + 0.1), oracle=(o, o - 0.05, o + 0.05),
                                             dx={"fixed": (3.0, 3.0, 3.0), "entropy": (1.5 + s / 10, 1.4, 1.8)})
-        rows.append(D.verdict({**M, "model": f"t-uniform-s{s}", "task": "t", "regime": "uniform"}, chosen, dx, oracle,
-                              fails, D.DiagnoseConfig()))
+        rows.append(model_verdict({**M, "model": f"t-uniform-s{s}", "task": "t", "regime": "uniform"}, chosen, dx, oracle,
+                              fails, DiagnoseConfig()))
     # seed-level: best [b ± 0.1] vs oracle [o ± 0.05]: gaps 0.5, 0.6, 0.7 with disjoint intervals -> below ceiling
     assert [r["reason"] for r in rows] == ["below_ceiling"] * 3
-    g = D.group_verdicts(pl.DataFrame(rows), D.DiagnoseConfig()).row(0, named=True)
+    g = group_verdicts(pl.DataFrame(rows), DiagnoseConfig()).row(0, named=True)
     half_b, half_o = t2 * 0.2 / math.sqrt(3), t2 * 0.1 / math.sqrt(3)
     assert g["group"] == "t-uniform" and g["n_seeds"] == 3 and g["seeds"] == "0, 1, 2"
     assert g["best_depth"] == pytest.approx(2.2) and g["best_depth_lo"] == pytest.approx(2.2 - half_b)
@@ -306,7 +320,7 @@ def test_group_verdict_across_seeds_by_hand():
     assert f"entropy at 2.20 [{2.2 - half_b:.2f}, {2.2 + half_b:.2f}] is lower than fixed depth 4.00 [4.00, 4.00]" \
         in g["evidence"]
     assert "(3 seeds; per-seed verdicts: 3 × readout-limited)" in g["evidence"]
-    assert D.check_verdict(g) == []
+    assert check_verdict(g) == []
 
 
 def _dx(rows):
@@ -337,7 +351,7 @@ def test_ad_claims_on_intervals():
         ("t-joint", "gate:t-joint-ponder", "gate", 95, (3.8, 3.7, 3.9)),
         ("t-uniform", "fixed", "fixed", 98, 1.0),  # other X: ignored
     ])
-    claims = {c["claim"]: c for c in D.ad_claims(META, dx, D.DiagnoseConfig(), gates_present=True)}
+    claims = {c["claim"]: c for c in ad_claims(META, dx, DiagnoseConfig(), gates_present=True)}
     assert claims["a"]["status"] == "partly (holds in 1, within noise in 1 of 2)"
     a = claims["a"]["sentences"]
     # confidence rules only (kl_prev is not a confidence readout), chosen on val: top1 on uniform
@@ -367,7 +381,7 @@ def test_ad_claims_disagreement_unreachable_and_untestable():
         ("t-geometric", "fixed", "fixed", 95, (2.0, 2.0, 2.0)), ("t-geometric", "top1", "posthoc", 95, (2.6, 2.2, 2.9)),
         ("t-joint", "fixed", "fixed", 95, math.nan), ("t-joint", "q_exit", "native", 95, (math.nan, 4.0, math.inf)),
     ])
-    claims = {c["claim"]: c for c in D.ad_claims(META, dx, D.DiagnoseConfig(), gates_present=False)}
+    claims = {c["claim"]: c for c in ad_claims(META, dx, DiagnoseConfig(), gates_present=False)}
     # both confidence readouts are higher than fixed depth beyond noise
     assert claims["a"]["status"] == "does not hold"
     assert "t-uniform (1 seed): best confidence readout (entropy, chosen on val) D@95 = 2.50 [2.30, 2.70], higher " \
@@ -381,8 +395,8 @@ def test_ad_claims_disagreement_unreachable_and_untestable():
     for c in claims.values():
         for s in c["sentences"]:
             assert "None" not in s and "nan" not in s and " inf" not in s
-    claims = {c["claim"]: c for c in D.ad_claims(META.filter(pl.col("regime_kind") != "joint"), dx,
-                                                  D.DiagnoseConfig(), False)}
+    claims = {c["claim"]: c for c in ad_claims(META.filter(pl.col("regime_kind") != "joint"), dx,
+                                                  DiagnoseConfig(), False)}
     assert claims["b"]["status"] == "untestable" and "no jointly trained model" in claims["b"]["sentences"][0]
 
 
@@ -396,7 +410,7 @@ def test_ad_claims_across_seeds():
     dx = _dx([("t-uniform-s0", "fixed", "fixed", 95, 3.0), ("t-uniform-s1", "fixed", "fixed", 95, 3.0),
               ("t-uniform-s0", "top1", "posthoc", 95, 1.1), ("t-uniform-s1", "top1", "posthoc", 95, 1.3),
               ("t-joint-s0", "q_exit", "native", 95, 2.0), ("t-joint-s1", "q_exit", "native", 95, 2.2)])
-    claims = {c["claim"]: c for c in D.ad_claims(meta, dx, D.DiagnoseConfig(), gates_present=False)}
+    claims = {c["claim"]: c for c in ad_claims(meta, dx, DiagnoseConfig(), gates_present=False)}
     (a,) = claims["a"]["details"]
     half = t1 * np.std([1.1, 1.3], ddof=1) / math.sqrt(2)
     assert a["n_seeds"] == 2 and a["confidence_dx"]["estimate"] == pytest.approx(1.2)
@@ -413,17 +427,17 @@ def test_ad_claims_across_seeds():
 def test_summary_markdown_from_numbers():
     chosen, dx, oracle, fails = _tables(fixed=FIX, posthoc=(2.25, 2.0, 2.5), native=(3.75, 3.5, 4.0),
                                         oracle=(1.5, 1.4, 1.6), dx={"fixed": (3.0, 3.0, 3.0), "q_exit": math.nan})
-    v = D.verdict({"model": "t-joint", "task": "t", "regime": "joint", "regime_kind": "joint", "n_loops": 6}, chosen,
-                  dx, oracle, fails.with_columns(model=pl.lit("t-joint")), D.DiagnoseConfig())
+    v = model_verdict({"model": "t-joint", "task": "t", "regime": "joint", "regime_kind": "joint", "n_loops": 6}, chosen,
+                  dx, oracle, fails.with_columns(model=pl.lit("t-joint")), DiagnoseConfig())
     verdicts = pl.DataFrame([v])
     sp = pl.DataFrame({"model": ["t-joint", "t-joint"], "signal": ["entropy", "entropy"], "loop": [None, 1],
                        "aggregation": ["difficulty_mean", "difficulty_mean"], "rho": [0.875, 0.1], "pvalue": [0.1, 0.2],
                        "n": [4, 4]}, schema_overrides={"loop": pl.Int64})
-    claims = D.ad_claims(META.filter(pl.col("model") == "t-joint"), dx.with_columns(model=pl.lit("t-joint")),
-                         D.DiagnoseConfig(), gates_present=False)
+    claims = ad_claims(META.filter(pl.col("model") == "t-joint"), dx.with_columns(model=pl.lit("t-joint")),
+                         DiagnoseConfig(), gates_present=False)
     failures = fails.with_columns(model=pl.lit("t-joint"), frac_correct=pl.lit(0.9), frac_trajectory=pl.lit(0.06),
                                   frac_readout_early=pl.lit(0.03), frac_readout_overthinking=pl.lit(0.01))
-    md = D.summary_markdown(verdicts, claims, sp, D.DiagnoseConfig(), failures)
+    md = summary_markdown(verdicts, claims, sp, DiagnoseConfig(), failures)
     # entropy's and q_exit's D@95 are NaN in dx (not reached); no gate was run
     assert ("| t-joint | joint | readout-limited | entropy (2.25 [2.00, 2.50]) | 4.00 [3.90, 4.10] | 3.75 [3.50, 4.00] | "
             "1.50 [1.40, 1.60] | 3.00 [3.00, 3.00] / not reached / not run / not reached |") in md
@@ -434,27 +448,27 @@ def test_summary_markdown_from_numbers():
     assert "| t-joint | entropy | 90.0 | 6.0 | 3.0 | 1.0 |" in md
     assert "(a) [AD]" in md and "untestable — no fixed-prior (uniform/geometric) model in this run" in md
     assert not re.search(r"\b(None|nan|inf)\b", md)
-    cfg1 = D.DiagnoseConfig(spearman_loop=1)
-    assert "ρ = 0.10 (n = 4 difficulty levels; no interval)" in D.summary_markdown(verdicts, claims, sp, cfg1)
+    cfg1 = DiagnoseConfig(spearman_loop=1)
+    assert "ρ = 0.10 (n = 4 difficulty levels; no interval)" in summary_markdown(verdicts, claims, sp, cfg1)
     # two seeds of one group: the Spearman headline across seeds, t_{0.975, 1} · sd / √2
     sp2 = pl.DataFrame({"model": ["t-joint-s0", "t-joint-s1"], "signal": ["entropy"] * 2, "loop": [None, None],
                         "aggregation": ["difficulty_mean"] * 2, "rho": [0.8, 0.9], "pvalue": [0.1, 0.1], "n": [4, 4]},
                        schema_overrides={"loop": pl.Int64})
     v2 = pl.DataFrame([{**v, "model": f"t-joint-s{s}", "group": "t-joint", "seed": s} for s in (0, 1)])
-    md2 = D.summary_markdown(v2, claims, sp2, D.DiagnoseConfig())
+    md2 = summary_markdown(v2, claims, sp2, DiagnoseConfig())
     half = 12.706204736174707 * np.std([0.8, 0.9], ddof=1) / math.sqrt(2)
     assert f"- t-joint: ρ = 0.85 [{0.85 - half:.2f}, {0.85 + half:.2f}] (2 seeds; n = 4, 4 difficulty levels)." in md2
 
 
 def test_config_validation():
     with pytest.raises(ConfigError, match="unknown key"):
-        from_dict(D.DiagnoseConfig, {"gap": 1}, "diagnose")
+        from_dict(DiagnoseConfig, {"gap": 1}, "diagnose")
     with pytest.raises(ConfigError, match="spearman_aggregation"):
-        from_dict(D.DiagnoseConfig, {"spearman_aggregation": "mean"}, "diagnose")
+        from_dict(DiagnoseConfig, {"spearman_aggregation": "mean"}, "diagnose")
     with pytest.raises(ConfigError, match="spearman_headline"):
-        from_dict(D.DiagnoseConfig, {"spearman_headline": "nope"}, "diagnose")
+        from_dict(DiagnoseConfig, {"spearman_headline": "nope"}, "diagnose")
     with pytest.raises(ConfigError, match="spearman_intervals must be 'headline' or 'all'"):
-        from_dict(D.DiagnoseConfig, {"spearman_intervals": "some"}, "diagnose")
+        from_dict(DiagnoseConfig, {"spearman_intervals": "some"}, "diagnose")
 
 
 def _gate_outputs(root, model, splits, seed):
@@ -486,8 +500,8 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
                        meta=resolve_model(m, train_meta, regimes), progress=False, intervals=IntervalsConfig(n_boot=200))
         if i < 2:  # gates for two models only: the third has none
             _gate_outputs(tmp_path / "gates", m, splits, i)
-    cfg = D.DiagnoseConfig()
-    frames, summary, metrics = D.diagnose_models(models, tmp_path / "readouts", tmp_path / "gates",
+    cfg = DiagnoseConfig()
+    frames, summary, metrics = diagnose_models(models, tmp_path / "readouts", tmp_path / "gates",
                                                  tmp_path / "geometry", cfg, progress=False,
                                                  intervals=IntervalsConfig(n_boot=200), seed=0)
     # the Spearman headline of every model carries its bootstrap interval; the other rows none (headline mode)
@@ -501,15 +515,15 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     assert ms["lo"] == head["rho_lo"][0] and ms["n_boot"] == 200 and ms["unit"] == "difficulty levels"
     assert f"ρ = {ms['text']} (n = {ms['n']} difficulty levels, bootstrap over" in summary
     fc = frames["failure_classes"]
-    total = fc.select(pl.sum_horizontal(*D.CLASSES)).to_series()
+    total = fc.select(pl.sum_horizontal(*CLASSES)).to_series()
     assert (total == fc["n_tokens"]).all()
     allrows = fc.filter(pl.col("group") == "all")
     assert (allrows["n_tokens"] == 240).all()
     assert set(fc.filter(pl.col("source") == "gates")["model"]) == set(models[:2])
     # per-difficulty rows sum to the overall row for every (model, rule)
     per = fc.filter(pl.col("group") == "difficulty").group_by("model", "source", "rule").agg(
-        pl.col(c).sum() for c in D.CLASSES).sort("model", "source", "rule")
-    ref = allrows.select("model", "source", "rule", *D.CLASSES).sort("model", "source", "rule")
+        pl.col(c).sum() for c in CLASSES).sort("model", "source", "rule")
+    ref = allrows.select("model", "source", "rule", *CLASSES).sort("model", "source", "rule")
     assert per.equals(ref)
     # the 'correct' count equals the chosen point's test accuracy × tokens
     ch = pl.read_parquet(tmp_path / "readouts" / models[0] / "chosen.parquet")
@@ -538,7 +552,7 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
               "metrics.json"):
         assert (out / n).is_file()
     for row in pl.read_parquet(out / "verdicts.parquet").iter_rows(named=True):
-        assert row["verdict"] in D.VERDICTS and D.check_verdict(row) == []
+        assert row["verdict"] in VERDICTS and check_verdict(row) == []
     assert not re.search(r"\b(None|nan|inf)\b", (out / "summary.md").read_text())
     json.loads((out / "metrics.json").read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON {c}"))
     res = CliRunner().invoke(app, ["diagnose", "--params", str(repo_root / "params.yaml"), "--models", "nope",

@@ -19,7 +19,10 @@ import xarray as xr
 
 from looptrace.capture.dump import DumpConfig, dump_split
 from looptrace.config import ConfigError, from_dict, load_section
-from looptrace.io.store import STAT_NAMES, StoreError, StoreWriter, memory_store, open_store
+from looptrace.io.store.location import memory_store
+from looptrace.io.store.reader import open_store
+from looptrace.io.store.schema import STAT_NAMES, StoreError
+from looptrace.io.store.writer import StoreWriter
 from looptrace.models.interface import LoopedTransformerAdapter, States
 from looptrace.tasks import IGNORE, make_task
 from looptrace.testing import tiny_adapter_and_data, tiny_dump_config, tiny_train_config
@@ -207,7 +210,7 @@ _CHILD = textwrap.dedent("""
     import torch
     torch.set_num_threads(1)
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.io.store import StoreWriter
+    from looptrace.io.store.writer import StoreWriter
     from looptrace.testing import tiny_adapter_and_data, tiny_dump_config
     real = StoreWriter.write_chunk
     def slow(self, c, a, **kw):  # widen every chunk write so the kill lands anywhere, mid-chunk included

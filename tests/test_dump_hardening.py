@@ -34,15 +34,11 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from looptrace.capture.dump import DumpConfig, dump_split, weights_hash
 from looptrace.io.claims import ClaimError, claims_location
-from looptrace.io.store import (
-    StoreError,
-    StoreWriter,
-    check_same_model,
-    memory_store,
-    open_split_stores,
-    open_store,
-    write_store,
-)
+from looptrace.io.store.identity import check_same_model, open_split_stores
+from looptrace.io.store.location import memory_store
+from looptrace.io.store.reader import open_store
+from looptrace.io.store.schema import StoreError
+from looptrace.io.store.writer import StoreWriter, write_store
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import save_checkpoint
 from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_dump_config, tiny_model

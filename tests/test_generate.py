@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.models.decode import DecodeUnsupported, decoder_for
+from looptrace.models.decode import DecodeUnsupported
+from looptrace.models.decoders import decoder_for
 from looptrace.models.kv import CODA, LOOP, PRELUDE, LoopKVCache
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.engine import OnlineRule, RegistryRule
@@ -563,7 +564,7 @@ def test_generate_stage_on_a_tiny_pipeline(tmp_path):
     from typer.testing import CliRunner
 
     from looptrace.cli import app
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
     from looptrace.models.looped import load_checkpoint
     from looptrace.online.generate import GenerateConfig, generate_models, write_generate
     from tests.test_latency import _tiny_pipeline

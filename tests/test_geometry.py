@@ -1,5 +1,5 @@
 """Geometry (SPEC §2): block metrics against closed-form trajectories, convergence depth, DLR, and the
-streamed stage on small stores built with ``looptrace.io.store.write_store``."""
+streamed stage on small stores built with ``looptrace.io.store.writer.write_store``."""
 
 from __future__ import annotations
 

@@ -109,7 +109,8 @@ def _debris(artifacts: Path) -> list[str]:
 
 def _assert_nothing_half_written(out: Path, ref: Path, stage: str) -> str:
     """After a kill: absent, refused as incomplete (stores), or the reference's whole output. Returns which."""
-    from looptrace.io.store import StoreError, open_store
+    from looptrace.io.store.reader import open_store
+    from looptrace.io.store.schema import StoreError
 
     if not out.exists():
         return "absent"

@@ -74,6 +74,44 @@ def test_package_graph_has_no_cycle():
         visit(n, [])
 
 
+def module_edges() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (anywhere in its file), read as grimp reads an import: the module
+    named (``from a.b import c`` is ``a.b.c`` when that is a module, else ``a.b``), not the packages above it."""
+    import ast
+
+    files = {GRAPH.module_name(f): f for f in sorted((REPO / "pipeline").rglob("*.py"))}
+    edges: dict[str, set[str]] = {}
+    for m, f in files.items():
+        named: set[str] = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                named.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                named.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                             for a in node.names)
+        edges[m] = {n for n in named if n in files and n != m}
+    return edges
+
+
+def test_module_graph_has_no_cycle():
+    """No two modules import each other, directly or through others (function-level imports included)."""
+    edges = module_edges()
+    state: dict[str, int] = {}
+
+    def visit(n, path):
+        if state.get(n) == 1:
+            pytest.fail(f"import cycle {' -> '.join([*path[path.index(n):], n])}")
+        if state.get(n) == 2:
+            return
+        state[n] = 1
+        for m in sorted(edges.get(n, ())):
+            visit(m, [*path, n])
+        state[n] = 2
+
+    for n in sorted(edges):
+        visit(n, [])
+
+
 def test_testing_builders_are_imported_by_tests_only():
     users = sorted(u for u, vs in package_edges().items() if "testing" in vs)
     assert users == [], users

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_notebook_executes_and_user_rule_is_right(tiny_artifacts, monkeypatch):
     nbclient = pytest.importorskip("nbclient")  # the dev extra (absent in `make test-lowest`)
     nbformat = pytest.importorskip("nbformat")
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
 
     for k, v in {"LOOPTRACE_ARTIFACTS": str(tiny_artifacts), "LOOPTRACE_MODEL": "rs-tiny",
                  "LOOPTRACE_SPLIT": "test", "LOOPTRACE_TOKEN": "7"}.items():

@@ -126,7 +126,8 @@ def test_map_chunks_opens_the_store_on_the_workers(runner, tmp_path):
     st = write_arrays(tmp_path / "s.zarr", random_signal_arrays(np.random.default_rng(1), N=100), chunk_tokens=16)
     want = list(map_chunks(_rows, st, st.blocks()))
     assert list(map_chunks(_rows, st, st.blocks(), runner=runner)) == want and len(want) == 7
-    from looptrace.io.store import memory_store, write_store
+    from looptrace.io.store.location import memory_store
+    from looptrace.io.store.writer import write_store
 
     mem = write_store(memory_store(), random_signal_arrays(np.random.default_rng(1), N=20), {"vocab_size": 4})
     with pytest.raises(ValueError, match="in memory"):
@@ -136,7 +137,7 @@ def test_map_chunks_opens_the_store_on_the_workers(runner, tmp_path):
 def test_a_worker_error_is_the_stage_error(runner, tmp_path):
     """A damaged chunk read on a worker raises the same one-line StoreError as in this process."""
     from looptrace.geometry import GeometryConfig, geometry_model
-    from looptrace.io.store import StoreError
+    from looptrace.io.store.schema import StoreError
 
     st = write_arrays(tmp_path / "s.zarr", random_signal_arrays(np.random.default_rng(2), N=64), chunk_tokens=16)
     chunk = tmp_path / "s.zarr" / "hidden" / "c" / "2" / "0" / "0"
@@ -155,7 +156,7 @@ def test_geometry_same_bytes(runner, tmp_path):
     """Two looped groups (DLR rows), a native gate, float16 states, several chunks per split and a block size
     that is not the chunk size."""
     from looptrace.geometry import GeometryConfig, geometry_model
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
 
     stores = {}
     for i, split in enumerate(("fit", "val", "test")):

@@ -13,7 +13,9 @@ import pytest
 
 from looptrace.online.generate import GENERATE_SCHEMA
 from looptrace.online.latency import LATENCY_SCHEMA
-from looptrace.report import ReportConfig, build_report, generate_findings, latency_findings, markdown_to_html
+from looptrace.report import ReportConfig, build_report
+from looptrace.report.findings import generate_findings, latency_findings
+from looptrace.report.page import markdown_to_html
 
 T = 4
 MODELS = {"ta-uniform": ("ta", "uniform", "uniform"), "ta-joint": ("ta", "joint", "joint"),
@@ -220,12 +222,15 @@ def test_generate_findings_numbers():
 
 
 def test_markdown_subset():
-    h = markdown_to_html("# T\n\n| a | b |\n|---|---|\n| 1 | <x> |\n\n- one\n  - two\n- three\n\ntext `c`\nmore")
+    """diagnose's summary.md through Python-Markdown: headings shifted, pipe tables, two-space nested bullets nested,
+    raw HTML escaped (the text is text), inline code, bold and emphasis."""
+    h = markdown_to_html("# T\n\n| a | b |\n|---|---|\n| 1 | <x> |\n\n- one\n  - two\n- three\n\ntext `c` **b** *e*\nmore")
     assert h.splitlines() == [
         "<h2>T</h2>",
-        "<table><thead><tr><th>a</th><th>b</th></tr></thead><tbody><tr><td>1</td><td>&lt;x&gt;</td></tr></tbody></table>",
-        "<ul><li>one</li><ul><li>two</li></ul><li>three</li></ul>",
-        "<p>text <code>c</code> more</p>"]
+        "<table>", "<thead>", "<tr>", "<th>a</th>", "<th>b</th>", "</tr>", "</thead>",
+        "<tbody>", "<tr>", "<td>1</td>", "<td>&lt;x&gt;</td>", "</tr>", "</tbody>", "</table>",
+        "<ul>", "<li>one<ul>", "<li>two</li>", "</ul>", "</li>", "<li>three</li>", "</ul>",
+        "<p>text <code>c</code> <strong>b</strong> <em>e</em>", "more</p>"]
 
 
 def test_report_stage_cli(artifacts, tmp_path):

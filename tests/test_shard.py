@@ -28,7 +28,10 @@ from looptrace.io.claims import (
     shard_from_env,
     shard_range,
 )
-from looptrace.io.store import StoreError, StoreWriter, memory_store, open_store
+from looptrace.io.store.location import memory_store
+from looptrace.io.store.reader import open_store
+from looptrace.io.store.schema import StoreError
+from looptrace.io.store.writer import StoreWriter
 from looptrace.testing import tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
 
 REPO = Path(__file__).resolve().parents[1]

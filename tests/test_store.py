@@ -10,15 +10,10 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from looptrace.io.store import (
-    TOKEN_FIELDS,
-    ArraySpec,
-    StoreError,
-    StoreWriter,
-    memory_store,
-    open_store,
-    write_store,
-)
+from looptrace.io.store.location import memory_store
+from looptrace.io.store.reader import open_store
+from looptrace.io.store.schema import TOKEN_FIELDS, StoreError
+from looptrace.io.store.writer import ArraySpec, StoreWriter, write_store
 from looptrace.testing import random_store_arrays
 
 ATTRS = {"split": "val", "task": {"name": "rp", "kind": "running_parity", "length": 8},

@@ -167,7 +167,7 @@ def test_lm_profile_end_to_end_against_the_models_own_forward(tmp_path):
     from typer.testing import CliRunner
 
     from looptrace.cli import app
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
     from looptrace.tasks.text import text_splits
 
     ckpt = H.build_dory(tmp_path / "dory")
@@ -308,7 +308,7 @@ def test_final_loss_difficulty_is_the_models_own_loss_decile(tmp_path):
     from typer.testing import CliRunner
 
     from looptrace.cli import app
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
     from looptrace.tasks.text import text_splits
 
     ckpt = H.build_dory(tmp_path / "dory")

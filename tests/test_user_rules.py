@@ -104,7 +104,7 @@ def pipeline_run(tmp_path_factory):
     pfile = root.parent / "params.yaml"
     pfile.write_text(yaml.safe_dump(params))
     drawn: dict[str, list[str]] = {}
-    import looptrace.report as report
+    import looptrace.report.figures as report
 
     save = report._save
 

@@ -24,8 +24,8 @@ without its own section (``load_section(..., required=True)``; docs/errors.md, "
 
 Errors: every error a user can fix is a :class:`UserError` (one line, exit 2 through ``looptrace.errors``):
 :class:`ConfigError` (params), :class:`InputError` (an input artifact is missing, truncated or does not belong
-with the others), :class:`CheckpointLoadError` (a checkpoint cannot be loaded); ``StoreError`` (looptrace.io.store)
-and ``LockError`` (looptrace.io.artifacts) are of the same family. Anything else is a bug (traceback, exit 1).
+with the others), :class:`CheckpointLoadError` (a checkpoint cannot be loaded); ``StoreError``
+(looptrace.io.store.schema) and ``LockError`` (looptrace.io.artifacts) are of the same family. Anything else is a bug (traceback, exit 1).
 """
 
 from __future__ import annotations

@@ -242,7 +242,7 @@ def iter_blocks(store, block_tokens: int | None = None) -> Iterator[SplitArrays]
     """Stream a trajectory store block by block, computing the step metrics of each block.
 
     Args:
-        store: a :class:`looptrace.io.store.TrajectoryStore` (from ``open_store``).
+        store: a :class:`looptrace.io.store.reader.TrajectoryStore` (from ``open_store``).
         block_tokens: tokens per block; ``None`` = the store's chunk size (chunk-aligned reads).
 
     Yields:
@@ -458,7 +458,7 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
     ``hidden`` plus per-(split, loop) scalar columns for the summary quantiles.
 
     Args:
-        stores: split -> open :class:`looptrace.io.store.TrajectoryStore` (one model; same T and groups).
+        stores: split -> open :class:`looptrace.io.store.reader.TrajectoryStore` (one model; same T and groups).
         cfg: the ``geometry`` section.
         out_dir: ``artifacts/geometry/<model>``.
         meta: extra entries for ``metrics.json`` (model name, seeds, versions, params).

@@ -154,7 +154,7 @@ def random_store_arrays(n: int = 37, T: int = 3, D: int = 4, V: int = 5, seed: i
                         topk: int | None = None) -> dict[str, np.ndarray]:
     """Every array of a store (SPEC §1) with random values of the right dtypes: full logits, or top-k with
     ``topk``; the statistics are random (not derived from the logits), ``kl_prev`` NaN at t = 1."""
-    from looptrace.io.store import STAT_NAMES, TOKEN_FIELDS
+    from looptrace.io.store.schema import STAT_NAMES, TOKEN_FIELDS
 
     rng = np.random.default_rng(seed)
     a = {"hidden": rng.normal(size=(n, T, D)).astype(np.float32),
@@ -207,11 +207,11 @@ def random_signal_arrays(rng: np.random.Generator, N: int = 40, T: int = 5, D: i
 
 def write_arrays(path, arrays: Mapping[str, np.ndarray], chunk_tokens: int = 16, attrs: Mapping | None = None,
                  hidden_dtype: str = "float32"):
-    """:func:`looptrace.io.store.write_store` of ``arrays`` (float32 states by default: exact round trip).
+    """:func:`looptrace.io.store.writer.write_store` of ``arrays`` (float32 states by default: exact round trip).
 
     ``attrs`` default: two token types (``keep``, ``change``) and vocab 4, as :func:`random_signal_arrays` makes.
     """
-    from looptrace.io.store import write_store
+    from looptrace.io.store.writer import write_store
 
     attrs = {"token_types": ["keep", "change"], "vocab_size": 4} if attrs is None else attrs
     return write_store(path, dict(arrays), dict(attrs), chunk_tokens=chunk_tokens, hidden_dtype=hidden_dtype)
@@ -256,7 +256,7 @@ def two_group_arrays(n: int, T: int = 4, D: int = 8, seed: int = 0, shift: float
 def two_group_stores(root, name: str = "rp-uniform", n=(240, 160, 160), T: int = 4, D: int = 8, seed: int = 0,
                      shift=(0.0, 0.0, 0.0)) -> dict:
     """``<root>/<name>/{fit,val,test}.zarr`` of :func:`two_group_arrays` (split i: seed ``seed·10 + i``)."""
-    from looptrace.io.store import write_store
+    from looptrace.io.store.writer import write_store
     from looptrace.tasks import SPLITS
 
     out = {}

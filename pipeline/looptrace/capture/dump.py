@@ -22,7 +22,7 @@ Writers and claims (:mod:`looptrace.io.claims`): every dump of a store first joi
 *plan* (fingerprint + shard count) and claims its shard, in the sibling ``.<split>.zarr.claims``. One process
 (1 of 1) or N cooperating processes (``shard=(i, N)``: ``--shard i/N`` or ``RANK``/``WORLD_SIZE``) each write
 the chunks of a contiguous, chunk-aligned range (:func:`looptrace.io.claims.shard_range`) — the
-:class:`~looptrace.io.store.StoreWriter` refuses any other chunk, so no two writers ever share a chunk. A shard
+:class:`~looptrace.io.store.writer.StoreWriter` refuses any other chunk, so no two writers ever share a chunk. A shard
 starts at the batch holding its first token, with the batch boundaries of a 1-process run, so every array is
 bit-identical to it. Whoever finds every chunk written finalises (one finaliser claim): the finalize hook,
 ``nan_count``, consolidated metadata, then ``complete``. A re-run over a complete store verifies its range
@@ -53,24 +53,17 @@ from looptrace.capture.encode import encode_states_counted
 from looptrace.config import BaseConfig, ConfigError, InputError, to_dict
 from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator, Superseded, shard_range
 from looptrace.io.precision import resolve_state_dtype
-from looptrace.io.store import (
-    DIMS,
-    DTYPES,
-    HIDDEN_DTYPES,
-    SCHEMA_VERSION,
-    STAT_NAMES,
-    ArraySpec,
-    StoreError,
+from looptrace.io.store.location import (
     StoreTarget,
-    StoreWriter,
-    TrajectoryStore,
     assert_store_or_absent,
     is_remote,
     join_store,
-    open_store,
     remove_debris,
     store_location,
 )
+from looptrace.io.store.reader import TrajectoryStore, open_store
+from looptrace.io.store.schema import DIMS, DTYPES, HIDDEN_DTYPES, SCHEMA_VERSION, STAT_NAMES, StoreError
+from looptrace.io.store.writer import ArraySpec, StoreWriter
 from looptrace.models.adapters.hf import AdapterConfig
 from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
 from looptrace.project import versions
@@ -164,8 +157,8 @@ def _data_hash(data: TaskBatch) -> str:
 #: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
 #: resume likewise never mixes chunks written by two versions of the code.
 VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
-                 "looptrace.io.precision", "looptrace.io.store", "looptrace.models.interface",
-                 "looptrace.models.looped")
+                 "looptrace.io.precision", "looptrace.io.store.schema", "looptrace.io.store.writer",
+                 "looptrace.models.interface", "looptrace.models.looped")
 
 
 def _code_hash(*extra_modules: str) -> str:
@@ -439,13 +432,13 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         adapter: the model interface (states + per-loop readout).
         data: the sequences; ``tokens``/``targets``/``difficulty``/``token_type`` all [batch, seq];
             ``targets == IGNORE`` marks unscored positions. ``sequence`` in the store = row index here.
-        path: ``<split>.zarr`` directory, fsspec URL (``s3://…``) or :func:`looptrace.io.store.memory_store`.
+        path: ``<split>.zarr`` directory, fsspec URL (``s3://…``) or :func:`looptrace.io.store.location.memory_store`.
         cfg: the ``dump`` section.
         attrs: extra group attributes (split, task, regime, difficulty_name, difficulty_levels, token_types,
             seeds...); ``task``/``regime`` default to the adapter's ``info.extra``.
         progress: show a tqdm bar (silent when not a terminal anyway).
         finalize: called with the writer after every chunk is written and before the store is marked
-            complete; may :meth:`~looptrace.io.store.StoreWriter.rewrite` token columns and returns extra
+            complete; may :meth:`~looptrace.io.store.writer.StoreWriter.rewrite` token columns and returns extra
             attributes (or None). Runs again on resume, so it must be idempotent.
         shard: ``(i, N)``: write shard ``i`` of ``N`` (a contiguous range of whole chunks) of the store that
             N processes dump together; every process must be given the same other arguments.

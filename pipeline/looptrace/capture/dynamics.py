@@ -119,7 +119,7 @@ def training_dynamics(train_dir: Path | str, cfg: DynamicsConfig, dump_cfg, devi
         ``n_tokens``.
     """
     from looptrace.capture.dump import dump_split
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.tasks import make_task
 

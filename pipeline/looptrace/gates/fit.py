@@ -199,7 +199,7 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
     """Fit the feature pipeline and every gate on one model's fit split.
 
     Args:
-        fit_store: the model's fit-split :class:`looptrace.io.store.TrajectoryStore`.
+        fit_store: the model's fit-split :class:`looptrace.io.store.reader.TrajectoryStore`.
         cfg: the section.
         specs: the gates to fit.
         base_seed: ``base.seed``.

@@ -183,7 +183,7 @@ def worker_store(target: str, key: tuple) -> Any:
     """
     st = _STORES.get(key)
     if st is None:
-        from looptrace.io.store import open_store
+        from looptrace.io.store.reader import open_store
 
         st = open_store(target, allow_nan=True, allow_incomplete=True)
         _STORES[key] = st

@@ -19,8 +19,8 @@ prelude output; None for Ouro).
 
 Decoders exist for looptrace's own :class:`~looptrace.models.looped.LoopedTransformer` (here) and for the
 ``dory``, ``retrofit``, ``ouro`` and ``huginn`` adapters (:mod:`looptrace.models.adapters.hf_decode`);
-:func:`decoder_for` picks one. They live outside the adapters (the dump's modules are untouched, so its
-stores keep their fingerprints and its DVC deps do not include decoding code).
+:func:`looptrace.models.decoders.decoder_for` picks one. They live outside the adapters (the dump's modules are
+untouched, so its stores keep their fingerprints and its DVC deps do not include decoding code).
 
 KV policies (``policy``) for the loops a position skipped after exiting at loop d:
 
@@ -186,28 +186,4 @@ class LoopedTransformerDecoder(LoopDecoder):
         return self.model.gate_logit(h).float()
 
 
-def decoder_for(model, policy: str, **options) -> LoopDecoder:
-    """The decoder of a model for one KV policy.
-
-    Args:
-        model: a :class:`~looptrace.models.looped.LoopedTransformer`, its
-            :class:`~looptrace.models.interface.LoopedTransformerAdapter`, or an adapter of
-            :func:`looptrace.models.adapters.hf.load_adapter`.
-        policy: ``share`` | ``recompute`` | ``native``.
-        options: kind-specific (``huginn_lookup_strategy`` for Huginn's native cache; ``seed``).
-
-    Raises:
-        DecodeUnsupported: the model or the policy cannot be decoded this way (the message says why).
-    """
-    from looptrace.models.interface import LoopedTransformerAdapter
-
-    if isinstance(model, LoopedTransformerAdapter):
-        model = model.model
-    if isinstance(model, LoopedTransformer):
-        return LoopedTransformerDecoder(model, policy)
-    from looptrace.models.adapters.hf_decode import hf_decoder
-
-    return hf_decoder(model, policy, **options)
-
-
-__all__ = ["NATIVE_MODES", "POLICIES", "DecodeUnsupported", "LoopDecoder", "LoopedTransformerDecoder", "decoder_for"]
+__all__ = ["NATIVE_MODES", "POLICIES", "DecodeUnsupported", "LoopDecoder", "LoopedTransformerDecoder"]

@@ -19,7 +19,8 @@ import torch
 from looptrace.config import ConfigError
 from looptrace.models.looped import LoopedTransformer
 from looptrace.online.signals import LiveSignals, to_numpy
-from looptrace.rules.registry import HISTORY, SIGNAL, ExitRule, get_rule
+from looptrace.rules.base import HISTORY, SIGNAL, ExitRule
+from looptrace.rules.registry import get_rule
 from looptrace.signals import keep_rows
 
 # ----------------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ def float32_threshold(threshold: float, op: str) -> float:
 class HistoryScore:
     """The online form derived from a rule's offline ``score``: at loop t, ``score`` on the history of loops
     1..t ([batch · seq, t] arrays, token_loop dtypes), last column. Exact for causal rules (checked on val by
-    the readouts stage, :func:`looptrace.rules.registry.check_causal`)."""
+    the readouts stage, :func:`looptrace.rules.base.check_causal`)."""
 
     def __init__(self, rule: ExitRule):
         self.rule = rule
@@ -127,7 +128,7 @@ class HistoryScore:
 
 
 class RegistryRule(OnlineRule):
-    """A registered exit rule (:class:`~looptrace.rules.registry.ExitRule`) run online at ``threshold``.
+    """A registered exit rule (:class:`~looptrace.rules.base.ExitRule`) run online at ``threshold``.
 
     The signals it reads come from :class:`~looptrace.online.signals.LiveSignals` (the offline values bit for
     bit). ``online='signal'`` rules compare that signal directly; other rules evaluate their online form

@@ -47,7 +47,8 @@ import polars as pl
 import torch
 
 from looptrace.config import InputError, MissingInputError
-from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder, decoder_for
+from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder
+from looptrace.models.decoders import decoder_for
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
@@ -315,7 +316,7 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
         FileNotFoundError: no store; ValueError: too few sequences or positions, or windows that differ from the
         store's tokens (the corpus or tokenizer changed since the dump).
     """
-    from looptrace.io.store import open_store
+    from looptrace.io.store.reader import open_store
 
     store_path = Path(store_path)
     if not store_path.exists():
@@ -576,7 +577,8 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
             has_gate = model.gate is not None
             ckpt_hash = file_sha256(ckpt)
         store = Path(dump_root) / name / "test.zarr"
-        from looptrace.io.store import check_store_model, open_store
+        from looptrace.io.store.identity import check_store_model
+        from looptrace.io.store.reader import open_store
 
         st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
         if st is not None:  # identity first: load_prompts' own checks would blame the data instead

@@ -137,7 +137,7 @@ def load_test_data(store_path: Path | str, model: str | None = None, checkpoint:
     """Rebuild the exact test sequences of a dump store and check them against the store.
 
     ``model`` / ``checkpoint``, when given: the store must be that model's dump of that checkpoint
-    (:func:`looptrace.io.store.check_store_model`), checked on the store opened here.
+    (:func:`looptrace.io.store.identity.check_store_model`), checked on the store opened here.
 
     The store records its task (``task`` attrs), ``data_seed`` and ``n_sequences``; the sequences are
     regenerated with ``task.dataset`` (deterministic) and verified against the store's ``token_id``,
@@ -152,7 +152,8 @@ def load_test_data(store_path: Path | str, model: str | None = None, checkpoint:
         FileNotFoundError: the store is missing.
         ValueError: attributes missing, or the regenerated data do not match the store.
     """
-    from looptrace.io.store import check_store_model, open_store
+    from looptrace.io.store.identity import check_store_model
+    from looptrace.io.store.reader import open_store
     from looptrace.tasks import IGNORE, make_task
 
     store_path = Path(store_path)

@@ -1,6 +1,6 @@
 """Exit rules (SPEC §4) and the operating-point protocol that scores them (calibration, Pareto, D@X).
 
-Public API of a user's own rule (see :mod:`looptrace.rules.registry`)::
+Public API of a user's own rule (see :mod:`looptrace.rules.base`)::
 
     from looptrace.rules import exit_rule
 
@@ -10,6 +10,7 @@ Public API of a user's own rule (see :mod:`looptrace.rules.registry`)::
 then ``readouts.rules: [..., mypkg.rules:my_rule]`` (and ``latency.rules``), or a ``looptrace.rules`` entry point.
 """
 
-from looptrace.rules.registry import ExitRule, exit_rule, get_rule, register
+from looptrace.rules.base import ExitRule, exit_rule
+from looptrace.rules.registry import get_rule, register
 
 __all__ = ["ExitRule", "exit_rule", "get_rule", "register"]

@@ -1,6 +1,6 @@
 """The built-in exit rules of SPEC §4, registered in output order (:data:`BUILTIN_RULES`).
 
-Each is an :class:`~looptrace.rules.registry.ExitRule`: threshold rules score their token_loop column
+Each is an :class:`~looptrace.rules.base.ExitRule`: threshold rules score their token_loop column
 directly (``online='signal'``: the engine compares the live signal); ``fixed`` scores the loop index
 (thresholds 1..T), ``argmax_stable`` Huginn's counter of consecutive equal-argmax transitions (thresholds ``readouts.argmax_stable_n``),
 ``q_exit`` the halting CDF of the native gate, and the ``oracle`` ceiling the correctness (no threshold,
@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from looptrace.rules.registry import SIGNAL, ExitRule, register
+from looptrace.rules.base import SIGNAL, ExitRule
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals import keep_rows
 from looptrace.signals.halting import OURO_DTYPES, HaltingCDF, OuroHaltingCDF, halting_cdf, ouro_halting_cdf
@@ -136,7 +136,7 @@ _RULES = (
 #: Every built-in rule, by name, in output order.
 BUILTIN_RULES: dict[str, ExitRule] = {r.name: r for r in _RULES}
 #: Ouro's Q-exit in a model dtype (``q_exit_bfloat16`` ...): registered by name, not among the defaults.
-OURO_Q_EXIT_RULES: dict[str, ExitRule] = {r.name: register(r) for r in map(_ouro_q_exit, OURO_DTYPES)}
+OURO_Q_EXIT_RULES: dict[str, ExitRule] = {r.name: r for r in map(_ouro_q_exit, OURO_DTYPES)}
 #: Their names (the default ``readouts.rules``).
 ALL_RULES = tuple(BUILTIN_RULES)
 #: Confidence readouts of [AD] (claim (a) of the diagnosis).

@@ -19,8 +19,9 @@ from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_res
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
+from looptrace.rules.base import ExitRule, check_causal
 from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, grid_window
-from looptrace.rules.registry import ExitRule, check_causal, loop_signals, resolve_rules
+from looptrace.rules.registry import loop_signals, resolve_rules
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
@@ -71,7 +72,7 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
     (a rule on the native gate of a model without one).
 
     A rule with a derived online form is first checked for causality on val
-    (:func:`~looptrace.rules.registry.check_causal`). Quantile-grid rules calibrate on the finite val scores
+    (:func:`~looptrace.rules.base.check_causal`). Quantile-grid rules calibrate on the finite val scores
     of the loops they can read (t ≥ min_loop; for two-hit rules also t − 1), so that e.g. hidden_change at
     t = 1 (where the rule may not fire) does not shift the grid.
     """

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from looptrace.io.store import STAT_NAMES
+from looptrace.io.store.schema import STAT_NAMES
 from looptrace.signals import keep_rows
 
 __all__ = ["CAUSAL_LOGIT_SIGNALS", "STAT_NAMES", "LoopStats", "argmax", "entropy", "kl_div", "kl_final",

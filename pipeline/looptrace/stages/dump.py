@@ -24,7 +24,7 @@ from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, user_errors
 from looptrace.io.claims import parse_shard, shard_from_env
-from looptrace.io.store import join_store
+from looptrace.io.store.location import join_store
 from looptrace.models import check_device
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter

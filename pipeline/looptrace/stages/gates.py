@@ -13,7 +13,7 @@ from looptrace.gates.stage import gates_stage
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
-from looptrace.io.store import open_split_stores
+from looptrace.io.store.identity import open_split_stores
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
 

@@ -11,7 +11,7 @@ from looptrace.errors import user_errors
 from looptrace.geometry import GeometryConfig, geometry_model
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
-from looptrace.io.store import open_split_stores
+from looptrace.io.store.identity import open_split_stores
 from looptrace.project import versions
 
 

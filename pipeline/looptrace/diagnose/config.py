@@ -1,0 +1,63 @@
+"""The ``diagnose`` section (``DiagnoseConfig``) and the constants of SPEC §7 and [AD] the stage uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Failure classes in output order (SPEC §7); codes are their indices.
+CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
+
+#: Regime kinds with a fixed depth prior ([AD]'s "fixed-prior" trajectories).
+FIXED_PRIOR_KINDS = ("uniform", "geometric")
+
+#: [AD]'s headline numbers (SPEC §9), quoted beside ours.
+AD_REFERENCE = {"confidence_d95": 1.38, "fixed_d95": 2.50, "native_d95": 4.49}
+
+
+@dataclass(frozen=True)
+class DiagnoseConfig:
+    """``diagnose`` section of ``params.yaml``.
+
+    Attributes:
+        x: the D@X target (percent) the claims of the summary are tested at ([AD]: 95).
+        gap_tol: loops; a depth difference smaller than this is "no material difference" (verdicts,
+            "strong" gates in claim (c)).
+        spearman_signals: token_loop columns correlated with difficulty (plus ``oracle_depth``, always).
+        spearman_headline: the signal quoted in the summary ([AD]: entropy ≈ 1.0 under fixed priors).
+        spearman_loop: loop of the headline (1..T), or null for the per-token mean over the signal's
+            defined loops.
+        spearman_aggregation: headline aggregation: ``difficulty_mean`` (Spearman over difficulty levels
+            of the per-level mean signal) or ``token`` (over test tokens).
+        spearman_intervals: which spearman.parquet rows get a bootstrap interval (over test sequences, the
+            ``intervals`` section's B and level): ``headline`` (the headline signal × loop × aggregation of
+            every model; the others have NaN bounds and n_boot 0) or ``all`` (every row; ≈ 0.8 s per
+            token-aggregation row at 20 k tokens × B = 1000).
+    """
+
+    x: float = 95.0
+    gap_tol: float = 0.5
+    spearman_signals: tuple[str, ...] = ("entropy", "max_prob", "margin", "kl_prev", "logit_change", "rel_step",
+                                         "state_cos_dist", "accel", "step_norm")
+    spearman_headline: str = "entropy"
+    spearman_loop: int | None = None
+    spearman_aggregation: str = "difficulty_mean"
+    spearman_intervals: str = "headline"
+
+    def __post_init__(self) -> None:
+        from looptrace.config import ConfigError
+
+        if not 0.0 < self.x <= 100.0:
+            raise ConfigError(f"diagnose.x is an accuracy percentage in (0, 100], got {self.x}")
+        if self.gap_tol < 0:
+            raise ConfigError(f"diagnose.gap_tol must be ≥ 0 loops, got {self.gap_tol}")
+        if self.spearman_aggregation not in ("difficulty_mean", "token"):
+            raise ConfigError("diagnose.spearman_aggregation must be 'difficulty_mean' or 'token', got "
+                              f"{self.spearman_aggregation!r}")
+        if self.spearman_intervals not in ("headline", "all"):
+            raise ConfigError("diagnose.spearman_intervals must be 'headline' or 'all', got "
+                              f"{self.spearman_intervals!r}")
+        if self.spearman_headline not in (*self.spearman_signals, "oracle_depth"):
+            raise ConfigError(f"diagnose.spearman_headline '{self.spearman_headline}' must be one of "
+                              "diagnose.spearman_signals or 'oracle_depth'")
+        if self.spearman_loop is not None and self.spearman_loop < 1:
+            raise ConfigError(f"diagnose.spearman_loop must be ≥ 1 or null, got {self.spearman_loop}")

@@ -1,0 +1,124 @@
+"""Diagnose's prose building blocks: figures as text (``1.15 [1.11, 1.19]``, "not reached", "not run"), a
+verdict's sentence, and :func:`check_verdict` (a sentence never contradicts its numbers)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from looptrace.diagnose.stats import REASONS, _f, _row_iv, decide
+from looptrace.intervals import Interval
+from looptrace.project import split_seed
+
+#: What each outcome of :func:`looptrace.intervals.compare` reads as in a sentence ("a is ... b").
+_CMP_WORDS = {"lower": "lower than", "higher": "higher than", "within noise": "within noise of",
+              "within tolerance": "within tolerance of", "untestable": "not comparable with"}
+
+
+def _ci(i: Interval | None, nd: int = 2) -> str:
+    """``1.15 [1.11, 1.19]``; ``not run`` for an absent figure (never None or nan)."""
+    return "not run" if i is None or not i.present else i.fmt(nd)
+
+
+def _dx_ci(i: Interval | None, nd: int = 2) -> str:
+    """A D@X figure: ``not reached`` when X is unreachable (+inf estimate), ``not run`` when absent."""
+    if i is None or not i.present:
+        return "not run"
+    if math.isinf(i.estimate):
+        extra = f" in {i.n_unreachable} of {i.n_seeds} seeds" if i.n_seeds > 1 and i.n_unreachable else ""
+        return f"not reached{extra}"
+    return i.fmt(nd).replace("unreachable", "not reached")
+
+
+def _verdict_sentence(d: dict, best_rule: str | None, best: Interval | None, fixed: Interval, oracle: Interval,
+                      native: Interval | None, tol: float, gates_run: bool, seeds: str = "") -> str:
+    """The reason of a verdict in words, citing every figure and comparison :func:`decide` used."""
+    b = f"{best_rule or 'no rule'} at {_ci(best)}" if best is not None and best.present else "no post-hoc rule"
+    fx, orc = f"fixed depth {_ci(fixed)}", f"the oracle ceiling {_ci(oracle)}"
+    w = _CMP_WORDS
+    r = d["reason"]
+    if r in ("no_early_exit", "no_headroom"):
+        s = (f"no post-hoc readout{' or refit gate' if gates_run else ''} exits earlier than fixed depth beyond noise "
+             f"(tolerance {tol:g} loops): best {b} is {w.get(d['best_vs_fixed'], 'not comparable with')} {fx}")
+        if r == "no_headroom":
+            s += f"; even {orc} is {w.get(d['oracle_vs_fixed'], 'not comparable with')} fixed depth"
+        else:
+            s += (f"; {orc} is lower, but no rule reading the trajectory finds those right answers"
+                  + ("" if gates_run else " (no refit gates were run: the gates stage tests learned readouts)"))
+    elif r == "native_gate":
+        s = (f"the trajectory supports early exit ({b}, lower than {fx}; {orc}) but the native gate at "
+             f"{_ci(native)} is higher than it")
+    elif r == "below_ceiling":
+        s = (f"{b} is lower than {fx} but higher than {orc}: right answers come earlier than any readout finds them "
+             "(on binary tasks the oracle also counts chance hits, so this ceiling is optimistic)")
+    else:
+        s = (f"{b} is lower than {fx} and {w.get(d['best_vs_oracle'], 'not comparable with')} {orc}: the readout "
+             "already exits where the trajectory first gets the answer right")
+    return s + (f" ({seeds})" if seeds else "")
+
+
+def _pct(k: int, n: int) -> str:
+    return f"{100 * k / n:.0f} %" if n else "—"
+
+
+def check_verdict(row: dict) -> list[str]:
+    """Contradictions between a verdict row and its own numbers (empty = consistent).
+
+    Recomputes every comparison from the row's figures and bounds (``best_depth``, ``fixed_depth``,
+    ``oracle_depth``, ``native_depth`` with ``_lo``/``_hi``, ``gap_tol``) and checks that the verdict and reason
+    follow from them, that the sentence cites the comparisons it rests on, and that the error counts add up.
+    """
+    out = []
+    tol = _f(row.get("gap_tol"))
+    tol = 0.0 if math.isnan(tol) else tol
+    fixed = _row_iv(row, "fixed_depth") or Interval(math.nan)
+    d = decide(_row_iv(row, "best_depth"), fixed, _row_iv(row, "oracle_depth") or Interval(math.nan),
+               _row_iv(row, "native_depth"), tol)
+    if (row.get("verdict"), row.get("reason")) != (d["verdict"], d["reason"]):
+        out.append(f"the numbers give {d['verdict']} ({d['reason']}), the row says {row.get('verdict')} "
+                   f"({row.get('reason')})")
+    if REASONS.get(row.get("reason")) != row.get("verdict"):
+        out.append(f"reason {row.get('reason')} does not belong to verdict {row.get('verdict')}")
+    ev = row.get("evidence") or ""
+    if f": {row.get('verdict')} — " not in ev:
+        out.append("the evidence sentence does not state the verdict")
+    for key in ("best_vs_fixed", "best_vs_oracle"):
+        c = d[key]
+        need = (key == "best_vs_fixed" or d["reason"] == "at_ceiling") and c is not None
+        if need and _CMP_WORDS[c] not in ev and not (c == "lower" and "lower than" in ev):
+            out.append(f"the sentence does not say that best is {_CMP_WORDS[c]} {key.split('_vs_')[1]}")
+    for name in ("best_depth", "fixed_depth", "oracle_depth"):
+        i = _row_iv(row, name)
+        if i is not None and i.present and _ci(i) not in ev:
+            out.append(f"the sentence does not cite {name} {_ci(i)}")
+    for bad in ("None", "nan", "inf"):
+        if re.search(rf"\b{bad}\b", ev):
+            out.append(f"the sentence prints '{bad}'")
+    n_err = row.get("n_errors")
+    if n_err is not None and row.get("n_trajectory_failures") is not None:
+        if row["n_trajectory_failures"] + row["n_readout_failures"] != n_err:
+            out.append("trajectory + readout failures do not add up to the errors")
+    return out
+
+
+def _seed_pairs(items: Sequence[tuple[str, Interval | None, Interval | None]]) -> str:
+    """``s0 1.40 [1.31, 1.52] vs 3.00 [3.00, 3.00]; s1 …`` (a model without a seed: its name)."""
+    def name(m: str) -> str:
+        seed = split_seed(m)[1]
+        return m if seed is None else f"s{seed}"
+    return "; ".join(f"{name(m)} {_dx_ci(a)} vs {_dx_ci(b)}" for m, a, b in items)
+
+
+def _seeds_word(n: int) -> str:
+    return f"{n} seed{'s' if n != 1 else ''}"
+
+
+def _rho_basis(d: dict) -> str:
+    """``n = 12 difficulty levels, bootstrap over 64 test sequences, B = 1000`` (or ``no interval``)."""
+    out = f"n = {d['n']} {d['unit']}"
+    if d["n_boot"]:
+        out += f", bootstrap over {d['n_sequences']} test sequences, B = {d['n_boot']}"
+    else:
+        out += "; no interval"
+    return out

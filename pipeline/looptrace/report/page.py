@@ -1,0 +1,179 @@
+"""The report's page, ``index.html``: headline tables, findings (diagnose's summary.md rendered by Python-Markdown)
+and every figure, with relative image paths and no scripts or external resources (it opens offline)."""
+
+from __future__ import annotations
+
+import html
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import markdown
+import polars as pl
+from markdown.treeprocessors import Treeprocessor
+
+from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings
+from looptrace.report.headline import (
+    HEADLINE_FIGURES,
+    _fmt,
+    _num,
+    generate_table,
+    latency_table,
+    nonfinite_table,
+)
+from looptrace.report.inputs import Inputs, ReportConfig
+
+
+class _ShiftHeadings(Treeprocessor):
+    """Headings down ``shift`` levels (at most h6): the page has its own h1 and h2 sections."""
+
+    def __init__(self, md: markdown.Markdown, shift: int):
+        super().__init__(md)
+        self.shift = shift
+
+    def run(self, root):
+        for el in root.iter():
+            if el.tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+                el.tag = f"h{min(6, int(el.tag[1]) + self.shift)}"
+
+
+def markdown_to_html(md: str, shift: int = 1) -> str:
+    """Markdown (diagnose's summary.md, the findings' bullets) as HTML, by Python-Markdown with pipe tables.
+    Nested bullets are indented by two spaces (``tab_length=2``); raw HTML in the text is escaped, never passed
+    through (the text is text); headings are shifted down ``shift`` levels."""
+    conv = markdown.Markdown(extensions=["tables"], tab_length=2)
+    conv.preprocessors.deregister("html_block")
+    conv.inlinePatterns.deregister("html")
+    conv.treeprocessors.register(_ShiftHeadings(conv, shift), "looptrace_shift_headings", 1)
+    return conv.convert(md)
+
+
+def _bullets(title: str, sentences: Sequence[str]) -> str:
+    """An h3 ``title`` over one bullet per sentence."""
+    return markdown_to_html("\n".join([f"# {title}", "", *(f"- {s}" for s in sentences)]), shift=2)
+
+
+def _table(df: pl.DataFrame, cols: Sequence[tuple[str, str, str | None]]) -> str:
+    """HTML table: cols = (column, header, format) with format ``"pct"``, ``"2"`` (decimals) or None."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for _, h, _ in cols)
+    body = []
+    for r in df.iter_rows(named=True):
+        cells = []
+        for c, _, f in cols:
+            v = r.get(c)
+            if f == "pct":
+                txt = _fmt(100 * _num(v), 2) if v is not None else "—"
+            elif f and f.isdigit():
+                txt = _fmt(v, int(f))
+            elif f == "x":
+                txt = _fmt(v, 2, "×")
+            elif isinstance(v, bool):
+                txt = "yes" if v else "NO"
+            else:
+                txt = "—" if v is None else str(v)
+            cells.append(f"<td>{html.escape(txt)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1180px;margin:2em auto;padding:0 1em;
+color:#222;line-height:1.45}
+h1{border-bottom:2px solid #444;padding-bottom:.2em}h2{margin-top:2em;border-bottom:1px solid #bbb}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:.25em .6em;
+text-align:left}th{background:#f0f0f0}tr:nth-child(even) td{background:#fafafa}
+figure{margin:1.5em 0}figure img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#555}
+code{background:#f3f3f3;padding:0 .2em}.missing{color:#8a5a00}td:first-child{white-space:nowrap}
+"""
+
+_CAPTIONS = {
+    "accuracy_per_loop": "Test accuracy of the shared readout at every loop t, per task and depth-supervision regime "
+                         "(SPEC §5).",
+    "step_geometry": "Median step norm ‖Δ_t‖₂ (log scale) and consecutive-step cosine cos(Δ_t, Δ_{t−1}) per loop "
+                     "with interquartile bands ([TS], SPEC §2).",
+    "convergence": "Mean per-token convergence depth (SPEC §2) by difficulty and by token type; tokens that never "
+                   "converge count as T + 1 (censored, dotted line).",
+    "failure_classes": "Wrong test tokens per failure class (SPEC §7) at every rule's chosen operating point "
+                       "(number = total error %; the rest is correct): trajectory = no loop is right, readout early = "
+                       "exited before the first right loop, overthinking = exited after a right loop at a wrong one.",
+    "cross_regime": "Offline gates fit on one model's frozen trajectories and applied to another's (SPEC §6).",
+    "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
+               "dashed line is 0.8 × ideal.",
+}
+
+
+def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: pl.DataFrame, out_dir: Path,
+                groups: pl.DataFrame | None = None) -> str:
+    """The page: headline tables (per task × regime across seeds, and per model; every figure with its 95 %
+    interval), findings (diagnose's summary.md + latency sentences) and every figure, with image paths relative
+    to ``out_dir``."""
+    x = f"{cfg.x:g}"
+    figs = [(f"{n}_text", h.format(x=x), None) for n, h, _ in HEADLINE_FIGURES]
+    parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(cfg.title)}</title>"
+             f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(cfg.title)}</h1>",
+             f"<p>{inp.meta.height} models; every number below is read from the pipeline's artifacts, as "
+             f"<code>estimate [lo, hi]</code> (95 % interval; figures whose intervals overlap are within noise). "
+             f"D@{x} = the smallest mean exit depth (loops) whose test accuracy ≥ {x} %, threshold picked on test "
+             "labels (oracle-threshold); \"not reached\" = no operating point reaches it, \"not run\" = no such "
+             "rule. Best rules are chosen on validation. The same tables, with the machine and versions, are in "
+             "<code>summary.md</code> beside this page.</p>"]
+    if groups is not None and groups.height:
+        parts += ["<h2>Headline per task × regime (across seeds)</h2>",
+                  "<p>Mean over training seeds with the Student-t 95 % interval; one seed: its bootstrap "
+                  "interval.</p>",
+                  _table(groups, [("group", "task × regime", None), ("regime_kind", "regime", None),
+                                  ("n_seeds", "seeds", None), ("best_posthoc_rules", "best post-hoc rule(s)", None),
+                                  *figs, ("verdict", "verdict", None)])]
+    parts += ["<h2>Headline per model</h2>",
+              "<p>95 % bootstrap intervals over test sequences.</p>",
+              _table(head, [("model", "model", None), ("regime_kind", "regime", None),
+                            ("best_posthoc_rule", "best post-hoc rule", None), *figs,
+                            ("best_gate_rule", "best refit gate", None), ("verdict", "verdict", None),
+                            ("reason", "reason", None)])]
+    if inp.latency is not None and inp.latency.height:
+        lt, lcols = latency_table(inp.latency, inp.meta)
+        parts += ["<h2>Real early exit</h2>",
+                  "<p>Wall time of real early exit (loops stop; finished sequences leave the batch) against full "
+                  "depth, at each rule's chosen point. Ideal = T / mean exit depth (SPEC §8); exact-causal ideal = "
+                  "the best any exit that reproduces the offline evaluation can do under causal attention "
+                  "(docs/latency.md).</p>", _table(lt, lcols)]
+    if inp.generate is not None and inp.generate.height:
+        gt, gcols = generate_table(inp.generate, inp.meta)
+        parts += ["<h2>Generation with early exit</h2>",
+                  "<p>Greedy decoding token by token: each new token loops until its rule fires; the KV policy says "
+                  "what later tokens see at the loops it skipped (share = copy of the exit loop's keys/values, "
+                  "Huginn's; recompute = computed, no saving, exact cache; native = the model's own). Realised = "
+                  "wall time of full-depth decoding / early exit in the same run; ideal = T / mean exit depth; "
+                  "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
+                  _table(gt, gcols)]
+    if inp.loop_summary is not None:
+        inf = nonfinite_table(inp.loop_summary)
+        parts += ["<h2>Non-finite values</h2>", f"<p>{html.escape(_nonfinite_text(inf))}</p>"]
+        if inf is not None and inf.height:
+            parts.append(_table(inf, [("model", "model", None), ("metric", "metric", None),
+                                      ("n_inf", "±∞ left out", None), ("loops", "at loops", None),
+                                      ("n_nan", "NaN left out", None)]))
+    parts.append("<h2>Findings</h2>")
+    lf = latency_findings(inp.latency, inp.latency_metrics)
+    if lf:
+        parts.append(_bullets("Latency", lf))
+    gf = generate_findings(inp.generate, inp.generate_metrics)
+    if gf:
+        parts.append(_bullets("Generation", gf))
+    if inp.summary:
+        parts.append(markdown_to_html(inp.summary, shift=2))
+    else:
+        parts.append("<p class='missing'>No diagnosis yet (artifacts/diagnose/summary.md): run the diagnose stage.</p>")
+    parts.append("<h2>Figures</h2>")
+    for name, path in figures.items():
+        rel = os.path.relpath(path, out_dir).replace(os.sep, "/")
+        cap = _CAPTIONS.get(name) or (f"Pareto fronts of task {name[len('pareto_'):]}: test accuracy vs mean exit depth "
+                                      "of every rule's own front; hollow circles are the chosen points; fixed depth "
+                                      "black squares, native gate red diamonds, refit gates dashed, oracle star.")
+        parts.append(f"<figure><img src='{html.escape(rel, quote=True)}' alt='{html.escape(name, quote=True)}'>"
+                     f"<figcaption>{html.escape(cap)}</figcaption></figure>")
+    if inp.missing:
+        parts.append("<h2>Not shown</h2><ul class='missing'>" + "".join(
+            f"<li><code>{html.escape(k)}</code>: {html.escape(v)}</li>" for k, v in sorted(inp.missing.items())) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"
