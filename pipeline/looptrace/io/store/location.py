@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import zarr
+import zarr.abc.store
 from zarr.core.sync import sync
 
 from looptrace.io.store.schema import StoreError
@@ -82,6 +83,7 @@ def resolve_store(target: StoreTarget, mode: str = "r") -> zarr.abc.store.Store:
     if isinstance(target, zarr.storage.MemoryStore):
         return target
     loc = store_location(target)
+    assert loc is not None  # only a MemoryStore has no location
     read_only = mode == "r"
     if not _URL.match(loc):
         return zarr.storage.LocalStore(loc, read_only=read_only)
@@ -150,6 +152,7 @@ def assert_store_or_absent(target: StoreTarget) -> None:
     if isinstance(target, zarr.storage.MemoryStore):
         return
     loc = store_location(target)
+    assert loc is not None  # only a MemoryStore has no location
     if _URL.match(loc):
         store = resolve_store(target, "r")
         if not _exists(store, "zarr.json") and _any_key(store):
@@ -166,6 +169,7 @@ def remove_store(target: StoreTarget) -> None:
         target._store_dict.clear()
         return
     loc = store_location(target)
+    assert loc is not None  # only a MemoryStore has no location
     if _URL.match(loc):
         store = resolve_store(target, "r")
         if _exists(store, "zarr.json"):

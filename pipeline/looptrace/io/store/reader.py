@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import numpy as np
 import polars as pl
 import zarr
+import zarr.abc.store
 from zarr.core.sync import sync
 
 from looptrace.io.precision import decode_states
@@ -37,6 +39,9 @@ from looptrace.io.store.schema import (
     _is_checksum_error,
     chunk_digest,
 )
+
+if TYPE_CHECKING:
+    from zarr.core.metadata import ArrayV3Metadata
 
 
 class TrajectoryStore:
@@ -138,12 +143,12 @@ class TrajectoryStore:
                 raise StoreError(f"store {self.label}: array '{name}' has a damaged chunk (checksum mismatch); "
                                  f"{_RERUN}") from None
             raise
-        out = np.asarray(out)
+        data = np.asarray(out)
         if isinstance(tokens, slice) and DIMS.get(name, ("",))[0] == "token":
-            self._check_identity(name, tokens, out)
+            self._check_identity(name, tokens, data)
         if name in HIDDEN_NAMES:
-            out = decode_states(out, (self.attrs.get("dtypes") or {}).get(name))  # float32 (bfloat16 bits widened)
-        return out
+            data = decode_states(data, (self.attrs.get("dtypes") or {}).get(name))  # float32 (bfloat16 bits widened)
+        return data
 
     def _digest_table(self) -> tuple[dict[str, int], np.ndarray] | None:
         """(array -> column, [chunk, array] digests) of a store that has them (read once), else None."""
@@ -155,7 +160,7 @@ class TrajectoryStore:
                 table = np.asarray(arr[...])
             except Exception:  # noqa: BLE001 - a damaged digest chunk: the chunk it describes is redone on re-run
                 raise StoreError(f"store {self.label}: array '{_DIGEST}' has a damaged chunk; {_RERUN}") from None
-            self._digests = ({n: i for i, n in enumerate(arr.attrs.get("arrays", []))}, table)
+            self._digests = ({n: i for i, n in enumerate(cast("list[str]", arr.attrs.get("arrays", [])))}, table)
         return self._digests
 
     def _check_identity(self, name: str, tokens: slice, out: np.ndarray) -> None:
@@ -213,11 +218,12 @@ class TrajectoryStore:
                 self.read(name, sl)
 
 
-def _open_group(target: StoreTarget, mode: str) -> zarr.Group:
+def _open_group(target: StoreTarget, mode: Literal["r", "r+"]) -> zarr.Group:
     label = _label(target)
     store = resolve_store(target, "r" if mode == "r" else "r+")
     if not isinstance(target, zarr.storage.MemoryStore) and not _exists(store, "zarr.json"):
         loc = store_location(target)
+        assert loc is not None  # only a MemoryStore has no location
         present = Path(loc).exists() if not _URL.match(loc) else _any_key(store)
         if not present:
             raise StoreError(f"store {label} not found; run `looptrace dump` first")
@@ -247,7 +253,7 @@ def open_store(path: StoreTarget, allow_nan: bool = False, allow_incomplete: boo
     """
     label = _label(path)
     group = _open_group(path, "r")
-    attrs = group.attrs.asdict()
+    attrs: dict[str, Any] = group.attrs.asdict()
     version = attrs.get("schema_version")
     if version != SCHEMA_VERSION:
         raise StoreError(f"store {label} has schema_version {version!r}, this looptrace reads {SCHEMA_VERSION}; "
@@ -327,7 +333,7 @@ def _marker_progress(group: zarr.Group) -> tuple[int, int]:
     if _MARKER not in group:
         return 0, 0
     try:
-        marks = np.asarray(group[_MARKER][...])
+        marks = np.asarray(cast(zarr.Array, group[_MARKER])[...])
     except Exception:  # noqa: BLE001 - a damaged marker only changes the progress shown
         return 0, 0
     return int((marks >= 0).sum()), int(marks.size)
@@ -347,7 +353,7 @@ def _validate_arrays(st: TrajectoryStore) -> None:
         dims = DIMS.get(name)
         if dims is None:
             continue  # extra arrays are allowed (forwards compatibility); they are not validated
-        got_dims = tuple(arr.metadata.dimension_names or ())
+        got_dims = tuple(cast("ArrayV3Metadata", arr.metadata).dimension_names or ())  # opened as zarr_format=3
         if got_dims != dims:
             raise StoreError(f"store {label}: array '{name}' has dimensions {got_dims}, expected {dims}; {_RERUN}")
         if name == _DIGEST and st.complete and _stored_chunks(st.store, name) != arr.nchunks:

@@ -13,10 +13,11 @@ import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zarr
+import zarr.abc.store
 from zarr.codecs import Crc32cCodec
 from zarr.core.sync import sync
 
@@ -77,7 +78,7 @@ class StoreWriter:
         self.state_dtypes = {n: d for n, d in (self.attrs.get("dtypes") or {}).items() if n in HIDDEN_NAMES}
         self.own = own
         dig = self._arrays.get(_DIGEST)
-        self._digest_cols: dict[str, int] = {n: i for i, n in enumerate(dig.attrs.get("arrays", []))} if dig else {}
+        self._digest_cols: dict[str, int] = {n: i for i, n in enumerate(cast("list[str]", dig.attrs.get("arrays", [])))} if dig else {}
 
     @property
     def token_arrays(self) -> list[str]:
@@ -147,7 +148,7 @@ class StoreWriter:
         except Exception:  # noqa: BLE001 - read element-wise so one damaged marker only redoes its chunk
             for i in range(self.n_chunks):
                 try:
-                    out[i] = int(arr[i]) >= 0
+                    out[i] = int(cast(np.ndarray, arr[i])) >= 0
                 except Exception:  # noqa: BLE001
                     out[i] = False
         return out
@@ -424,19 +425,21 @@ def write_store(path: StoreTarget, arrays: Mapping[str, np.ndarray], attrs: Mapp
             raise StoreError(f"write_store: array '{name}' has shape {a.shape}, expected {want} for dims {dims}")
         specs[name] = ArraySpec(a.shape, dtypes[name])
     loc = store_location(path)
-    on_disk = loc is not None and not _URL.match(loc)  # object stores have no rename: written in place
-    if on_disk and Path(loc).exists() and not (Path(loc) / "zarr.json").is_file() and any(Path(loc).iterdir()):
-        raise StoreError(f"{loc} exists and is not a trajectory store; remove it or choose another path")
-    target: StoreTarget = Path(loc + ".tmp") if on_disk else path
+    local = loc if loc is not None and not _URL.match(loc) else None  # object stores have no rename: written in place
+    if local is not None and Path(local).exists() and not (Path(local) / "zarr.json").is_file() \
+            and any(Path(local).iterdir()):
+        raise StoreError(f"{local} exists and is not a trajectory store; remove it or choose another path")
+    target: StoreTarget = Path(local + ".tmp") if local is not None else path
     writer = StoreWriter.create(target, specs, attrs, chunk_tokens, clevel)
     writer.write_small("loop_group", arrays["loop_group"])
     for c in range(writer.n_chunks):
         rows = writer.chunk_rows(c)
         writer.write_chunk(c, {k: v[rows] for k, v in arrays.items() if DIMS[k][0] == "token"})
     writer.finish()
-    if on_disk:
-        remove_store(loc)
-        os.replace(target, loc)
+    if local is not None:
+        assert isinstance(target, Path)  # local: written to <local>.tmp, then renamed
+        remove_store(local)
+        os.replace(target, local)
     return open_store(path, allow_nan=True)
 
 
