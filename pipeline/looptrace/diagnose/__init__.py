@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal, overload
 
 import numpy as np
 import polars as pl
@@ -73,6 +74,10 @@ from looptrace.io.tables import SplitArrays, load_token_loop
 __all__ = ["DiagnoseConfig", "diagnose_models", "model_rows", "write_diagnosis"]
 
 
+@overload
+def _read_rule_outputs(model_dir: Path, source: Literal["readouts"]) -> dict[str, pl.DataFrame]: ...
+@overload
+def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] | None: ...
 def _read_rule_outputs(model_dir: Path, source: str) -> dict[str, pl.DataFrame] | None:
     """chosen, dx, chosen_exits (+ operating_points when present) of a readouts/gates model dir."""
     need = ("chosen", "dx", "chosen_exits")
@@ -174,6 +179,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
             outs.append(("gates", g))
         test: SplitArrays = load_token_loop(geometry_root / model / "token_loop.parquet", splits=("test",),
                                            columns=("correct", *cfg.spearman_signals))["test"]
+        assert test.token is not None  # load_token_loop always sets the store row ids
         correct = test.loop["correct"]
         chosen, dxs = [], []
         for source, o in outs:

@@ -130,6 +130,7 @@ def _claim_a(ctx: _Groups, level: float) -> dict:
 def _claim_b(ctx: _Groups, level: float) -> dict:
     """(b) Native joint gate vs post-hoc readouts on fixed-prior trajectories of the same task."""
     xs, best, members, joint, ginfo, meta, dxx = ctx.xs, ctx.best, ctx.members, ctx.joint, ctx.ginfo, ctx.meta, ctx.dxx
+    det: list[dict]
     res, sent, det = [], [], []
     for g in joint:
         task = ginfo[g]["task"]

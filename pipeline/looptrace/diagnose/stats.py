@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any, cast, overload
 
 import numpy as np
 import polars as pl
@@ -57,12 +58,12 @@ def failure_rows(codes: np.ndarray, exit_depth: np.ndarray, difficulty: np.ndarr
         exit_depth_mean. Counts sum to n_tokens by construction.
     """
     rows = []
-    groups = [("all", None, np.ones(codes.size, dtype=bool))]
+    groups: list[tuple[str, int | None, np.ndarray]] = [("all", None, np.ones(codes.size, dtype=bool))]
     groups += [("difficulty", int(v), difficulty == v) for v in np.unique(difficulty)]
     for group, level, sel in groups:
         n = int(sel.sum())
         counts = np.bincount(codes[sel], minlength=len(CLASSES))
-        row = {"group": group, "difficulty": level, "n_tokens": n}
+        row: dict[str, Any] = {"group": group, "difficulty": level, "n_tokens": n}
         row.update({c: int(k) for c, k in zip(CLASSES, counts, strict=True)})
         row.update({f"frac_{c}": (k / n if n else math.nan) for c, k in zip(CLASSES, counts, strict=True)})
         row["exit_depth_mean"] = float(exit_depth[sel].mean()) if n else math.nan
@@ -122,22 +123,23 @@ def spearman_rows(difficulty: np.ndarray, signals: dict[str, np.ndarray], rs: Re
                 cols.append((None, np.nanmean(sig, axis=1)))
         else:
             cols = [(None, sig)]
+        # the samplers run only when rs is set (_rho_interval), hence cast(Resampler, rs)
         for loop, v in cols:
             rho, p, n = _spearman(diff, v)
             rows.append({"signal": name, "loop": loop, "aggregation": "token", "rho": rho, "pvalue": p, "n": n,
                          **_rho_interval(rs, with_interval, name, loop, "token", rho,
-                                         lambda v=v: spearman_token_samples(rs, diff, v))})
+                                         lambda v=v: spearman_token_samples(cast(Resampler, rs), diff, v))})
             means = np.array([np.nanmean(v[diff == lv]) if np.isfinite(v[diff == lv]).any() else np.nan
                               for lv in levels])
             rho, p, n = _spearman(levels, means)
             rows.append({"signal": name, "loop": loop, "aggregation": "difficulty_mean", "rho": rho, "pvalue": p,
                          "n": n, **_rho_interval(rs, with_interval, name, loop, "difficulty_mean", rho,
-                                                 lambda v=v: spearman_level_samples(rs, diff, v)[0])})
+                                                 lambda v=v: spearman_level_samples(cast(Resampler, rs), diff, v)[0])})
     return rows
 
 
 def _rho_interval(rs: Resampler | None, with_interval: Callable | None, signal: str, loop: int | None, agg: str,
-                  rho: float, samples: Callable[[], np.ndarray]) -> dict:
+                  rho: float, samples: Callable[..., np.ndarray]) -> dict:
     """``rho_lo``, ``rho_hi``, ``n_boot``, ``n_sequences`` of one Spearman row (NaN / 0 when it has none)."""
     if rs is None or rs.n_boot == 0 or math.isnan(rho) or (with_interval is not None
                                                            and not with_interval(signal, loop, agg)):
@@ -149,8 +151,10 @@ def _rho_interval(rs: Resampler | None, with_interval: Callable | None, signal: 
 #: The three verdicts (module docstring) and their reasons.
 VERDICTS = ("trajectory-limited", "readout-limited", "at-ceiling")
 
-REASONS = {"no_early_exit": "trajectory-limited", "no_headroom": "trajectory-limited",
-           "native_gate": "readout-limited", "below_ceiling": "readout-limited", "at_ceiling": "at-ceiling"}
+#: (keyed ``str | None`` so a row's missing reason looks up as absent)
+REASONS: dict[str | None, str] = {
+    "no_early_exit": "trajectory-limited", "no_headroom": "trajectory-limited",
+    "native_gate": "readout-limited", "below_ceiling": "readout-limited", "at_ceiling": "at-ceiling"}
 
 
 def _f(v) -> float:
@@ -167,6 +171,10 @@ def _iv(v, n_seeds: int = 1) -> Interval:
     return Interval(_f(v), n_seeds=n_seeds, method="none")
 
 
+@overload
+def _chosen_interval(row: dict) -> Interval: ...
+@overload
+def _chosen_interval(row: dict | None) -> Interval | None: ...
 def _chosen_interval(row: dict | None) -> Interval | None:
     """The test depth of a ``chosen`` row (val-chosen point) with its bootstrap interval."""
     return None if row is None else from_row(row, "test_depth")

@@ -92,7 +92,7 @@ def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.Da
     multi = {g: d for g, d in groups_rho.items() if d["iv"].n_seeds > 1}
     if multi:
         lines += ["", "Across seeds (mean with the Student-t 95 % interval over seeds):", ""]
-        for g, d in multi.items():
-            lines.append(f"- {g}: ρ = {_ci(d['iv'])} ({_seeds_word(d['iv'].n_seeds)}; n = "
+        for grp, d in multi.items():
+            lines.append(f"- {grp}: ρ = {_ci(d['iv'])} ({_seeds_word(d['iv'].n_seeds)}; n = "
                          f"{', '.join(str(n) for n in d['n'])} {d['unit']}).")
     return "\n".join(lines) + "\n"
