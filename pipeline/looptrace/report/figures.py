@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import polars as pl
@@ -31,7 +32,7 @@ def _plt():
     return plt
 
 
-def _regime_colour(kind: str, i: int) -> str:
+def _regime_colour(kind: str, i: int) -> str | tuple[float, float, float, float]:
     import matplotlib
 
     return _REGIME_COLOURS.get(kind) or matplotlib.colormaps["tab10"](i % 10)
@@ -173,7 +174,7 @@ def fig_pareto(inp: Inputs, task: str, out: Path, dpi: int) -> Path | None:
     sub = inp.pareto.filter(pl.col("model").is_in([m["model"] for m in models]))
     kinds = dict(zip(sub["rule"].to_list(), sub["kind"].to_list(), strict=True))
     rules = sorted(kinds, key=lambda r: (_KIND_ORDER.get(kinds[r], 5), r))
-    colour_index = {}
+    colour_index: dict[str, int] = {}
     for r in rules:  # one colour per rule across panels, counted within its kind
         colour_index[r] = sum(1 for q in colour_index if kinds[q] == kinds[r])
     for ax, m in zip(axes[0], models, strict=True):
@@ -191,7 +192,7 @@ def fig_pareto(inp: Inputs, task: str, out: Path, dpi: int) -> Path | None:
                 h = ax.scatter(c["test_depth"], 100 * c["test_accuracy"], s=60, facecolors="none", edgecolors="k",
                                linewidths=1.0, zorder=5, label="chosen point (val within δ)")
                 handles.setdefault("chosen point (val within δ)", h)
-        lo = 100 * float(p["accuracy"].min()) if p.height else 0.0
+        lo = 100 * float(cast(float, p["accuracy"].min())) if p.height else 0.0
         ax.set(title=f"{m['regime']}", xlabel="mean exit depth (loops)", ylabel="test accuracy (%)",
                xlim=(0.8, m["n_loops"] + 0.2), ylim=(max(0.0, lo - 0.05 * (100 - lo) - 0.5), 100.3))
         ax.xaxis.get_major_locator().set_params(integer=True)
@@ -267,7 +268,7 @@ def fig_cross_regime(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Pat
         d = d.filter(pl.col("mode") == "transfer")
     if "x" in d.columns and v == "d_at" and (d["x"] == float(cfg.x)).any():
         d = d.filter(pl.col("x") == float(cfg.x))
-    keys = [k for k in ("task", "rule") if k in d.columns] or [k for k in ("labels",) if k in d.columns]
+    keys: list[str] = [k for k in ("task", "rule") if k in d.columns] or [k for k in ("labels",) if k in d.columns]
     facets = d.select(keys).unique(maintain_order=True).sort(keys).rows() if keys else [()]
     if not d.height or not facets:
         return None
@@ -323,8 +324,8 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
               ("ideal_speedup_work", "exact-causal ideal: full / minimal position-loops (×)"))
     fig, axes = plt.subplots(2, len(sizes), figsize=(5.0 * len(sizes) + 2.6, 8.6), squeeze=False,
                              layout="constrained")
-    hi = float(max(lat["ideal_speedup"].max(), lat["realised_speedup"].max())) * 1.08
-    handles = {}
+    hi = float(max(cast(float, lat["ideal_speedup"].max()), cast(float, lat["realised_speedup"].max()))) * 1.08
+    handles: dict[str, object] = {}
     for row, (col, xlabel) in enumerate(ideals):
         for ax, bs in zip(axes[row], sizes, strict=True):
             d = lat.filter(pl.col("batch_size") == bs)

@@ -4,6 +4,7 @@ read from the artifacts, never hand-written)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import polars as pl
 
@@ -103,16 +104,19 @@ def latency_findings(lat: pl.DataFrame | None, lat_metrics: dict | None) -> list
     else:
         bad = lat.filter(~pl.col("exact"))
         out.append(f"{n - n_exact} of {n} real runs differ from the offline chosen point "
-                   f"(at most {int(bad['exit_mismatches'].max())} exit depths and "
-                   f"{int(bad['correct_mismatches'].max())} predictions of {int(bad['n_tokens'].max())} tokens).")
+                   f"(at most {int(cast(int, bad['exit_mismatches'].max()))} exit depths and "
+                   f"{int(cast(int, bad['correct_mismatches'].max()))} predictions of "
+                   f"{int(cast(int, bad['n_tokens'].max()))} tokens).")
     for bs in sorted(lat["batch_size"].unique().to_list()):
         d = lat.filter(pl.col("batch_size") == bs)
         r, w = d["speedup_ratio"], d["ratio_to_work_ideal"]
         n08 = int((r >= 0.8).sum())
         out.append(f"Batch size {bs}{' (compacted)' if bs > 1 else ''}: realised / ideal speedup (ideal = T / mean "
-                   f"exit depth) is {r.min():.2f}–{r.max():.2f} (median {r.median():.2f}); {n08} of {d.height} runs "
+                   f"exit depth) is {cast(float, r.min()):.2f}–{cast(float, r.max()):.2f} "
+                   f"(median {cast(float, r.median()):.2f}); {n08} of {d.height} runs "
                    f"reach ≥ 0.8 × ideal. Against the exact-causal ideal (a position keeps looping while a later "
-                   f"scored position of its sequence is undecided) the median ratio is {w.median():.2f}.")
+                   f"scored position of its sequence is undecided) the median ratio is "
+                   f"{cast(float, w.median()):.2f}.")
     b = lat.sort("realised_speedup", descending=True).row(0, named=True)
     out.append(f"Largest realised speedup: {b['realised_speedup']:.2f}× ({b['model']}, {b['rule']}, batch "
                f"{b['batch_size']}; mean exit depth {b['mean_exit_depth']:.2f} of {b['n_loops']} loops, ideal "
@@ -136,10 +140,12 @@ def generate_findings(gen: pl.DataFrame | None, gen_metrics: dict | None) -> lis
     out = []
     for (policy, bs), d in gen.group_by(["policy", "batch_size"], maintain_order=True):
         r = d["speedup_ratio"]
-        out.append(f"KV policy {policy}, batch {bs}: realised / ideal speedup {r.min():.2f}–{r.max():.2f} (median "
-                   f"{r.median():.2f}; {int((r >= 0.8).sum())} of {d.height} runs ≥ 0.8), token agreement with "
-                   f"full-depth greedy decoding median {100 * d['token_agreement'].median():.1f} %, loss gap of the "
-                   f"full-depth continuation median {d['loss_gap'].median():.3f} nats/token.")
+        out.append(f"KV policy {policy}, batch {bs}: realised / ideal speedup "
+                   f"{cast(float, r.min()):.2f}–{cast(float, r.max()):.2f} (median "
+                   f"{cast(float, r.median()):.2f}; {int((r >= 0.8).sum())} of {d.height} runs ≥ 0.8), token "
+                   f"agreement with full-depth greedy decoding median "
+                   f"{100 * cast(float, d['token_agreement'].median()):.1f} %, loss gap of the "
+                   f"full-depth continuation median {cast(float, d['loss_gap'].median()):.3f} nats/token.")
     b = gen.sort("realised_speedup", descending=True).row(0, named=True)
     out.append(f"Largest realised generation speedup: {b['realised_speedup']:.2f}× ({b['model']}, {b['rule']}, "
                f"{b['policy']}, batch {b['batch_size']}; mean exit depth {b['mean_exit_depth']:.2f} of {b['n_loops']} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import cast
 
 import polars as pl
 
@@ -252,20 +253,21 @@ def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: 
     for g in (groups.iter_rows(named=True) if groups is not None else []):
         grp[g["group"]] = {"n_seeds": g["n_seeds"], "best_posthoc_rules": g["best_posthoc_rules"],
                            "verdict": g["verdict"], "intervals": ivs(g, g["n_seeds"])}
-    lat = {}
+    lat: dict[str, dict[str, float] | bool] = {}
     if inp.latency is not None and inp.latency.height:
         for bs in sorted(inp.latency["batch_size"].unique().to_list()):
             d = inp.latency.filter(pl.col("batch_size") == bs)
-            lat[f"bs{bs}"] = {"median_speedup_ratio": float(d["speedup_ratio"].median()),
-                              "max_realised_speedup": float(d["realised_speedup"].max()),
-                              "median_ratio_to_exact_causal_ideal": float(d["ratio_to_work_ideal"].median())}
+            lat[f"bs{bs}"] = {"median_speedup_ratio": float(cast(float, d["speedup_ratio"].median())),
+                              "max_realised_speedup": float(cast(float, d["realised_speedup"].max())),
+                              "median_ratio_to_exact_causal_ideal":
+                                  float(cast(float, d["ratio_to_work_ideal"].median()))}
         lat["all_exact"] = bool(inp.latency["exact"].all())
     gen = {}
     if inp.generate is not None and inp.generate.height:
         for (policy, bs), d in inp.generate.group_by(["policy", "batch_size"], maintain_order=True):
-            gen[f"{policy}_bs{bs}"] = {"median_speedup_ratio": float(d["speedup_ratio"].median()),
-                                       "max_realised_speedup": float(d["realised_speedup"].max()),
-                                       "median_token_agreement": float(d["token_agreement"].median()),
-                                       "median_loss_gap": float(d["loss_gap"].median())}
+            gen[f"{policy}_bs{bs}"] = {"median_speedup_ratio": float(cast(float, d["speedup_ratio"].median())),
+                                       "max_realised_speedup": float(cast(float, d["realised_speedup"].max())),
+                                       "median_token_agreement": float(cast(float, d["token_agreement"].median())),
+                                       "median_loss_gap": float(cast(float, d["loss_gap"].median()))}
     return {"x": cfg.x, "models": models, "groups": grp, "latency": lat, "generate": gen, "n_figures": len(figures),
             "missing_inputs": sorted(inp.missing)}

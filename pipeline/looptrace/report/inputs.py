@@ -112,6 +112,9 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         FileNotFoundError: a model has no ``readouts/<model>/metrics.json`` (the report's spine).
     """
     root = Path(root)
+    pareto: list[pl.DataFrame]
+    chosen: list[pl.DataFrame]
+    dx: list[pl.DataFrame]
     meta_rows, acc_rows, ls, conv, pareto, chosen, dx, full = [], [], [], [], [], [], [], []
     missing: dict[str, str] = {}
     for model in models:
