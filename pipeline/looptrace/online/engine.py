@@ -21,6 +21,7 @@ from looptrace.models.looped import LoopedTransformer
 from looptrace.online.signals import LiveSignals, to_numpy
 from looptrace.rules.registry import HISTORY, SIGNAL, ExitRule, get_rule
 from looptrace.signals import keep_rows
+from looptrace.signals.firing import two_hit_step
 
 # ----------------------------------------------------------------------------------------------
 # Online rules: a rule of the registry evaluated loop by loop on the live batch
@@ -78,7 +79,7 @@ class OnlineRule:
         if self.two_hit:
             prev = self.state.get("hit_prev")
             self.state["hit_prev"] = hit
-            hit = hit & prev if prev is not None else torch.zeros_like(hit)
+            hit = two_hit_step(hit, prev)
         if t < self.min_loop:
             hit = torch.zeros_like(hit)
         return hit
