@@ -42,7 +42,7 @@ from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
-from looptrace.signals import names
+from looptrace.signals import names as signal_names
 from looptrace.signals.names import LOGIT_STATS, add_aliases
 from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
 
@@ -51,20 +51,20 @@ SPLITS = ("fit", "val", "test")
 #: Logit statistics copied from the store (SPEC §3), in column order.
 STORE_STATS = LOGIT_STATS
 #: Signals a convergence depth can be computed on (``geometry.eps`` keys).
-CONVERGENCE_SIGNALS = names.CONVERGENCE_SIGNALS
+CONVERGENCE_SIGNALS = signal_names.CONVERGENCE_SIGNALS
 #: ``token_loop.parquet`` columns, exactly as docs/DESIGN.md lists them.
 TOKEN_LOOP_COLUMNS = ("split", "token", "sequence", "position", "loop", "loop_group", "difficulty",
-                      "token_type", "target", *names.TOKEN_LOOP_SIGNALS)
+                      "token_type", "target", *signal_names.TOKEN_LOOP_SIGNALS)
 #: Per-loop quantities summarised in ``loop_summary.parquet`` (``correct`` as accuracy).
 SUMMARY_METRICS = (*GEOMETRY_METRICS, *STORE_STATS, "correct")
 
 _INT_COLUMNS = ("token", "sequence", "position", "loop", "loop_group", "difficulty", "token_type", "target",
-                *names.TOKEN_LOOP_INTS)
+                *signal_names.TOKEN_LOOP_INTS)
 _TOKEN_LOOP_SCHEMA = pa.schema(
     [("split", pa.string())]
     + [(c, pa.int64()) for c in _INT_COLUMNS]
-    + [(c, pa.bool_()) for c in names.TOKEN_LOOP_BOOLS]
-    + [(c, pa.float32()) for c in names.TOKEN_LOOP_FLOATS]
+    + [(c, pa.bool_()) for c in signal_names.TOKEN_LOOP_BOOLS]
+    + [(c, pa.float32()) for c in signal_names.TOKEN_LOOP_FLOATS]
 )
 #: ``loop_summary.parquet`` (long format).
 SUMMARY_SCHEMA = {"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,

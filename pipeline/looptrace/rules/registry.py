@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from looptrace.config import ConfigError
-from looptrace.signals import names
+from looptrace.signals import names as signal_names
 
 #: Rule families (the ``kind`` column of the outputs).
 KINDS = ("fixed", "posthoc", "native", "oracle", "gate")
@@ -53,9 +53,9 @@ ENTRY_POINT_GROUP = "looptrace.rules"
 
 #: Signals a rule may read online ([token, loop] columns of token_loop.parquet, and ``loop`` = t): the
 #: logit signals known at loop t, the step signals (``hidden_change`` = ``step_norm``), the native gate logit.
-ONLINE_SIGNALS = names.ONLINE_SIGNALS
+ONLINE_SIGNALS = signal_names.ONLINE_SIGNALS
 #: Columns an exit rule cannot read, and why (only the oracle ceiling reads ``correct``).
-OFFLINE_ONLY_SIGNALS = names.OFFLINE_ONLY
+OFFLINE_ONLY_SIGNALS = signal_names.OFFLINE_ONLY
 SIGNALS = (*ONLINE_SIGNALS, *OFFLINE_ONLY_SIGNALS)
 
 #: ``online`` values: the score at t is the rule's single signal at t (threshold rules).
