@@ -164,8 +164,8 @@ def _data_hash(data: TaskBatch) -> str:
 #: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
 #: resume likewise never mixes chunks written by two versions of the code.
 VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
-                 "looptrace.io.precision", "looptrace.io.store", "looptrace.models.interface",
-                 "looptrace.models.looped")
+                 "looptrace.signals.names", "looptrace.io.precision", "looptrace.io.store",
+                 "looptrace.models.interface", "looptrace.models.looped")
 
 
 def _code_hash(*extra_modules: str) -> str:
