@@ -1,5 +1,5 @@
 """Offline halting gates (pipeline/gates.py): hand-computed labels, the PonderNet objective against
-regimes.halting_distribution, soft-target fitting against a direct scipy minimisation, seeded
+signals.halting_torch.halting_distribution, soft-target fitting against a direct scipy minimisation, seeded
 reproducibility, PCA fit on the fit split only, a separable problem end to end, online features."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from looptrace.gates.fit import ModelGates, fit_model_gates, fit_sklearn_gate, p
 from looptrace.gates.labels import consistent_stop, oracle_continue, stop_targets, utility_continue
 from looptrace.gates.ponder import _ponder_module, fit_ponder, ponder_loss, ponder_prior
 from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
-from looptrace.models.regimes import halting_distribution
 from looptrace.online.gates import load_fitted, load_online_gate
 from looptrace.rules.scoring import CalibrationConfig
+from looptrace.signals.halting_torch import halting_distribution
 from looptrace.testing import two_group_stores
 
 torch.set_num_threads(1)

@@ -42,30 +42,29 @@ from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
+from looptrace.signals import names as signal_names
+from looptrace.signals.names import LOGIT_STATS, add_aliases
 from looptrace.signals.steps import GEOMETRY_METRICS, _ratio, step_metrics
 
 SPLITS = ("fit", "val", "test")
 
 #: Logit statistics copied from the store (SPEC §3), in column order.
-STORE_STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final",
-               "logit_change")
+STORE_STATS = LOGIT_STATS
 #: Signals a convergence depth can be computed on (``geometry.eps`` keys).
-CONVERGENCE_SIGNALS = ("kl_prev", "kl_prev_rev", "kl_final", "logit_change", "rel_step", "step_norm",
-                       "state_cos_dist", "accel_norm", "argmax")
+CONVERGENCE_SIGNALS = signal_names.CONVERGENCE_SIGNALS
 #: ``token_loop.parquet`` columns, exactly as docs/DESIGN.md lists them.
 TOKEN_LOOP_COLUMNS = ("split", "token", "sequence", "position", "loop", "loop_group", "difficulty",
-                      "token_type", "target", "argmax", "correct", *GEOMETRY_METRICS, "hidden_change",
-                      *STORE_STATS, "gate_logit")
+                      "token_type", "target", *signal_names.TOKEN_LOOP_SIGNALS)
 #: Per-loop quantities summarised in ``loop_summary.parquet`` (``correct`` as accuracy).
 SUMMARY_METRICS = (*GEOMETRY_METRICS, *STORE_STATS, "correct")
 
 _INT_COLUMNS = ("token", "sequence", "position", "loop", "loop_group", "difficulty", "token_type", "target",
-                "argmax")
+                *signal_names.TOKEN_LOOP_INTS)
 _TOKEN_LOOP_SCHEMA = pa.schema(
     [("split", pa.string())]
     + [(c, pa.int64()) for c in _INT_COLUMNS]
-    + [("correct", pa.bool_())]
-    + [(c, pa.float32()) for c in (*GEOMETRY_METRICS, "hidden_change", *STORE_STATS, "gate_logit")]
+    + [(c, pa.bool_()) for c in signal_names.TOKEN_LOOP_BOOLS]
+    + [(c, pa.float32()) for c in signal_names.TOKEN_LOOP_FLOATS]
 )
 #: ``loop_summary.parquet`` (long format).
 SUMMARY_SCHEMA = {"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
@@ -309,7 +308,7 @@ def token_loop_table(block: SplitArrays, split: str, loop_group: np.ndarray) -> 
     }
     for m in GEOMETRY_METRICS:
         cols[m] = flat(block.loop[m])
-    cols["hidden_change"] = cols["step_norm"]  # SPEC §4 `hidden_change` = ‖h_t − h_{t−1}‖ = step norm
+    add_aliases(cols)  # SPEC §4 `hidden_change` = ‖h_t − h_{t−1}‖ = step norm
     for s in STORE_STATS:
         cols[s] = flat(block.loop[s])
     gate = block.loop.get("gate_logit")

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from looptrace.signals.names import LOGIT_STATS, SIGNALS, add_aliases
+
 #: The data seeds of every tiny checkpoint (the train stage's defaults).
 DATA_SEEDS = {"fit": 42, "val": 43, "test": 44}
 
@@ -177,8 +179,7 @@ def random_store_arrays(n: int = 37, T: int = 3, D: int = 4, V: int = 5, seed: i
 
 
 #: The logit statistics :func:`random_signal_arrays` fills (``argmax`` separately).
-SIGNAL_STATS = ("entropy", "max_prob", "margin", "target_logprob", "kl_prev", "kl_prev_rev", "kl_final",
-                "logit_change")
+SIGNAL_STATS = LOGIT_STATS
 
 
 def random_signal_arrays(rng: np.random.Generator, N: int = 40, T: int = 5, D: int = 6, V: int = 4,
@@ -191,8 +192,7 @@ def random_signal_arrays(rng: np.random.Generator, N: int = 40, T: int = 5, D: i
          "hidden_init": rng.normal(size=(N, D)).astype(np.float32) if h0 is None else h0}
     for s in SIGNAL_STATS:
         x = rng.random((N, T)).astype(np.float32)
-        if s in ("kl_prev", "kl_prev_rev", "logit_change"):
-            x[:, 0] = np.nan
+        x[:, :SIGNALS[s].first_loop - 1] = np.nan
         a[s] = x
     a["target"] = rng.integers(0, V, N)
     a["argmax"] = np.where(rng.random((N, T)) < 0.6, a["target"][:, None], rng.integers(0, V, (N, T)))
@@ -303,7 +303,7 @@ def token_loop_splits(n: int = 400, T: int = 4, seed: int = 0, gate: bool = Fals
             "accel_norm": np.where(loops[None] == 1, np.nan, noise),
             "step_d2": np.where(loops[None] <= 2, np.nan, noise),
         }
-        cols["hidden_change"] = cols["step_norm"]
+        add_aliases(cols)
         cols["gate_logit"] = (rng.normal(size=(n, T)) + 3 * correct - 1.5) if gate else None
         cols["token"] = np.repeat((np.arange(n) + 1000 * si)[:, None], T, 1)
         out[split] = cols

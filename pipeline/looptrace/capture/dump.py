@@ -157,7 +157,8 @@ def _data_hash(data: TaskBatch) -> str:
 #: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
 #: resume likewise never mixes chunks written by two versions of the code.
 VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
-                 "looptrace.io.precision", "looptrace.io.store.schema", "looptrace.io.store.writer",
+                 "looptrace.signals.names", "looptrace.io.precision", "looptrace.io.store.schema",
+                 "looptrace.io.store.writer",
                  "looptrace.models.interface", "looptrace.models.looped")
 
 

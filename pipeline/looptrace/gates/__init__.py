@@ -40,7 +40,7 @@ Gates (``gates.gates``, names ``<gate>-<labels>``; rule ``gate:<gate>-<labels>``
   P(stop) = 1 − P(continue) for utility and oracle, P(stop) for consistent.
 - ``ponder-linear`` / ``ponder-mlp``: a small torch module g (linear, or a 2-layer MLP) trained on the
   frozen per-depth losses ℓ_t = −target_logprob to minimise Σ_t q_t ℓ_t + β KL(q ‖ π) with
-  λ_t = σ(g(x_t)) and q = ``looptrace.models.regimes.halting_distribution`` (SPEC §5, [AD]'s "same objective");
+  λ_t = σ(g(x_t)) and q = ``looptrace.signals.halting_torch.halting_distribution`` (SPEC §5, [AD]'s "same objective");
   P(stop) = λ_t.
 
 Training rows are loops 1..T − 1 (the exit at T is forced whatever the gate says; the PonderNet

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from looptrace.config import ConfigError
+from looptrace.signals import names as signal_names
 
 SPLITS = ("fit", "val", "test")
 #: Label schemes of SPEC §6.
@@ -17,16 +18,14 @@ CLASSIFIERS = ("logreg", "mlp")
 #: torch gate architectures for the PonderNet objective.
 PONDER_ARCHS = ("linear", "mlp")
 #: Statistics read from the store (SPEC §3) that a gate may use at loop t.
-STORE_FEATURES = ("entropy", "max_prob", "margin", "kl_prev", "kl_prev_rev", "logit_change", "gate_logit")
+STORE_FEATURES = signal_names.STORED_FEATURES
 #: Step geometry (SPEC §2) from ``looptrace.signals.steps.step_metrics``; ``hidden_change`` = step_norm.
-GEOMETRY_FEATURES = ("step_norm", "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2",
-                     "hidden_change")
+GEOMETRY_FEATURES = signal_names.STATE_FEATURES
 FEATURE_STATS = STORE_FEATURES + GEOMETRY_FEATURES
 #: Statistics a gate must not see, and why.
-FORBIDDEN_STATS = {"target_logprob": "it uses the target", "kl_final": "it needs loop T's readout",
-                   "argmax": "it is a class id, not a scalar", "correct": "it uses the target"}
+FORBIDDEN_STATS = signal_names.NOT_FEATURES
 #: Statistics that can be negative (entered as is, not logged).
-SIGNED_STATS = ("step_cos", "step_d2", "gate_logit")
+SIGNED_STATS = signal_names.SIGNED
 LOOP_FEATURES = ("onehot", "scalar", "none")
 UTILITY_ALIGN = ("ouro", "next")
 #: Floor of the log transform of non-negative statistics (exact zeros, e.g. entropy 0 in float32).

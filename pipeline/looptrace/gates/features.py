@@ -11,6 +11,7 @@ from looptrace.config import ConfigError, InputError
 from looptrace.gates.config import GEOMETRY_FEATURES, LOG_FLOOR, SIGNED_STATS
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
+from looptrace.signals.names import add_aliases
 
 if TYPE_CHECKING:
     from sklearn.decomposition import PCA
@@ -188,8 +189,7 @@ def block_stats(st, tokens: slice, stats: Sequence[str], hidden: np.ndarray | No
             hidden = st.read("hidden", tokens)
         if hidden_init is None:
             hidden_init = st.read("hidden_init", tokens)
-        metrics = step_metrics(hidden, hidden_init)
-        metrics["hidden_change"] = metrics["step_norm"]
+        metrics = add_aliases(step_metrics(hidden, hidden_init))
     cols = [metrics[s] if s in metrics else st.read(s, tokens) for s in stats]
     return np.stack(cols, axis=-1)
 

@@ -83,7 +83,9 @@ class FittedGate:
             if form == "lambda":
                 import torch
 
-                return torch.sigmoid(torch.as_tensor(g)).numpy()  # λ_t
+                from looptrace.signals.halting_torch import halting_lambda
+
+                return halting_lambda(torch.as_tensor(g)).numpy()  # λ_t
             return halting_cdf(g)
         proba = self.model.predict_proba(X.reshape(n * L, F))
         col = int(np.flatnonzero(self.model.classes_ == 1)[0])  # class 1 = stop

@@ -15,7 +15,7 @@ def ponder_prior(T: int, prior: str = "uniform", lam: float = 0.3):
 
 
 def ponder_loss(gate_logits, loss, beta: float, prior):
-    """Mean over tokens of Σ_t q_t ℓ_t + β KL(q ‖ π) (SPEC §5), q from ``regimes.halting_distribution``.
+    """Mean over tokens of Σ_t q_t ℓ_t + β KL(q ‖ π) (SPEC §5), q from ``signals.halting_torch.halting_distribution``.
 
     Args:
         gate_logits: [token, loop] torch tensor g_t (λ_t = σ(g_t)).
@@ -28,7 +28,7 @@ def ponder_loss(gate_logits, loss, beta: float, prior):
     """
     import torch
 
-    from looptrace.models.regimes import halting_distribution
+    from looptrace.signals.halting_torch import halting_distribution
 
     q = halting_distribution(gate_logits)
     pi = prior.to(q)
@@ -73,7 +73,7 @@ def fit_ponder(X: np.ndarray, loss: np.ndarray, arch: str, cfg: PonderConfig, se
     """
     import torch
 
-    from looptrace.models.regimes import halting_distribution
+    from looptrace.signals.halting_torch import halting_distribution
 
     n, T, F = X.shape
     xt = torch.as_tensor(np.ascontiguousarray(X), dtype=torch.float32)

@@ -16,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from looptrace.config import Check, ConfigError, NonNegFloat, one_of
+from looptrace.signals.halting_torch import halting_distribution
 from looptrace.tasks import IGNORE
 
 KINDS = ("final", "uniform", "geometric", "joint")
@@ -72,21 +73,6 @@ def prior_weights(T: int, cfg: RegimeConfig) -> torch.Tensor:
         w[-1] = 1.0
         return w
     return geometric_weights(T, cfg.lam)
-
-
-def halting_distribution(gate_logits: torch.Tensor) -> torch.Tensor:
-    """q over depths from gate logits (PonderNet): [..., T] -> [..., T], sums to 1 over T.
-
-    λ_t = σ(gate_t); q_t = λ_t Π_{j<t}(1−λ_j) for t < T and q_T = Π_{j<T}(1−λ_j) (the last
-    loop takes all remaining mass, whatever gate_T is). Computed in log space for stability.
-    """
-    log_lam = F.logsigmoid(gate_logits)  # log λ_t
-    log_not = F.logsigmoid(-gate_logits)  # log (1 − λ_t)
-    # log Π_{j<t}(1−λ_j): exclusive cumulative sum.
-    surv = torch.cumsum(log_not, dim=-1) - log_not  # [..., T]
-    log_q = surv + log_lam
-    log_q = torch.cat([log_q[..., :-1], surv[..., -1:]], dim=-1)
-    return log_q.exp()
 
 
 def per_depth_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

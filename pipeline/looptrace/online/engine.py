@@ -22,6 +22,7 @@ from looptrace.online.signals import LiveSignals, to_numpy
 from looptrace.rules.base import HISTORY, SIGNAL, ExitRule
 from looptrace.rules.registry import get_rule
 from looptrace.signals import keep_rows
+from looptrace.signals.firing import two_hit_step
 
 # ----------------------------------------------------------------------------------------------
 # Online rules: a rule of the registry evaluated loop by loop on the live batch
@@ -79,7 +80,7 @@ class OnlineRule:
         if self.two_hit:
             prev = self.state.get("hit_prev")
             self.state["hit_prev"] = hit
-            hit = hit & prev if prev is not None else torch.zeros_like(hit)
+            hit = two_hit_step(hit, prev)
         if t < self.min_loop:
             hit = torch.zeros_like(hit)
         return hit

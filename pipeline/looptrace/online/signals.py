@@ -20,10 +20,9 @@ import torch
 
 from looptrace.config import ConfigError
 from looptrace.signals.logits import STAT_NAMES, LoopStats
+from looptrace.signals.names import ALIASES
 from looptrace.signals.steps import GEOMETRY_METRICS, StepSignals
 
-#: Aliases of token_loop.parquet columns: ``hidden_change`` = ``step_norm`` (SPEC §4).
-ALIASES = {"hidden_change": "step_norm"}
 _ROUNDING = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from looptrace.config import ConfigError
+from looptrace.signals import names as signal_names
 
 #: Rule families (the ``kind`` column of the outputs).
 KINDS = ("fixed", "posthoc", "native", "oracle", "gate")
@@ -48,12 +49,9 @@ OPS = ("le", "ge")
 
 #: Signals a rule may read online ([token, loop] columns of token_loop.parquet, and ``loop`` = t): the
 #: logit signals known at loop t, the step signals (``hidden_change`` = ``step_norm``), the native gate logit.
-ONLINE_SIGNALS = ("loop", "entropy", "max_prob", "margin", "argmax", "kl_prev", "kl_prev_rev", "logit_change",
-                  "step_norm", "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2",
-                  "hidden_change", "gate_logit")
+ONLINE_SIGNALS = signal_names.ONLINE_SIGNALS
 #: Columns an exit rule cannot read, and why (only the oracle ceiling reads ``correct``).
-OFFLINE_ONLY_SIGNALS = {"correct": "it uses the target", "target_logprob": "it uses the target",
-                        "kl_final": "it needs loop T's readout"}
+OFFLINE_ONLY_SIGNALS = signal_names.OFFLINE_ONLY
 SIGNALS = (*ONLINE_SIGNALS, *OFFLINE_ONLY_SIGNALS)
 
 #: ``online`` values: the score at t is the rule's single signal at t (threshold rules).

@@ -21,7 +21,7 @@ import numpy as np
 
 from looptrace.rules.base import SIGNAL, ExitRule
 from looptrace.rules.scoring import exit_depths
-from looptrace.signals import keep_rows
+from looptrace.signals.firing import ArgmaxStableCount, argmax_stable_count
 from looptrace.signals.halting import OURO_DTYPES, HaltingCDF, OuroHaltingCDF, halting_cdf, ouro_halting_cdf
 
 
@@ -33,38 +33,18 @@ def _column(col: str):
     return score
 
 
-def argmax_stable_count(argmax: np.ndarray) -> np.ndarray:
-    """Huginn's argmax-stability counter ([token, loop] int64): c_1 = 0; c_t = c_{t−1} + 1 when
-    argmax_t = argmax_{t−1}, else 0 — the number of consecutive loops, ending at t, whose argmax equals the
-    previous loop's (``ArgmaxStabilityExitEvaluator.stable_for_n_steps`` of seal-rg/recurrent-pretraining; its
-    previous argmax starts at −1, which no argmax equals, so the first loop counts 0). Huginn exits when
-    c_t ≥ ``exit_threshold`` (default 5: six equal loops)."""
-    a = np.asarray(argmax)
-    n, T = a.shape
-    same = np.zeros((n, T), dtype=bool)
-    same[:, 1:] = a[:, 1:] == a[:, :-1]  # same[t] : argmax_t == argmax_{t-1}
-    count = np.zeros((n, T), dtype=np.int64)
-    for t in range(1, T):
-        count[:, t] = np.where(same[:, t], count[:, t - 1] + 1, 0)
-    return count
-
-
 class ArgmaxStableOnline:
-    """Online ``argmax_stable``: Huginn's counter of consecutive equal-argmax transitions, loop by loop ([batch, seq])."""
+    """Online ``argmax_stable``: Huginn's counter (:class:`~looptrace.signals.firing.ArgmaxStableCount`) on the live
+    argmax, loop by loop ([batch, seq])."""
 
     def __init__(self) -> None:
-        self.prev = self.count = None
+        self.counter = ArgmaxStableCount()
 
     def update(self, t: int, s: Mapping[str, np.ndarray]) -> np.ndarray:
-        a = s["argmax"]
-        self.count = (np.zeros(a.shape, dtype=np.int64) if self.prev is None
-                      else np.where(a == self.prev, self.count + 1, 0))
-        self.prev = a
-        return self.count.astype(np.float64)
+        return self.counter.update(s["argmax"]).astype(np.float64)
 
     def compact(self, rows, seq: int | None) -> None:
-        if self.prev is not None:
-            self.prev, self.count = keep_rows(self.prev, rows, seq), keep_rows(self.count, rows, seq)
+        self.counter.compact(rows, seq)
 
 
 class QExitOnline:

@@ -29,6 +29,7 @@ import polars as pl
 from looptrace.config import Check, ConfigError, InputError, Percent
 from looptrace.intervals import Interval, Resampler, dx_samples, percentile_interval
 from looptrace.io.tables import SplitArrays
+from looptrace.signals import firing
 
 # Comparisons of k/N fractions against x/100: a tiny tolerance so that e.g. 57/100 ≥ 0.57 holds.
 _EPS = 1e-12
@@ -123,9 +124,7 @@ def exit_depths(signal: np.ndarray, thresholds: np.ndarray, op: str, min_loop: i
         t = thr[:, None, None]  # [K, 1, 1]
         hit = (s <= t) if op == "le" else (s >= t)  # NaN compares False
         if two_hit:
-            prev = np.zeros_like(hit)
-            prev[..., 1:] = hit[..., :-1]
-            hit &= prev
+            hit = firing.two_hit(hit)
         hit &= allowed
         first = hit.argmax(axis=-1)  # first True (0 when none)
         out[:, lo:lo + chunk] = np.where(hit.any(axis=-1), first + 1, n_loop)

@@ -1,5 +1,7 @@
 """Per-loop signals, each defined once: logit signals (SPEC §3, :mod:`.logits`), step signals (SPEC §2,
-:mod:`.steps`) and the halting CDF of a native gate (:mod:`.halting`).
+:mod:`.steps`) and the halting CDF of a native gate (:mod:`.halting`; its torch forms for training and the
+PonderNet gates in :mod:`.halting_torch`), with the exit rules' firing conditions (:mod:`.firing`). Their names,
+sources and properties are one table, :mod:`.names` (the signal registry every list of signals derives from).
 
 Every module has a vectorised form over a whole trajectory ([token, loop]) and a streaming form that is fed
 one loop at a time and keeps only what the next loop needs. The dump, the geometry stage, the offline rules,

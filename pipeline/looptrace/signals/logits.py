@@ -35,14 +35,12 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from looptrace.io.store.schema import STAT_NAMES
 from looptrace.signals import keep_rows
+from looptrace.signals.names import CAUSAL_LOGIT_SIGNALS
+from looptrace.signals.names import LOGIT_SIGNALS as STAT_NAMES
 
 __all__ = ["CAUSAL_LOGIT_SIGNALS", "STAT_NAMES", "LoopStats", "argmax", "entropy", "kl_div", "kl_final",
            "kl_prev", "kl_prev_rev", "logit_change", "logit_stats", "margin", "max_prob", "target_logprob"]
-
-#: Logit signals known at loop t without the label or a later loop (what an exit rule may read online).
-CAUSAL_LOGIT_SIGNALS = ("entropy", "max_prob", "margin", "argmax", "kl_prev", "kl_prev_rev", "logit_change")
 
 
 def _masked_dot(p: torch.Tensor, x: torch.Tensor, finite: bool = False) -> torch.Tensor:

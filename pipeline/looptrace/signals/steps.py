@@ -26,9 +26,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from looptrace.signals import keep_rows
+from looptrace.signals.names import STEP_SIGNALS
 
-#: Step signals of :func:`step_metrics`, in ``token_loop.parquet`` column order.
-GEOMETRY_METRICS = ("step_norm", "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2")
+#: Step signals of :func:`step_metrics`, in ``token_loop.parquet`` column order (the registry's).
+GEOMETRY_METRICS = STEP_SIGNALS
 
 
 def _dot(a: np.ndarray, b: np.ndarray) -> np.ndarray:

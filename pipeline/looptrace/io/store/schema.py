@@ -10,13 +10,13 @@ import numpy as np
 from zarr.codecs import BloscCodec, Crc32cCodec
 
 from looptrace.config import UserError
+from looptrace.signals.names import LOGIT_SIGNALS
 
 #: Bumped whenever an array, dimension or required attribute changes meaning.
 SCHEMA_VERSION = 1
 
 #: Per-(token, loop) logit statistics of SPEC §3 (all float32 except ``argmax``, int32).
-STAT_NAMES = ("entropy", "max_prob", "margin", "target_logprob", "argmax", "kl_prev", "kl_prev_rev",
-              "kl_final", "logit_change")
+STAT_NAMES = LOGIT_SIGNALS
 
 #: Per-token metadata arrays (int64), in ``tokens_frame`` column order.
 TOKEN_FIELDS = ("target", "token_id", "sequence", "position", "difficulty", "token_type")
