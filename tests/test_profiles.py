@@ -67,7 +67,7 @@ def test_stage_cli_layers_repeated_params(tmp_path):
     from typer.testing import CliRunner
 
     import looptrace.stages.readouts as stage
-    from looptrace.testing import token_loop_splits, write_token_loop
+    from tests.builders import token_loop_splits, write_token_loop
 
     write_token_loop(tmp_path / "geometry" / "m" / "token_loop.parquet", token_loop_splits(n=120))
     over = tmp_path / "over.yaml"

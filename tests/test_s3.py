@@ -22,7 +22,7 @@ import torch
 
 from looptrace.capture.dump import dump_split
 from looptrace.io.store import open_store, remove_store, store_exists, write_store
-from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
+from tests.builders import random_store_arrays, tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

@@ -29,7 +29,7 @@ from looptrace.io.claims import (
     shard_range,
 )
 from looptrace.io.store import StoreError, StoreWriter, memory_store, open_store
-from looptrace.testing import tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
+from tests.builders import tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "dump_child.py"

@@ -19,7 +19,7 @@ from looptrace.io.store import (
     open_store,
     write_store,
 )
-from looptrace.testing import random_store_arrays
+from tests.builders import random_store_arrays
 
 ATTRS = {"split": "val", "task": {"name": "rp", "kind": "running_parity", "length": 8},
          "regime": {"name": "uniform", "kind": "uniform"}, "token_types": ["keep", "change"],
