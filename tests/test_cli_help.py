@@ -38,10 +38,10 @@ def test_root_help_is_for_users_and_lists_every_name(tmp_path, monkeypatch):
 
 def test_each_stage_lists_the_names_it_takes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert [s.__name__.rsplit(".", 1)[-1] for s, _ in STAGES] == [
+    assert [s.name for s in STAGES] == [
         "train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report"]
-    for stage, blocks in STAGES:
-        name = stage.__name__.rsplit(".", 1)[-1]
+    for stage in STAGES:
+        name, blocks = stage.name, stage.help_blocks
         text = _help(name)
         assert "<task>-<regime>-s<seed>" in text, name
         assert (" entropy: exit when entropy ≤ threshold" in text) == ("rules" in blocks), name

@@ -39,6 +39,7 @@ import polars as pl
 import pytest
 import yaml
 
+from looptrace.stages import registered
 from tests.test_e2e_gates import REPO, TINY, _merge, run_in_process, stage_commands
 from tests.test_parallel import without_timings
 
@@ -55,7 +56,7 @@ PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkp
 
 #: What the child imports before ``ready`` and the reference imports before it times a stage, so that a kill
 #: time drawn over a stage's reference time lands in its work, not in its first imports.
-STAGES = ("train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report")
+STAGES = tuple(s.name for s in registered())
 PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
            "looptrace.gates.fit", "looptrace.report", "looptrace.diagnose", "looptrace.online.latency",
            "looptrace.online.generate", "sklearn.linear_model", "sklearn.neural_network", "sklearn.decomposition",

@@ -1,7 +1,8 @@
 """The ``looptrace`` Typer app: one command per DVC stage.
 
 Each command is the ``main`` function of ``looptrace.stages.<name>``, the same entry DVC runs (through the
-launcher ``stages/<name>.py``), so the CLI and ``dvc repro`` execute exactly the same code. Errors a user can fix
+launcher ``stages/<name>.py``), so the CLI and ``dvc repro`` execute exactly the same code; the commands are the
+stages the entries registered (:func:`looptrace.stages.registered`). Errors a user can fix
 (bad params, missing or invalid inputs) print one line and exit with status 2.
 """
 
@@ -10,18 +11,7 @@ from __future__ import annotations
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from looptrace.stages import (
-    diagnose,
-    dump,
-    dynamics,
-    gates,
-    generate,
-    geometry,
-    latency,
-    readouts,
-    report,
-    train,
-)
+from looptrace.stages import registered
 
 #: What the app says about itself (``looptrace --help``): for a user, not a developer.
 HELP = ("looptrace: find out why adaptive depth in a looped (recurrent-depth) transformer works or fails.\n\n"
@@ -119,14 +109,9 @@ def _root() -> None:
     """looptrace: trajectory diagnostics for adaptive depth in looped transformers."""
 
 
-def _help(stage) -> str:
-    return (stage.main.__doc__ or "").strip()
-
-
-#: Pipeline order and the names each stage's help lists. Each name is the dvc.yaml stage, stages/<name>.py, the
-#: params section and artifacts/<name>/.
-STAGES = ((train, ("tasks", "regimes", "models")), (dump, ("tasks", "models", "adapters")), (dynamics, ("models",)),
-          (geometry, ("models",)), (readouts, ("models", "rules")), (gates, ("models",)), (diagnose, ("models",)),
-          (latency, ("models", "rules")), (generate, ("models", "rules")), (report, ("models",)))
-for _stage, _blocks in STAGES:
-    app.command(_stage.__name__.rsplit(".", 1)[-1], help=_help(_stage), cls=_listing(TyperCommand, _blocks))(_stage.main)
+#: Every stage in pipeline order, as its entry registered it (looptrace.stages.register_stage): one command each,
+#: whose help is its main's docstring plus the names of its help blocks.
+STAGES = registered()
+for _stage in STAGES:
+    app.command(_stage.name, help=(_stage.main.__doc__ or "").strip(),
+                cls=_listing(TyperCommand, _stage.help_blocks))(_stage.main)
