@@ -59,7 +59,7 @@ def _names_in_params(path: str = "params.yaml") -> list[str]:
 def vocabulary(*blocks: str) -> str:
     """The epilog of a help page: the valid names of ``blocks`` (tasks, regimes, models, rules, adapters),
     listed from the code's own registries so they cannot go stale. Paragraphs: Typer joins single lines."""
-    from looptrace.models.adapters.hf import KINDS as ADAPTERS
+    from looptrace.models.adapters.registry import adapter_kinds
     from looptrace.models.regimes import KINDS as REGIMES
     from looptrace.rules.builtin import OURO_Q_EXIT_RULES
     from looptrace.rules.registry import ENTRY_POINT_GROUP, builtin_rules
@@ -81,7 +81,8 @@ def vocabulary(*blocks: str) -> str:
             out.append(f"Your own rule: 'package.module:function' (decorated with looptrace.rules.exit_rule) or an "
                        f"entry point in the '{ENTRY_POINT_GROUP}' group; README 'Your own exit rule'.")
         elif b == "adapters":
-            out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(ADAPTERS) + ".")
+            out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(adapter_kinds())
+                       + ".")
         else:
             raise ValueError(f"unknown help block {b!r}")
     return "\n\n".join(out)

@@ -87,14 +87,11 @@ from typing import Any
 import torch
 
 from looptrace.config import CheckpointLoadError  # noqa: F401  (re-exported: the loaders' error)
+from looptrace.models.adapters.registry import adapter_kinds
 
 #: transformers versions the shim supports: [low, high) as (major, minor).
 SUPPORTED_TRANSFORMERS = ((4, 55), (6, 0))
 SUPPORTED_TEXT = "transformers>=4.55,<6 (looptrace pins >=5.24)"
-#: The remote model class of each family (``auto_map["AutoModelForCausalLM"]``, module.Class).
-FAMILY_CLASSES = {"huginn": "raven_modeling_minimal.RavenForCausalLM", "ouro": "modeling_ouro.OuroForCausalLM"}
-#: The input-embedding weight an untied-in-4.x ``lm_head.weight`` is tied to, per family.
-TIED_SOURCE = {"huginn": "transformer.wte.weight", "ouro": "model.embed_tokens.weight"}
 DISABLE_ENV = "LOOPTRACE_COMPAT_DISABLE"
 _MARK = "_looptrace_compat"
 
@@ -136,10 +133,16 @@ def read_auto_map(path: Path | str) -> dict[str, str]:
     return {k: str(v).split("--", 1)[-1] for k, v in am.items()} if isinstance(am, dict) else {}
 
 
+def family_classes() -> dict[str, str]:
+    """The remote model class of each family (``auto_map["AutoModelForCausalLM"]``, module.Class): the adapter kinds
+    registered with a ``remote_class`` (:mod:`looptrace.models.adapters.registry`)."""
+    return {k: e.remote_class for k, e in adapter_kinds().items() if e.remote_class}
+
+
 def family_of(auto_map: dict[str, str]) -> str | None:
-    """``huginn`` | ``ouro`` when ``auto_map`` names one of :data:`FAMILY_CLASSES`, else None."""
+    """``huginn`` | ``ouro`` when ``auto_map`` names one of :func:`family_classes`, else None."""
     ref = auto_map.get("AutoModelForCausalLM", "")
-    return next((f for f, cls in FAMILY_CLASSES.items() if ref == cls), None)
+    return next((f for f, cls in family_classes().items() if ref == cls), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,7 +278,7 @@ def _tied_weights_mapping(rc: RemoteCode) -> bool:
     for klass in rc.model_cls.__mro__:
         keys = klass.__dict__.get("_tied_weights_keys")
         if isinstance(keys, list | tuple):
-            type.__setattr__(klass, "_tied_weights_keys", {k: TIED_SOURCE[rc.family] for k in keys})
+            type.__setattr__(klass, "_tied_weights_keys", {k: adapter_kinds()[rc.family].tied_source for k in keys})
             changed = True
     return changed
 
@@ -571,7 +574,7 @@ def remote_code(path: Path | str, kind: str, auto_map: dict[str, str] | None = N
     for key in ("AutoConfig", "AutoModelForCausalLM"):
         if key not in am:
             raise CheckpointLoadError(f"dump.adapter.path '{path}': config.json's auto_map has no {key}; kind {kind} "
-                                      f"needs the checkpoint's own code ({FAMILY_CLASSES[kind]})")
+                                      f"needs the checkpoint's own code ({family_classes()[kind]})")
     rc = RemoteCode(kind, get_class_from_dynamic_module(am["AutoConfig"], str(path), local_files_only=True),
                     get_class_from_dynamic_module(am["AutoModelForCausalLM"], str(path), local_files_only=True))
     apply_patches(rc)
@@ -593,7 +596,7 @@ def load_remote_model(path: Path | str, kind: str, dtype: torch.dtype | str, att
     fam = family_of(am)
     if fam is not None and fam != kind:
         raise CheckpointLoadError(f"dump.adapter.path '{path}': kind is {kind} but config.json's auto_map names "
-                                  f"{FAMILY_CLASSES[fam]} ({fam}); set dump.adapter.kind: {fam}")
+                                  f"{family_classes()[fam]} ({fam}); set dump.adapter.kind: {fam}")
     with quiet_transformers():
         return _load(path, kind, am, dtype, attn_implementation, config_overrides)
 
@@ -690,17 +693,17 @@ def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str 
     what = f"{type(exc).__name__}{at}: {msg}" if msg else f"{type(exc).__name__}{at}"
     if isinstance(exc, OSError) and not isinstance(exc, ImportError):
         fix = "it must be a save_pretrained directory with config.json, its weights and the model's .py files"
-    elif kind not in FAMILY_CLASSES:
+    elif kind not in family_classes():
         fix = "the checkpoint's own code does not run under the installed transformers; use a revision of it that does"
     else:
         fix = (f"the shim (looptrace.models.adapters.compat) covers the published {kind} code "
-               f"({FAMILY_CLASSES[kind].split('.')[0]}.py, docs/adapters.md 'Remote code'); compare the directory's "
+               f"({family_classes()[kind].split('.')[0]}.py, docs/adapters.md 'Remote code'); compare the directory's "
                f"code with it, or set {DISABLE_ENV} to narrow down which patch no longer fits")
     return (f"dump.adapter.path '{path}': cannot {verb} the {kind} checkpoint under transformers "
             f"{transformers.__version__} ({what}); {fix}")
 
 
-__all__ = ["DISABLE_ENV", "FAMILY_CLASSES", "PATCHES", "SUPPORTED_TRANSFORMERS", "CheckpointLoadError", "Patch",
-           "RemoteCode", "active_patches", "apply_patches", "check_transformers", "describe_failure", "family_of",
+__all__ = ["DISABLE_ENV", "PATCHES", "SUPPORTED_TRANSFORMERS", "CheckpointLoadError", "Patch",
+           "RemoteCode", "active_patches", "apply_patches", "check_transformers", "describe_failure", "family_classes", "family_of",
            "is_incompatibility", "load_remote_model", "quiet_transformers", "read_auto_map", "remote_code",
            "transformers_version"]
