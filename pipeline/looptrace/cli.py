@@ -11,7 +11,13 @@ from __future__ import annotations
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from looptrace.models.adapters.registry import adapter_kinds
+from looptrace.models.regimes import KINDS as REGIMES
+from looptrace.project import defined_names
+from looptrace.rules.builtin import OURO_Q_EXIT_RULES
+from looptrace.rules.registry import ENTRY_POINT_GROUP, builtin_rules
 from looptrace.stages import registered
+from looptrace.tasks import KINDS as TASKS
 
 #: What the app says about itself (``looptrace --help``): for a user, not a developer.
 HELP = ("looptrace: find out why adaptive depth in a looped (recurrent-depth) transformer works or fails.\n\n"
@@ -42,7 +48,6 @@ def rule_line(rule) -> str:
 def _names_in_params(path: str = "params.yaml") -> list[str]:
     """What ./params.yaml defines: task and regime names and the model names of its matrix; [] when there is no
     readable file (help must print regardless)."""
-    from looptrace.project import defined_names
 
     try:
         names = defined_names([path])
@@ -59,11 +64,6 @@ def _names_in_params(path: str = "params.yaml") -> list[str]:
 def vocabulary(*blocks: str) -> str:
     """The epilog of a help page: the valid names of ``blocks`` (tasks, regimes, models, rules, adapters),
     listed from the code's own registries so they cannot go stale. Paragraphs: Typer joins single lines."""
-    from looptrace.models.adapters.registry import adapter_kinds
-    from looptrace.models.regimes import KINDS as REGIMES
-    from looptrace.rules.builtin import OURO_Q_EXIT_RULES
-    from looptrace.rules.registry import ENTRY_POINT_GROUP, builtin_rules
-    from looptrace.tasks import KINDS as TASKS
 
     out = []
     for b in blocks:

@@ -9,6 +9,7 @@ from looptrace.gates.config import Q_FLOOR, PonderConfig
 
 def ponder_prior(T: int, prior: str = "uniform", lam: float = 0.3):
     """π over depths [T] (torch float32), via ``looptrace.models.regimes.prior_weights`` (joint regime's prior)."""
+    # lazy: torch (models.regimes imports it): only a PonderNet gate needs it; importing gates loads no torch
     from looptrace.models.regimes import RegimeConfig, prior_weights
 
     return prior_weights(T, RegimeConfig(kind="joint", prior=prior, lam=lam))
@@ -26,8 +27,10 @@ def ponder_loss(gate_logits, loss, beta: float, prior):
     Returns:
         Scalar tensor (nats).
     """
+    # lazy: torch (models.regimes imports it): only a PonderNet gate needs it; importing gates loads no torch
     import torch
 
+    # lazy: torch (models.regimes imports it): only a PonderNet gate needs it; importing gates loads no torch
     from looptrace.models.regimes import halting_distribution
 
     q = halting_distribution(gate_logits)
@@ -38,6 +41,7 @@ def ponder_loss(gate_logits, loss, beta: float, prior):
 
 def _ponder_module(n_features: int, arch: str, hidden: int):
     """The gate g: features [..., F] -> logit [...] (linear, or Linear-ReLU-Linear)."""
+    # lazy: torch (models.regimes imports it): only a PonderNet gate needs it; importing gates loads no torch
     from torch import nn
 
     class PonderGate(nn.Module):
@@ -70,8 +74,10 @@ def fit_ponder(X: np.ndarray, loss: np.ndarray, arch: str, cfg: PonderConfig, se
     Returns:
         (module in eval mode, dict with the final fit objective and mean halting depth Σ t q_t).
     """
+    # lazy: torch (models.regimes imports it): only a PonderNet gate needs it; importing gates loads no torch
     import torch
 
+    # lazy: torch (models.regimes imports it): only a PonderNet gate needs it; importing gates loads no torch
     from looptrace.models.regimes import halting_distribution
 
     n, T, F = X.shape

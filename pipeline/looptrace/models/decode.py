@@ -36,6 +36,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.kv import LoopKVCache
 from looptrace.models.looped import LoopedTransformer
 
@@ -197,12 +198,12 @@ def decoder_for(model, policy: str, **options) -> LoopDecoder:
     Raises:
         DecodeUnsupported: the model or the policy cannot be decoded this way (the message says why).
     """
-    from looptrace.models.interface import LoopedTransformerAdapter
 
     if isinstance(model, LoopedTransformerAdapter):
         model = model.model
     if isinstance(model, LoopedTransformer):
         return LoopedTransformerDecoder(model, policy)
+    # lazy: cycle: hf_decode imports this module (LoopDecoder, DecodeUnsupported)
     from looptrace.models.adapters.hf_decode import hf_decoder
 
     return hf_decoder(model, policy, **options)

@@ -73,6 +73,8 @@ code the shim does not cover); anything else (a bug) propagates with its traceba
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import inspect
 import json
@@ -102,6 +104,7 @@ _MARK = "_looptrace_compat"
 # ---------------------------------------------------------------------------------------------
 
 def transformers_version() -> tuple[int, int]:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     import transformers
 
     major, minor = transformers.__version__.split(".")[:2]
@@ -110,6 +113,7 @@ def transformers_version() -> tuple[int, int]:
 
 def check_transformers(path: Path | str, kind: str) -> None:
     """Refuse a transformers outside :data:`SUPPORTED_TRANSFORMERS` (one line, names the range)."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     import transformers
 
     lo, hi = SUPPORTED_TRANSFORMERS
@@ -221,6 +225,7 @@ def active_patches(rc: RemoteCode) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 def _tf_wants_tied_mapping() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers import PreTrainedModel
 
     return hasattr(PreTrainedModel, "get_expanded_tied_weights_keys")
@@ -233,8 +238,8 @@ def _tf_renames_output_cache() -> bool:
     transformers 5.0-5.24 rename the keyword to ``cache=`` in every ``ModelOutput``; 5.25 leaves classes that
     still declare the old field alone. Probed on a throw-away class rather than read off the version number.
     """
-    import dataclasses
 
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import ModelOutput
 
     @dataclasses.dataclass
@@ -249,18 +254,21 @@ def _tf_renames_output_cache() -> bool:
 
 
 def _tf_rope_has_default() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return "default" in ROPE_INIT_FUNCTIONS
 
 
 def _tf_generate_passes_cache() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.generation.utils import GenerationMixin
 
     return "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
 
 
 def _tf_mask_sizes_take_length() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.cache_utils import Cache
 
     params = list(inspect.signature(Cache.get_mask_sizes).parameters)
@@ -286,6 +294,7 @@ def _tied_weights_mapping(rc: RemoteCode) -> bool:
 def _output_past_key_values(rc: RemoteCode) -> bool:
     if not _tf_renames_output_cache():
         return False
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import ModelOutput
 
     mod, changed = rc.module, False
@@ -333,6 +342,7 @@ def _huginn_config_tie(rc: RemoteCode) -> bool:
 
 
 def _huginn_generation_cache_position(rc: RemoteCode) -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.generation.utils import GenerationMixin
 
     cls = rc.model_cls
@@ -411,7 +421,6 @@ def _huginn_generate_route(rc: RemoteCode) -> bool:
     def generate(self, *args, **kwargs):
         if any(k in kwargs for k in _HUGINN_OWN_GENERATE):
             return own(self, *args, **kwargs)
-        import copy
 
         input_ids = args[0] if args else kwargs.pop("input_ids")
         gc = args[1] if len(args) > 1 else kwargs.pop("generation_config", None)
@@ -568,6 +577,7 @@ PATCHES: tuple[Patch, ...] = (
 
 def remote_code(path: Path | str, kind: str, auto_map: dict[str, str] | None = None) -> RemoteCode:
     """The checkpoint's own config and model classes (imported from the directory, local files only), patched."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     am = read_auto_map(path) if auto_map is None else auto_map
@@ -664,6 +674,7 @@ def quiet_transformers():
     """Hide the deprecation notices transformers 5 prints for the 4.x-era remote code (``check_model_inputs``,
     ``rope_scaling``, ``past_key_values``... — known and harmless; docs/adapters.md): its logger at ERROR and its
     FutureWarning / DeprecationWarning ignored while the model loads and runs."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -679,6 +690,7 @@ def quiet_transformers():
 
 def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str = "load") -> str:
     """One line: the checkpoint, what failed (type, where, message) and the fix (``verb``: load | run)."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     import transformers
 
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

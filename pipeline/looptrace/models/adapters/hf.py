@@ -157,6 +157,7 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
             config.json, unknown architecture, missing weights, remote code that does not fit the installed
             transformers); an unexpected error propagates with its traceback.
     """
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import logging as hf_logging
 
     path = Path(cfg.path)
@@ -184,6 +185,7 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
 
 def _load_auto(cfg: AdapterConfig, path: Path, dtype) -> nn.Module:
     """transformers' Auto classes (native architectures, or remote code the shim does not know)."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw: dict[str, Any] = {"local_files_only": True, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
@@ -193,6 +195,7 @@ def _load_auto(cfg: AdapterConfig, path: Path, dtype) -> nn.Module:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
         auto = AutoModelForCausalLM
         if getattr(hf_cfg, "model_type", None) == "inkling2_loop":  # the released multimodal wrapper
+            # lazy: transformers: a multi-second import, only once a checkpoint is loaded
             from transformers import AutoModelForImageTextToText as auto
         return auto.from_pretrained(path, **kw)
     except (OSError, ValueError, KeyError) as exc:
@@ -320,6 +323,7 @@ class HFAdapter(LoopedModelAdapter):
         )
         patches = getattr(model, "_looptrace_compat_patches", None)
         if patches is not None:  # remote code loaded through the compatibility shim (provenance)
+            # lazy: transformers: a multi-second import, only once a checkpoint is loaded
             import transformers
 
             self.info.extra["compat_patches"] = list(patches)
