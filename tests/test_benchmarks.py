@@ -13,6 +13,8 @@ import pytest
 from tests.builders import tiny_checkpoint, tiny_model, tiny_task
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.slow  # subprocesses that import torch: in `make test`, not in the floors' fast suite
+
 BENCH = REPO / "benchmarks"
 
 #: benchmark -> its smoke arguments (latency's are added by its test: it reads an artifacts tree).
