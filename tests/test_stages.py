@@ -19,7 +19,7 @@ STAGES = registered()
 
 def test_every_entry_registers_its_own_stage_and_everything_lists_the_same_stages():
     names = [s.name for s in STAGES]
-    assert sorted(names) == list(STAGE_NAMES)
+    assert sorted(names) == list(STAGE_NAMES) and all(re.fullmatch(r"[a-z_]+", n) for n in names)
     assert SECTIONS == (*SHARED_SECTIONS, *STAGE_NAMES)
     assert sorted(yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]) == sorted(names)
     assert sorted(p.stem for p in (REPO / "stages").glob("*.py")) == sorted(names)
@@ -85,4 +85,3 @@ def test_loading_params_imports_no_entry():
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]", res.stdout
-    assert re.fullmatch(r"\w+", "".join(STAGE_NAMES))
