@@ -28,6 +28,7 @@ by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is o
     python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 5]
                               [--device cuda]
                               [--hf]   # also the HF-adapter section: benchmarks/dump_hf.py
+                              [--smoke]  # tiny sizes, seconds: does it still run
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+#: ``--smoke``: sizes of a run of seconds (the ratios mean nothing at this size; targets are not enforced).
+SMOKE = {"sequences": 8, "seq_len": 8, "d_model": 16, "loops": 2, "vocab": 16, "batch": 4, "chunk": 32, "threads": 1,
+         "reps": 1}
 TARGETS = {"dump/bare": 1.15, "dump/naive": 0.7, "bytes": 0.5}
 
 
@@ -67,7 +71,11 @@ def main() -> int:
                     "runs; ratios are medians over repetitions")
     ap.add_argument("--hf", action="store_true", help="also run benchmarks/dump_hf.py (a wide tiny HF Dory "
                     "through looptrace.models.adapters.hf vs the model's own forward) with its defaults")
+    ap.add_argument("--smoke", action="store_true", help="a tiny run (seconds) that checks the benchmark still runs end to end; targets not enforced "
+                    "(tests/test_benchmarks.py)")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
 
     from looptrace.capture.dump import DumpConfig, dump_split, reuse_freed_memory
     from looptrace.models.interface import LoopedTransformerAdapter
@@ -197,8 +205,8 @@ def main() -> int:
         from dump_hf import run as run_hf
 
         print("\n-- HF adapter (benchmarks/dump_hf.py) --")
-        ok &= run_hf(["--threads", str(args.threads), "--reps", str(args.reps)]) == 0
-    return 0 if ok else 1
+        ok &= run_hf(["--threads", str(args.threads), "--reps", str(args.reps)] + (["--smoke"] if args.smoke else [])) == 0
+    return 0 if ok or args.smoke else 1
 
 
 if __name__ == "__main__":

@@ -162,6 +162,11 @@ def build_model(args) -> LoopedTransformer:
     return LoopedTransformer(cfg).eval()
 
 
+#: ``--smoke``: sizes of a run of seconds (the speedups mean nothing at this size).
+SMOKE = {"d_model": 32, "heads": 4, "layers": 1, "loops": 3, "vocab": 64, "prompts": 1, "prompt_len": 4,
+         "new_tokens": 3, "repeats": 1}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=1024)
@@ -182,7 +187,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a loaded shared machine 2 OpenMP threads lose to spinning)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="a tiny run (seconds) that checks the benchmark still runs end to end; targets not enforced "
+                    "(tests/test_benchmarks.py)")
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     torch.set_num_threads(args.threads)
     wall0, cpu0 = time.perf_counter(), time.process_time()
 

@@ -18,7 +18,7 @@ compacted batch, this prints
 Timing is paired: per repeat, full depth then early exit; the speedup is the median of the
 per-repeat ratios (robust to load drift on a shared machine).
 
-Usage: ``python benchmarks/latency.py [--models a,b] [--rules top1,q_exit] [--batch 256]``
+Usage: ``python benchmarks/latency.py [--models a,b] [--rules top1,q_exit] [--batch 256] [--root artifacts]``
 (needs the train, dump and readouts artifacts of the default pipeline).
 """
 
@@ -117,17 +117,19 @@ def main() -> None:
     ap.add_argument("--bs1-sequences", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--root", type=Path, default=ROOT, help="artifacts root holding train/, dump/ and readouts/")
     args = ap.parse_args()
+    root = args.root
     torch.set_num_threads(args.threads)
     rules = tuple(args.rules.split(","))
     print(f"{'model':26s} {'rule':8s} {'batch':>5s} {'depth':>5s} {'ideal':>6s} {'exact':>6s} {'real':>6s} "
           f"{'r/ideal':>7s} {'no-compact':>10s} {'model-pred':>10s} {'a/b/step us':>14s}")
     ratios: dict[int, list[float]] = {1: [], args.batch: []}
     for name in args.models.split(","):
-        model, _ = load_checkpoint(ROOT / "train" / name / "model.pt")
-        data, token, hidden_dtype = load_test_data(ROOT / "dump" / name / "test.zarr")
+        model, _ = load_checkpoint(root / "train" / name / "model.pt")
+        data, token, hidden_dtype = load_test_data(root / "dump" / name / "test.zarr")
         scored_all = token >= 0
-        specs, _ = readout_rule_specs(ROOT / "readouts" / name, rules, int(scored_all.sum()), model.gate is not None,
+        specs, _ = readout_rule_specs(root / "readouts" / name, rules, int(scored_all.sum()), model.gate is not None,
                                       hidden_dtype)
         T = model.cfg.n_loops
         for spec in specs:

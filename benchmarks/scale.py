@@ -254,10 +254,11 @@ def _warm_up() -> None:
 def _analysis_run(store_dir: Path, out: Path, workers: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     spec = {"dir": str(store_dir), "out": str(out), "workers": workers}
-    res = subprocess.run([sys.executable, str(HERE), "--analysis-child", json.dumps(spec)], capture_output=True,
+    # stdout only: the child's stderr (its traceback when it fails) goes to this process's stderr
+    res = subprocess.run([sys.executable, str(HERE), "--analysis-child", json.dumps(spec)], stdout=subprocess.PIPE,
                          text=True)
     if res.returncode:
-        raise SystemExit(f"analysis run failed ({workers} workers): {res.stderr[-3000:]}")
+        raise SystemExit(f"analysis run failed ({workers} workers, exit status {res.returncode}; its error above)")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -345,6 +346,11 @@ def part_c(args) -> bool:
     return ok
 
 
+#: ``--smoke``: parts (a) and (b) at sizes of a run of seconds; (c) is (b) at 4x the tokens. Exit status 1 still when
+#: outputs differ.
+SMOKE = {"part": ["a", "b"], "sequences": 4, "seq_len": 8, "d_model": 16, "loops": 2, "vocab": 16, "batch": 2,
+         "chunk": 16, "threads": 1, "reps": 1, "analysis_tokens": 256, "analysis_d_model": 16, "analysis_loops": 3,
+         "analysis_chunk": 64, "analysis_reps": 1}
 PARTS = {"a": part_a, "b": part_b, "c": part_c}
 
 
@@ -365,9 +371,13 @@ def main() -> int:
     ap.add_argument("--analysis-loops", type=int, default=6)
     ap.add_argument("--analysis-chunk", type=int, default=4096)
     ap.add_argument("--analysis-reps", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="parts a and b at tiny sizes (seconds): does it still run, "
+                    "are the outputs still identical (tests/test_benchmarks.py)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--analysis-child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.child:
         child(json.loads(args.child))
         return 0

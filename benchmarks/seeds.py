@@ -36,7 +36,11 @@ def main() -> None:
     ap.add_argument("--task", default="running_parity")
     ap.add_argument("--regime", default="uniform")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--smoke", action="store_true", help="2 steps, the 1-thread and train_seeds variants only: does it "
+                    "still run (tests/test_benchmarks.py)")
     a = ap.parse_args()
+    if a.smoke:
+        a.steps = 2
     base = load_base(a.params)
     cfg = load_section(TrainConfig, "train", a.params)
     cfg = dataclasses.replace(cfg, steps=a.steps, steps_by_task={}, checkpoint_fractions=(), val_sequences=256)
@@ -50,6 +54,8 @@ def main() -> None:
          lambda: train_seeds(base, dataclasses.replace(cfg, seeds=(0, 1, 2), workers=2), [(a.task, a.regime)],
                              out / "d", progress=False)),
     ]
+    if a.smoke:  # the other two variants are the same code on more threads or seeds
+        variants = [variants[1], variants[3]]
     print(f"{a.task}-{a.regime}, {a.steps} steps, model {cfg.model.loop_form}, d_model {cfg.model.d_model}")
     for name, fn in variants:
         w, c = time.perf_counter(), _cpu()

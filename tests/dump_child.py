@@ -2,7 +2,7 @@
 
 JSON keys: ``path`` (store path or URL), ``shard`` ([i, N], default [0, 1]), ``n_seq`` (default 60),
 ``delay`` (seconds added around every chunk write, so a kill lands mid-range), ``cfg`` (DumpConfig overrides
-of :func:`looptrace.testing.tiny_dump_config`), ``hold`` (seconds to sleep after the first chunk written, so
+of :func:`tests.builders.tiny_dump_config`), ``hold`` (seconds to sleep after the first chunk written, so
 the writer stays live mid-range until killed). Prints ``ready``, then ``wrote <chunk>`` after every chunk,
 then ``done <complete>``; a refusal prints ``error: <one line>`` and exits 2.
 """
@@ -15,9 +15,11 @@ import torch
 
 torch.set_num_threads(1)
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # the repository: tests.builders
+
 from looptrace.capture.dump import dump_split  # noqa: E402
 from looptrace.io.store.writer import StoreWriter  # noqa: E402
-from looptrace.testing import tiny_adapter_and_data, tiny_dump_config  # noqa: E402
+from tests.builders import tiny_adapter_and_data, tiny_dump_config  # noqa: E402
 
 args = json.loads(sys.argv[1])
 delay = float(args.get("delay", 0.0))

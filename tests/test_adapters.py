@@ -10,6 +10,7 @@ whose layer list repeats the block (shared weights).
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from torch import nn
 from looptrace.config import ConfigError
 from looptrace.models.adapters.hf import AdapterConfig, load_adapter
 from tests import hf_helpers as H
+from tests.conftest import REPO
 
 torch.set_num_threads(1)
 
@@ -291,3 +293,47 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path, monk
     ops = pl.read_parquet(art / "ouro" / "readouts-q" / "tiny" / "operating_points.parquet")
     assert set(ops["rule"].unique()) == {"fixed", "q_exit", "q_exit_float32"}
     assert set(ops.filter(pl.col("rule") == "q_exit_float32")["kind"].unique()) == {"native"}
+
+
+# ---------------------------------------------------------------------------------------------- the kind registry
+
+def test_every_list_of_adapter_kinds_derives_from_the_registry(monkeypatch):
+    """A kind registered by one module (here: this test) is accepted by the config, built by load_adapter, known to
+    the shim when it runs remote code, listed by the help, and refused by hf_decoder while it has no decoder."""
+    import looptrace.models.adapters.hf as hf
+    from looptrace.cli import vocabulary
+    from looptrace.models.adapters import compat, registry
+    from looptrace.models.adapters.hf_decode import hf_decoder
+    from looptrace.models.decode import DecodeUnsupported
+
+    monkeypatch.setattr(registry, "_KINDS", dict(registry._KINDS))
+
+    @registry.register_adapter("probe_kind", remote_class="modeling_probe.ProbeForCausalLM", tied_source="wte.weight",
+                               no_decoder="a probe")
+    class ProbeAdapter:
+        def __init__(self, model, spec, device):
+            self.model, self.spec = model, spec
+
+    assert ProbeAdapter.kind == "probe_kind"
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        AdapterConfig(kind="probe_kind", path="x")
+    spec = AdapterConfig(kind="probe_kind", path="x", trust_remote_code=True)
+    monkeypatch.setattr(hf, "load_hf_model", lambda spec, device: "the model")
+    adapter = load_adapter(spec)
+    assert isinstance(adapter, ProbeAdapter) and adapter.model == "the model"
+    assert compat.family_classes()["probe_kind"] == "modeling_probe.ProbeForCausalLM"
+    assert compat.family_of({"AutoModelForCausalLM": "modeling_probe.ProbeForCausalLM"}) == "probe_kind"
+    assert "probe_kind" in vocabulary("adapters")
+    with pytest.raises(DecodeUnsupported, match="no loop-by-loop decoder \\(a probe\\)"):
+        hf_decoder(adapter, "share")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register_adapter("probe_kind")(type("Other", (), {}))
+    with pytest.raises(ValueError, match="unregistered adapter kind"):
+        registry.register_decoder("no_such_kind")(type("D", (), {}))
+
+
+def test_docs_table_lists_every_registered_kind():
+    from looptrace.models.adapters.registry import adapter_kinds
+
+    text = (REPO / "docs" / "adapters.md").read_text().split("## Adapter kinds", 1)[1].split("\n### ", 1)[0]
+    assert sorted(re.findall(r"^\| `(\w+)` \|", text, re.M)) == sorted(adapter_kinds())

@@ -70,7 +70,7 @@ class Case:
 # ------------------------------------------------------------------------------------------- input artifacts
 
 def _checkpoint(t: Path) -> Path:
-    from looptrace.testing import tiny_checkpoint
+    from tests.builders import tiny_checkpoint
 
     return tiny_checkpoint(t / "train", name="m")
 
@@ -95,14 +95,14 @@ def _code_ckpt(t: Path) -> None:
 
 
 def _foreign_ckpt(t: Path) -> None:
-    from looptrace.testing import tiny_checkpoint
+    from tests.builders import tiny_checkpoint
 
     (t / "train").mkdir(parents=True)
     tiny_checkpoint(t / "train", name="other").parent.rename(t / "train" / "m")
 
 
 def _stores(t: Path, model: dict | None = None) -> None:
-    from looptrace.testing import random_signal_arrays, write_arrays
+    from tests.builders import random_signal_arrays, write_arrays
 
     attrs = {"token_types": ["keep", "change"], "vocab_size": 4} | ({"model": model} if model else {})
     for i, s in enumerate(("fit", "val", "test")):
@@ -137,7 +137,7 @@ def _out_is_a_file(t: Path) -> None:
 
 
 def _token_loop(t: Path) -> Path:
-    from looptrace.testing import token_loop_splits, write_token_loop
+    from tests.builders import token_loop_splits, write_token_loop
 
     return write_token_loop(t / "geometry" / "m" / "token_loop.parquet", token_loop_splits(n=20))
 
@@ -148,7 +148,7 @@ def _truncated_token_loop(t: Path) -> None:
 
 
 def _readouts_artifacts(t: Path) -> None:
-    from looptrace.testing import tiny_artifacts
+    from tests.builders import tiny_artifacts
 
     tiny_artifacts(t, name="m")
 

@@ -24,26 +24,16 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from looptrace.capture.dump import DumpConfig
-from looptrace.capture.dynamics import DynamicsConfig
 from looptrace.config import BaseConfig, ConfigError, from_dict, read_params, to_dict
-from looptrace.diagnose import DiagnoseConfig
-from looptrace.gates.config import GatesConfig
-from looptrace.geometry import GeometryConfig
 from looptrace.intervals import IntervalsConfig
-from looptrace.models.train import TrainConfig
-from looptrace.online.generate import GenerateConfig
-from looptrace.online.latency import LatencyConfig
-from looptrace.report import ReportConfig
-from looptrace.rules.evaluate import ReadoutsConfig
 from looptrace.rules.scoring import CalibrationConfig
+from looptrace.stages import registered
 
 REPO = Path(__file__).resolve().parents[1]
 PARAMS = read_params([REPO / "params.yaml"])
-SECTIONS = {"base": BaseConfig, "train": TrainConfig, "dump": DumpConfig, "dynamics": DynamicsConfig,
-            "geometry": GeometryConfig, "calibration": CalibrationConfig, "intervals": IntervalsConfig,
-            "readouts": ReadoutsConfig, "gates": GatesConfig, "diagnose": DiagnoseConfig, "latency": LatencyConfig,
-            "generate": GenerateConfig, "report": ReportConfig}
+#: Every params section's dataclass: the shared ones and each registered stage's (looptrace.stages).
+SECTIONS = {"base": BaseConfig, "calibration": CalibrationConfig, "intervals": IntervalsConfig,
+            **{s.name: s.config for s in registered()}}
 
 # ------------------------------------------------------------------------------------------- mutations
 

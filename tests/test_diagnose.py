@@ -33,7 +33,7 @@ from looptrace.io.tables import SplitArrays
 from looptrace.project import resolve_model
 from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
-from looptrace.testing import token_loop_splits, write_token_loop
+from tests.builders import token_loop_splits, write_token_loop
 
 F, T_ = False, True
 

@@ -25,7 +25,7 @@ from looptrace.io.store.schema import STAT_NAMES, StoreError
 from looptrace.io.store.writer import StoreWriter
 from looptrace.models.interface import LoopedTransformerAdapter, States
 from looptrace.tasks import IGNORE, make_task
-from looptrace.testing import tiny_adapter_and_data, tiny_dump_config, tiny_train_config
+from tests.builders import tiny_adapter_and_data, tiny_dump_config, tiny_train_config
 from tests.test_stats import _np_reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,7 +211,7 @@ _CHILD = textwrap.dedent("""
     torch.set_num_threads(1)
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.io.store.writer import StoreWriter
-    from looptrace.testing import tiny_adapter_and_data, tiny_dump_config
+    from tests.builders import tiny_adapter_and_data, tiny_dump_config
     real = StoreWriter.write_chunk
     def slow(self, c, a, **kw):  # widen every chunk write so the kill lands anywhere, mid-chunk included
         time.sleep(0.01)

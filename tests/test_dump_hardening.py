@@ -41,7 +41,7 @@ from looptrace.io.store.schema import StoreError
 from looptrace.io.store.writer import StoreWriter, write_store
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import save_checkpoint
-from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_dump_config, tiny_model
+from tests.builders import random_store_arrays, tiny_adapter_and_data, tiny_dump_config, tiny_model
 from tests.test_shard import CHILD, REPO, assert_clean, assert_same_tree, wait_line
 
 

@@ -19,7 +19,7 @@ from looptrace.cli import app
 from looptrace.config import CheckpointLoadError, InputError, MissingInputError
 from looptrace.errors import BUG_EXIT, USER_EXIT, user_errors
 from looptrace.models.looped import load_checkpoint
-from looptrace.testing import tiny_checkpoint
+from tests.builders import tiny_checkpoint
 
 
 def _exit_of(fn) -> int:
@@ -112,7 +112,7 @@ def test_missing_checkpoint_is_a_missing_input(tmp_path):
 
 def test_truncated_token_loop_names_the_file(tmp_path):
     from looptrace.io.tables import load_token_loop
-    from looptrace.testing import token_loop_splits, write_token_loop
+    from tests.builders import token_loop_splits, write_token_loop
 
     p = write_token_loop(tmp_path / "geometry" / "m" / "token_loop.parquet", token_loop_splits(n=20))
     p.write_bytes(p.read_bytes()[:100])

@@ -23,7 +23,7 @@ from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
 from looptrace.online.gates import load_fitted, load_online_gate
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.signals.halting_torch import halting_distribution
-from looptrace.testing import two_group_stores
+from tests.builders import two_group_stores
 
 torch.set_num_threads(1)
 
@@ -32,7 +32,7 @@ def sig(x):
     return 1.0 / (1.0 + math.exp(-x))
 
 
-# Tiny stores: looptrace.testing.two_group_arrays / two_group_stores ("easy" tokens right and confident at every
+# Tiny stores: tests.builders.two_group_arrays / two_group_stores ("easy" tokens right and confident at every
 # loop, "hard" ones wrong until loop T).
 
 SMALL = dict(pca_components=4, stats=("entropy", "kl_prev", "rel_step"), max_fit_tokens=None, mlp_max_iter=40,
@@ -357,7 +357,7 @@ def test_online_gate_matches_store_features(tmp_path):
     step_metrics, LoopStats). (LiveSignals under compaction: tests/test_latency.py.)"""
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.online.engine import CallableRule
-    from looptrace.testing import tiny_adapter_and_data
+    from tests.builders import tiny_adapter_and_data
 
     adapter, data = tiny_adapter_and_data(n_seq=12, gate="linear", loops=4, d_model=16, unscored=False)
     model = adapter.model.eval()

@@ -18,7 +18,7 @@ from looptrace.geometry import (
     group_handoffs,
 )
 from looptrace.signals.steps import step_metrics
-from looptrace.testing import random_signal_arrays, tiny_train_config, write_arrays
+from tests.builders import random_signal_arrays, tiny_train_config, write_arrays
 
 
 def _traj(h0: np.ndarray, steps: np.ndarray) -> np.ndarray:

@@ -26,7 +26,7 @@ from looptrace.rules.scoring import CalibrationConfig, exit_depths
 from looptrace.signals.halting import halting_cdf
 from looptrace.signals.logits import logit_stats
 from looptrace.signals.steps import step_metrics
-from looptrace.testing import tiny_checkpoint, tiny_model, tiny_task
+from tests.builders import tiny_checkpoint, tiny_model, tiny_task
 
 torch.set_num_threads(1)
 

@@ -1,5 +1,5 @@
 """The layout is what docs/DESIGN.md says: its module graph is the real package-level import graph, the installed
-distribution holds only ``looptrace`` (no top-level ``pipeline``/``stages``), and ``looptrace.testing`` is imported by
+distribution holds only ``looptrace`` (no top-level ``pipeline``/``stages``), and ``tests.builders`` is imported by
 tests only."""
 
 from __future__ import annotations
@@ -112,8 +112,12 @@ def test_module_graph_has_no_cycle():
         visit(n, [])
 
 
-def test_testing_builders_are_imported_by_tests_only():
-    users = sorted(u for u, vs in package_edges().items() if "testing" in vs)
+def test_test_builders_live_under_tests():
+    """The tests' builders are ``tests/builders.py``: not a module of the package (so not in the wheel), and no
+    library module imports anything of ``tests``."""
+    assert (REPO / "tests" / "builders.py").is_file() and not (REPO / "pipeline" / "looptrace" / "testing.py").exists()
+    users = sorted(str(f.relative_to(REPO)) for f in (REPO / "pipeline").rglob("*.py")
+                   if re.search(r"^\s*(from|import) tests\b", f.read_text(), re.M))
     assert users == [], users
 
 

@@ -52,7 +52,7 @@ def test_notebook_executes_and_user_rule_is_right(tiny_artifacts, monkeypatch):
     depths = exits(test, grid[k])
     # token-level splits: only the positions whose context is test's are scored (lengths <= 4 are fit's only)
     from looptrace.tasks import IGNORE
-    from looptrace.testing import tiny_task
+    from tests.builders import tiny_task
 
     assert result["n_test_tokens"] == test.n_tokens == int((tiny_task(length=6).dataset("test", 20, 44).targets
                                                             != IGNORE).sum())

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from looptrace.cli import app
 from looptrace.io.artifacts import clear_debris
 from looptrace.io.claims import claims_location, output_lock
-from looptrace.testing import random_signal_arrays, write_arrays
+from tests.builders import random_signal_arrays, write_arrays
 
 
 def _geometry(tmp_path):

@@ -21,7 +21,7 @@ import pytest
 from looptrace.config import ConfigError, DaskConfig, from_dict
 from looptrace.io import parallel
 from looptrace.io.parallel import DaskRunner, dask_runner, map_chunks, map_tasks, scheduler_of
-from looptrace.testing import random_signal_arrays, two_group_stores, write_arrays
+from tests.builders import random_signal_arrays, two_group_stores, write_arrays
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ import sys
 from looptrace.config import DaskConfig
 from looptrace.geometry import GeometryConfig, geometry_model
 from looptrace.io.parallel import dask_runner
-from looptrace.testing import random_signal_arrays, write_arrays
+from tests.builders import random_signal_arrays, write_arrays
 import numpy as np
 st = write_arrays({str(tmp_path / 's.zarr')!r}, random_signal_arrays(np.random.default_rng(0), N=50), chunk_tokens=16)
 with dask_runner(DaskConfig()) as r:

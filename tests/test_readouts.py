@@ -25,9 +25,9 @@ from looptrace.rules.scoring import (
     quantile_grid,
 )
 from looptrace.signals.halting import halting_cdf
-from looptrace.testing import token_loop_splits, write_token_loop
+from tests.builders import token_loop_splits, write_token_loop
 
-# Token-loop tables of a toy model: looptrace.testing.token_loop_splits / write_token_loop (shared builders).
+# Token-loop tables of a toy model: tests.builders.token_loop_splits / write_token_loop (shared builders).
 synthetic_splits = token_loop_splits
 
 

@@ -24,7 +24,7 @@ from looptrace.capture.dump import dump_split
 from looptrace.io.store.location import remove_store, store_exists
 from looptrace.io.store.reader import open_store
 from looptrace.io.store.writer import write_store
-from looptrace.testing import random_store_arrays, tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
+from tests.builders import random_store_arrays, tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto")

@@ -25,7 +25,7 @@ from looptrace.gates.features import FeaturePipeline
 from looptrace.gates.fit import FittedGate
 from looptrace.gates.ponder import fit_ponder
 from looptrace.models.looped import load_checkpoint
-from looptrace.testing import tiny_checkpoint
+from tests.builders import tiny_checkpoint
 
 
 class _Boom:

@@ -32,7 +32,7 @@ from looptrace.io.store.location import memory_store
 from looptrace.io.store.reader import open_store
 from looptrace.io.store.schema import StoreError
 from looptrace.io.store.writer import StoreWriter
-from looptrace.testing import tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
+from tests.builders import tiny_adapter_and_data, tiny_checkpoint, tiny_dump_config
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD = REPO / "tests" / "dump_child.py"

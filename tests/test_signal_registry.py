@@ -42,7 +42,7 @@ def test_registry_entries_are_consistent():
 def test_store_schema_agrees():
     from looptrace.io.store import schema as store
     from looptrace.io.store.location import memory_store
-    from looptrace.testing import random_store_arrays, write_arrays
+    from tests.builders import random_store_arrays, write_arrays
 
     assert store.STAT_NAMES == select("logits", stored=True)
     stored = select(stored=True)
@@ -62,7 +62,7 @@ def test_token_loop_columns_agree():
 
     from looptrace import geometry
     from looptrace.io.store.location import memory_store
-    from looptrace.testing import random_signal_arrays, write_arrays
+    from tests.builders import random_signal_arrays, write_arrays
 
     cols = geometry.TOKEN_LOOP_COLUMNS
     signal_cols = [c for c in cols if c in SIGNALS]
@@ -106,7 +106,7 @@ def test_gate_features_agree():
     from looptrace.gates import config
     from looptrace.gates.features import block_stats
     from looptrace.io.store.location import memory_store
-    from looptrace.testing import random_signal_arrays, write_arrays
+    from tests.builders import random_signal_arrays, write_arrays
 
     assert config.STORE_FEATURES == select(stored=True, feature=True)
     assert config.GEOMETRY_FEATURES == select("states", feature=True)

@@ -14,7 +14,7 @@ from looptrace.io.store.location import memory_store
 from looptrace.io.store.reader import open_store
 from looptrace.io.store.schema import TOKEN_FIELDS, StoreError
 from looptrace.io.store.writer import ArraySpec, StoreWriter, write_store
-from looptrace.testing import random_store_arrays
+from tests.builders import random_store_arrays
 
 ATTRS = {"split": "val", "task": {"name": "rp", "kind": "running_parity", "length": 8},
          "regime": {"name": "uniform", "kind": "uniform"}, "token_types": ["keep", "change"],

@@ -12,7 +12,7 @@ from looptrace.config import ConfigError
 from looptrace.models.interface import file_sha256
 from looptrace.models.looped import load_checkpoint
 from looptrace.models.train import evaluate, lr_at, train_model
-from looptrace.testing import tiny_train_config
+from tests.builders import tiny_train_config
 
 
 def test_lr_schedule():

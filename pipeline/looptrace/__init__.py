@@ -5,8 +5,8 @@ The library is packaged by concern (docs/DESIGN.md draws the module graph): ``co
 ``signals`` (per-loop signals, each defined once), ``rules`` (exit rules and their scoring), ``models`` (the
 looped transformer, regimes, training, the model interface and adapters for real checkpoints), ``capture``
 (dump and training dynamics: the only analysis-side code that runs a model), ``geometry``, ``gates``,
-``diagnose``, ``online`` (real early exit and latency), ``report`` and ``testing`` (tiny builders the tests
-share). It lives in ``pipeline/looptrace/`` (import path = file path); each stage's entry is ``looptrace.stages.<name>``,
+``diagnose``, ``online`` (real early exit and latency) and ``report``; the tests' tiny builders live in
+``tests/builders.py``, outside the package (not in the wheel). It lives in ``pipeline/looptrace/`` (import path = file path); each stage's entry is ``looptrace.stages.<name>``,
 which DVC runs through the thin launcher ``stages/<name>.py`` and ``looptrace.cli`` registers as a command of the
 ``looptrace`` Typer app.
 """

@@ -1,7 +1,8 @@
 """The ``looptrace`` Typer app: one command per DVC stage.
 
 Each command is the ``main`` function of ``looptrace.stages.<name>``, the same entry DVC runs (through the
-launcher ``stages/<name>.py``), so the CLI and ``dvc repro`` execute exactly the same code. Errors a user can fix
+launcher ``stages/<name>.py``), so the CLI and ``dvc repro`` execute exactly the same code; the commands are the
+stages the entries registered (:func:`looptrace.stages.registered`). Errors a user can fix
 (bad params, missing or invalid inputs) print one line and exit with status 2.
 """
 
@@ -10,18 +11,13 @@ from __future__ import annotations
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from looptrace.stages import (
-    diagnose,
-    dump,
-    dynamics,
-    gates,
-    generate,
-    geometry,
-    latency,
-    readouts,
-    report,
-    train,
-)
+from looptrace.models.adapters.registry import adapter_kinds
+from looptrace.models.regimes import KINDS as REGIMES
+from looptrace.project import defined_names
+from looptrace.rules.builtin import OURO_Q_EXIT_RULES
+from looptrace.rules.registry import ENTRY_POINT_GROUP, builtin_rules
+from looptrace.stages import registered
+from looptrace.tasks import KINDS as TASKS
 
 #: What the app says about itself (``looptrace --help``): for a user, not a developer.
 HELP = ("looptrace: find out why adaptive depth in a looped (recurrent-depth) transformer works or fails.\n\n"
@@ -52,7 +48,6 @@ def rule_line(rule) -> str:
 def _names_in_params(path: str = "params.yaml") -> list[str]:
     """What ./params.yaml defines: task and regime names and the model names of its matrix; [] when there is no
     readable file (help must print regardless)."""
-    from looptrace.project import defined_names
 
     try:
         names = defined_names([path])
@@ -69,11 +64,6 @@ def _names_in_params(path: str = "params.yaml") -> list[str]:
 def vocabulary(*blocks: str) -> str:
     """The epilog of a help page: the valid names of ``blocks`` (tasks, regimes, models, rules, adapters),
     listed from the code's own registries so they cannot go stale. Paragraphs: Typer joins single lines."""
-    from looptrace.models.adapters.hf import KINDS as ADAPTERS
-    from looptrace.models.regimes import KINDS as REGIMES
-    from looptrace.rules.builtin import OURO_Q_EXIT_RULES
-    from looptrace.rules.registry import ENTRY_POINT_GROUP, builtin_rules
-    from looptrace.tasks import KINDS as TASKS
 
     out = []
     for b in blocks:
@@ -91,7 +81,8 @@ def vocabulary(*blocks: str) -> str:
             out.append(f"Your own rule: 'package.module:function' (decorated with looptrace.rules.exit_rule) or an "
                        f"entry point in the '{ENTRY_POINT_GROUP}' group; README 'Your own exit rule'.")
         elif b == "adapters":
-            out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(ADAPTERS) + ".")
+            out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(adapter_kinds())
+                       + ".")
         else:
             raise ValueError(f"unknown help block {b!r}")
     return "\n\n".join(out)
@@ -119,14 +110,9 @@ def _root() -> None:
     """looptrace: trajectory diagnostics for adaptive depth in looped transformers."""
 
 
-def _help(stage) -> str:
-    return (stage.main.__doc__ or "").strip()
-
-
-#: Pipeline order and the names each stage's help lists. Each name is the dvc.yaml stage, stages/<name>.py, the
-#: params section and artifacts/<name>/.
-STAGES = ((train, ("tasks", "regimes", "models")), (dump, ("tasks", "models", "adapters")), (dynamics, ("models",)),
-          (geometry, ("models",)), (readouts, ("models", "rules")), (gates, ("models",)), (diagnose, ("models",)),
-          (latency, ("models", "rules")), (generate, ("models", "rules")), (report, ("models",)))
-for _stage, _blocks in STAGES:
-    app.command(_stage.__name__.rsplit(".", 1)[-1], help=_help(_stage), cls=_listing(TyperCommand, _blocks))(_stage.main)
+#: Every stage in pipeline order, as its entry registered it (looptrace.stages.register_stage): one command each,
+#: whose help is its main's docstring plus the names of its help blocks.
+STAGES = registered()
+for _stage in STAGES:
+    app.command(_stage.name, help=(_stage.main.__doc__ or "").strip(),
+                cls=_listing(TyperCommand, _stage.help_blocks))(_stage.main)

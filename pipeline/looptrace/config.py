@@ -56,9 +56,14 @@ ParamsFiles = Path | str | Sequence[Path | str]
 PARAMS_HELP = ("params file; repeat to layer override files over it, later ones winning "
                "(--params params.yaml --params profiles/ad/params.yaml)")
 
-#: The params sections, in params.yaml order (docs/DESIGN.md: which stage reads which).
-SECTIONS = ("base", "train", "dump", "geometry", "dynamics", "calibration", "intervals", "readouts", "gates",
-            "diagnose", "latency", "generate", "report")
+#: The stages: one per entry module ``looptrace/stages/<name>.py`` (each registers itself there,
+#: :func:`looptrace.stages.register_stage`), named by its file so that loading params imports no entry (torch).
+STAGE_NAMES = tuple(sorted(p.stem for p in (Path(__file__).parent / "stages").glob("*.py") if p.stem != "__init__"))
+#: Sections read by several stages (``base``: :class:`BaseConfig`; ``calibration``, ``intervals``: the operating-point
+#: and interval protocols, looptrace.rules.scoring and looptrace.intervals).
+SHARED_SECTIONS = ("base", "calibration", "intervals")
+#: The params sections: the shared ones and one per stage (docs/DESIGN.md: which stage reads which).
+SECTIONS = (*SHARED_SECTIONS, *STAGE_NAMES)
 
 
 class UserError(Exception):

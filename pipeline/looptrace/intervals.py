@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from looptrace.config import ConfigError
+
 #: The name of the resampling unit, as recorded beside every interval.
 UNIT = "sequence"
 
@@ -56,8 +58,6 @@ class IntervalsConfig:
     level: float = 0.95
 
     def __post_init__(self) -> None:
-        from looptrace.config import ConfigError
-
         if self.n_boot < 0:
             raise ConfigError(f"intervals.n_boot must be ≥ 0 (0 = no intervals), got {self.n_boot}")
         if not 0.5 <= self.level < 1.0:
@@ -296,6 +296,7 @@ def spearman_level_samples(rs: Resampler, levels: np.ndarray, y: np.ndarray) -> 
 def _spearman_rows_vs(x: np.ndarray, ys: np.ndarray) -> np.ndarray:
     """Spearman ρ of the fixed values ``x`` [L] against every row of ``ys`` [B, L] (mid-ranks; a NaN entry
     leaves its level out of that row; fewer than 3 points or a constant side give NaN), [B]."""
+    # lazy: scipy.stats: a slow import, needed only by these intervals
     from scipy.stats import rankdata
 
     out = np.full(ys.shape[0], np.nan)
@@ -412,6 +413,7 @@ def across_seeds(items: Sequence[Interval], level: float = 0.95) -> Interval:
     if inf.any():
         lo = float(fin.min()) if fin.size else math.inf
         return Interval(math.inf, lo, math.inf, **base)
+    # lazy: scipy.stats: a slow import, needed only by these intervals
     from scipy.stats import t as student_t
 
     m = float(fin.mean())

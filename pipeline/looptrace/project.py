@@ -7,11 +7,16 @@ never import torch or the training code just to name the models.
 
 from __future__ import annotations
 
+import datetime as dt
+import os
+import platform
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 import polars as pl
 
+from looptrace import __version__
 from looptrace.config import ConfigError, ParamsFiles, read_params, to_dict
 
 
@@ -22,10 +27,6 @@ def versions() -> dict:
     their version strings costs ~5 s per process on this machine — more than the whole readouts
     computation — and would make offline stages import torch.
     """
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    from looptrace import __version__
 
     def v(dist: str) -> str | None:
         try:
@@ -46,9 +47,6 @@ def machine() -> dict:
     Recorded beside the headline figures because the same params give different weights on another CPU
     (issue 12): the figures' bytes depend on the machine, the findings must hold within their intervals.
     """
-    import datetime as dt
-    import os
-    import platform
 
     epoch = os.environ.get("SOURCE_DATE_EPOCH")
     when = (dt.datetime.fromtimestamp(int(epoch), dt.UTC) if epoch and epoch.strip().isdigit()

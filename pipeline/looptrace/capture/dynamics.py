@@ -18,9 +18,12 @@ import numpy as np
 import polars as pl
 from tqdm.auto import tqdm
 
+from looptrace.capture.dump import dump_split
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.geometry import iter_blocks
-from looptrace.tasks import SPLITS
+from looptrace.io.store.reader import open_store
+from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.tasks import SPLITS, make_task
 
 #: Quantities of ``training_dynamics.parquet`` (mean and median per checkpoint × loop).
 DYNAMICS_METRICS = ("step_norm", "rel_step", "step_cos", "accel")
@@ -118,10 +121,6 @@ def training_dynamics(train_dir: Path | str, cfg: DynamicsConfig, dump_cfg, devi
         ``<metric>_mean``, ``<metric>_median`` for step_norm, rel_step, step_cos, accel, ``accuracy``,
         ``n_tokens``.
     """
-    from looptrace.capture.dump import dump_split
-    from looptrace.io.store.reader import open_store
-    from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.tasks import make_task
 
     rows = []
     paths = checkpoint_paths(train_dir)

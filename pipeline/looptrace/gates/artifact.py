@@ -25,6 +25,10 @@ from typing import Any, cast
 import numpy as np
 
 from looptrace.config import InputError, MissingInputError
+from looptrace.gates.config import GateSpec
+from looptrace.gates.features import FeaturePipeline
+from looptrace.gates.fit import FittedGate
+from looptrace.gates.ponder import _ponder_module
 from looptrace.io.artifacts import jsonable
 
 #: Version of the gate artifact (``gates.json`` ``format``).
@@ -55,6 +59,7 @@ def save_fitted(gates_dir: Path | str, model: str, features, gates: dict, stats,
         stats: the statistic names the features read.
         hidden_dtype: the store's ``hidden`` dtype the gates were fit on.
     """
+    # lazy: skops and torch: only when a fit is saved or loaded (importing gates loads neither)
     import skops.io as sio
 
     d = Path(gates_dir)
@@ -136,13 +141,9 @@ def load_fitted(gates_dir: Path | str) -> dict:
         MissingInputError: a file is missing (names the stage to run).
         InputError: a file is damaged, of another format, or names a type that is not trusted.
     """
+    # lazy: skops and torch: only when a fit is saved or loaded (importing gates loads neither)
     import skops.io as sio
     import torch
-
-    from looptrace.gates.config import GateSpec
-    from looptrace.gates.features import FeaturePipeline
-    from looptrace.gates.fit import FittedGate
-    from looptrace.gates.ponder import _ponder_module
 
     d = Path(gates_dir)
     for f in FILES:

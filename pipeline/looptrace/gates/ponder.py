@@ -9,6 +9,7 @@ from looptrace.gates.config import Q_FLOOR, PonderConfig
 
 def ponder_prior(T: int, prior: str = "uniform", lam: float = 0.3):
     """π over depths [T] (torch float32), via ``looptrace.models.regimes.prior_weights`` (joint regime's prior)."""
+    # lazy: torch: only a PonderNet gate needs it; importing looptrace.gates loads no torch
     from looptrace.models.regimes import RegimeConfig, prior_weights
 
     return prior_weights(T, RegimeConfig(kind="joint", prior=prior, lam=lam))
@@ -26,6 +27,7 @@ def ponder_loss(gate_logits, loss, beta: float, prior):
     Returns:
         Scalar tensor (nats).
     """
+    # lazy: torch: only a PonderNet gate needs it; importing looptrace.gates loads no torch
     import torch
 
     from looptrace.signals.halting_torch import halting_distribution
@@ -38,6 +40,7 @@ def ponder_loss(gate_logits, loss, beta: float, prior):
 
 def _ponder_module(n_features: int, arch: str, hidden: int):
     """The gate g: features [..., F] -> logit [...] (linear, or Linear-ReLU-Linear)."""
+    # lazy: torch: only a PonderNet gate needs it; importing looptrace.gates loads no torch
     from torch import nn
 
     class PonderGate(nn.Module):
@@ -71,6 +74,7 @@ def fit_ponder(X: np.ndarray, loss: np.ndarray, arch: str, cfg: PonderConfig, se
     Returns:
         (module in eval mode, dict with the final fit objective and mean halting depth Σ t q_t).
     """
+    # lazy: torch: only a PonderNet gate needs it; importing looptrace.gates loads no torch
     import torch
 
     from looptrace.signals.halting_torch import halting_distribution

@@ -15,6 +15,7 @@ def check_device(device: str, key: str = "base.device") -> str:
     non-CPU device)."""
     if device == "cpu":
         return device
+    # lazy: torch: only for a non-CPU device; importing looptrace.models (gates import models.regimes lazily) stays light
     import torch
 
     if device.startswith("cuda"):

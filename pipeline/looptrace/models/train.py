@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing as mp
 import os
 import shutil
 import time
@@ -407,7 +408,6 @@ def train_seeds(base: BaseConfig, cfg: TrainConfig, jobs: list[tuple[str, str]],
             for t, r in jobs for s in cfg.seed_list()]
     if cfg.workers == 1 or len(work) == 1:
         return [train_model(*w[:5], progress=progress, seed=w[5], threads=w[6]) for w in work]
-    import multiprocessing as mp
 
     # spawn: a fresh interpreter per worker (forking a process whose OpenMP pool is running can deadlock)
     with mp.get_context("spawn").Pool(min(cfg.workers, len(work)), maxtasksperchild=1) as pool:

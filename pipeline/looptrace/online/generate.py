@@ -45,13 +45,21 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 import polars as pl
 import torch
+from tqdm.auto import tqdm
 
-from looptrace.config import InputError, MissingInputError
+from looptrace.config import ConfigError, InputError, MissingInputError
+from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.store.identity import check_store_model
+from looptrace.io.store.reader import open_store
+from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder
 from looptrace.models.decoders import decoder_for
+from looptrace.models.interface import file_sha256
+from looptrace.models.looped import load_checkpoint
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
+from looptrace.tasks.text import text_splits
 
 if TYPE_CHECKING:
     from looptrace.models.interface import LoopedModelAdapter
@@ -247,8 +255,6 @@ class GenerateConfig:
     huginn_lookup_strategy: str = "full"
 
     def __post_init__(self) -> None:
-        from looptrace.config import ConfigError
-
         resolve_rules([split_rule(r)[0] for r in self.rules if r != GATE], "generate.rules", online=True)
         for r in self.rules:
             split_rule(r)
@@ -266,7 +272,6 @@ class GenerateConfig:
 
 def split_rule(entry: str) -> tuple[str, float | None]:
     """``name`` or ``name@threshold`` of ``generate.rules`` -> (name, explicit threshold or None)."""
-    from looptrace.config import ConfigError
 
     if "@" not in entry:
         return entry, None
@@ -316,7 +321,6 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
         FileNotFoundError: no store; ValueError: too few sequences or positions, or windows that differ from the
         store's tokens (the corpus or tokenizer changed since the dump).
     """
-    from looptrace.io.store.reader import open_store
 
     store_path = Path(store_path)
     if not store_path.exists():
@@ -352,7 +356,6 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
 def dump_text_windows(dump_cfg, vocab_size: int | None = None) -> np.ndarray:
     """[sequences, seq_len] int64: the test windows the LM dump packed from ``dump.text`` (the same
     :func:`looptrace.tasks.text.text_splits` call as the dump's, so the same tokens)."""
-    from looptrace.tasks.text import text_splits
 
     ad = dump_cfg.adapter
     tok_path = dump_cfg.text.tokenizer or (ad.path if ad is not None else None)
@@ -456,7 +459,6 @@ def generate_model(decoders: dict[str, LoopDecoder], prompts: np.ndarray, specs:
     Returns:
         ``generate.parquet`` rows (:data:`GENERATE_SCHEMA`).
     """
-    from tqdm.auto import tqdm
 
     p_all = torch.from_numpy(prompts).to(device)
     N = cfg.new_tokens
@@ -553,23 +555,17 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
     Returns:
         (generate frame, metrics dict).
     """
-    from looptrace.config import ConfigError
 
     all_rows, skipped, info = [], {}, {}
     for name in models:
         model: LoopedModelAdapter | LoopedTransformer
         if adapter is not None:
-            from looptrace.models.adapters.hf import load_adapter
-
             if name != adapter.run_name:
                 raise ConfigError(f"generate: model '{name}' is not dump.adapter's run name '{adapter.run_name}'")
             model = load_adapter(adapter, device)
             has_gate = bool(model.info.has_gate)
             ckpt, ckpt_hash = adapter.path, model.info.checkpoint_hash or None
         else:
-            from looptrace.models.interface import file_sha256
-            from looptrace.models.looped import load_checkpoint
-
             assert train_root is not None  # looptrace's own checkpoints without an adapter
             ckpt = Path(train_root) / name / "model.pt"
             model, _ = load_checkpoint(ckpt, name=name)
@@ -577,8 +573,6 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
             has_gate = model.gate is not None
             ckpt_hash = file_sha256(ckpt)
         store = Path(dump_root) / name / "test.zarr"
-        from looptrace.io.store.identity import check_store_model
-        from looptrace.io.store.reader import open_store
 
         st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
         if st is not None:  # identity first: load_prompts' own checks would blame the data instead
@@ -624,7 +618,6 @@ def generate_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
 
 def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``generate.parquet`` and ``metrics.json`` atomically."""
-    from looptrace.io.artifacts import atomic_dir, jsonable
 
     with atomic_dir(out_dir) as tmp:
         df.write_parquet(tmp / "generate.parquet")

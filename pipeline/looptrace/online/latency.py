@@ -48,10 +48,13 @@ from typing import cast
 import numpy as np
 import polars as pl
 import torch
+from tqdm.auto import tqdm
 
-from looptrace.config import InputError, MissingInputError
-from looptrace.io.artifacts import read_parquet
-from looptrace.models.looped import LoopedTransformer
+from looptrace.config import ConfigError, InputError, MissingInputError
+from looptrace.io.artifacts import atomic_dir, read_parquet
+from looptrace.io.artifacts import jsonable as _jsonable
+from looptrace.models.interface import file_sha256
+from looptrace.models.looped import LoopedTransformer, load_checkpoint
 from looptrace.online.engine import (
     CallableRule,
     OnlineRule,
@@ -61,8 +64,10 @@ from looptrace.online.engine import (
     minimal_work,
 )
 from looptrace.online.gates import load_online_gate
+from looptrace.io.store.identity import check_store_model
+from looptrace.io.store.reader import open_store
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
-from looptrace.tasks import TaskBatch
+from looptrace.tasks import IGNORE, TaskBatch, make_task
 
 #: The refit-gate entry of ``latency.rules`` (the best gate of the gates stage).
 GATE = "gate"
@@ -113,8 +118,6 @@ class LatencyConfig:
     require_exact: bool = True
 
     def __post_init__(self) -> None:
-        from looptrace.config import ConfigError
-
         resolve_rules([r for r in self.rules if r != GATE], "latency.rules", online=True)
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"latency.batch_sizes must be a non-empty list of sizes ≥ 1, got {list(self.batch_sizes)}")
@@ -152,17 +155,12 @@ def load_test_data(store_path: Path | str, model: str | None = None, checkpoint:
         FileNotFoundError: the store is missing.
         ValueError: attributes missing, or the regenerated data do not match the store.
     """
-    from looptrace.io.store.identity import check_store_model
-    from looptrace.io.store.reader import open_store
-    from looptrace.tasks import IGNORE, make_task
 
     store_path = Path(store_path)
     if not store_path.exists():
         raise MissingInputError(f"{store_path} not found; run the dump stage first (dvc repro dump)")
     st = open_store(store_path)
     if model is not None:
-        from looptrace.models.interface import file_sha256
-
         check_store_model(st, model, None if checkpoint is None else file_sha256(checkpoint),
                           None if checkpoint is None else str(checkpoint))
     a = st.attrs
@@ -355,11 +353,9 @@ def latency_model(model: LoopedTransformer, data: TaskBatch, token: np.ndarray, 
     Raises:
         ValueError: ``cfg.require_exact`` and some token's real exit or correctness differs.
     """
-    from tqdm.auto import tqdm
 
     T = model.cfg.n_loops
     causal = model.cfg.causal
-    from looptrace.tasks import IGNORE
 
     scored_all = data.targets != IGNORE
     tok_all = torch.from_numpy(data.tokens).to(device)
@@ -445,7 +441,6 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
     Returns:
         (latency frame, metrics dict with per-model headline numbers and skipped rules with reasons).
     """
-    from looptrace.models.looped import load_checkpoint
 
     all_rows, skipped, info = [], {}, {}
     for name in models:
@@ -500,8 +495,6 @@ def latency_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
 
 def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``latency.parquet`` and ``metrics.json`` atomically (temp dir + os.replace)."""
-    from looptrace.io.artifacts import atomic_dir
-    from looptrace.io.artifacts import jsonable as _jsonable
 
     with atomic_dir(out_dir) as tmp:
         df.write_parquet(tmp / "latency.parquet")

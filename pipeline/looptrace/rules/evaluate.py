@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError
 from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_resampler
@@ -117,7 +118,6 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
     Returns:
         list of RuleResult in rule order (rules on the native gate only when the model has one).
     """
-    from tqdm.auto import tqdm
 
     todo = resolve_rules(cfg.rules if rules is None else rules, "readouts.rules")
     results: list[RuleResult] = []

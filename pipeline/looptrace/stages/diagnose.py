@@ -14,8 +14,10 @@ from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.project import model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
+from looptrace.stages import register_stage
 
 
+@register_stage("diagnose", 70, config=DiagnoseConfig, library="looptrace.diagnose", help_blocks=("models",))
 def main(
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),

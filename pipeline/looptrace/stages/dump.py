@@ -28,9 +28,11 @@ from looptrace.io.store.location import join_store
 from looptrace.models import check_device
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.stages import register_stage
 from looptrace.tasks import make_task
 
 
+@register_stage("dump", 20, config=DumpConfig, library="looptrace.capture.dump", help_blocks=("tasks", "models", "adapters"))
 def main(
     model: str = typer.Option("", help="model name <task>-<regime> (artifacts/train/<model>/model.pt); with "
                                        "dump.adapter optional (it must equal dump.adapter.name)"),

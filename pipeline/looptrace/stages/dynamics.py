@@ -16,8 +16,10 @@ from looptrace.io.artifacts import write_outputs
 from looptrace.io.claims import stage_output
 from looptrace.models import check_device
 from looptrace.project import versions
+from looptrace.stages import register_stage
 
 
+@register_stage("dynamics", 30, config=DynamicsConfig, library="looptrace.capture.dynamics", help_blocks=("models",))
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/train/<model>)"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),

@@ -16,8 +16,10 @@ from looptrace.io.parallel import dask_runner
 from looptrace.io.store.identity import open_split_stores
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
+from looptrace.stages import register_stage
 
 
+@register_stage("gates", 60, config=GatesConfig, library="looptrace.gates.stage", help_blocks=("models",))
 def main(
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),

@@ -19,8 +19,10 @@ from looptrace.io.claims import stage_output
 from looptrace.models import check_device
 from looptrace.online.generate import GenerateConfig, dump_text_windows, generate_models, write_generate
 from looptrace.project import model_meta, model_names, versions
+from looptrace.stages import register_stage
 
 
+@register_stage("generate", 90, config=GenerateConfig, library="looptrace.online.generate", help_blocks=("models", "rules"))
 def main(
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes "

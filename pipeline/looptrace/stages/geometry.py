@@ -13,8 +13,10 @@ from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store.identity import open_split_stores
 from looptrace.project import versions
+from looptrace.stages import register_stage
 
 
+@register_stage("geometry", 40, config=GeometryConfig, library="looptrace.geometry", help_blocks=("models",))
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/dump/<model>)"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),

@@ -14,8 +14,10 @@ from looptrace.models import check_device
 from looptrace.online.latency import LatencyConfig, latency_models, write_latency
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.evaluate import ReadoutsConfig
+from looptrace.stages import register_stage
 
 
+@register_stage("latency", 80, config=LatencyConfig, library="looptrace.online.latency", help_blocks=("models", "rules"))
 def main(
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),

@@ -13,8 +13,10 @@ from looptrace.io.claims import stage_output
 from looptrace.project import model_names, versions
 from looptrace.report import ReportConfig, build_report
 from looptrace.rules.scoring import CalibrationConfig
+from looptrace.stages import register_stage
 
 
+@register_stage("report", 100, config=ReportConfig, library="looptrace.report", help_blocks=("models",))
 def main(
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),

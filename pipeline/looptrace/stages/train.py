@@ -12,8 +12,10 @@ from looptrace.io.claims import stage_output
 from looptrace.models import check_device
 from looptrace.models.train import TrainConfig, train_model
 from looptrace.project import model_name
+from looptrace.stages import register_stage
 
 
+@register_stage("train", 10, config=TrainConfig, library="looptrace.models.train", help_blocks=("tasks", "regimes", "models"))
 def main(
     task: str = typer.Option(..., help="task name (a key of train.task_defs)"),
     regime: str = typer.Option(..., help="regime name (a key of train.regime_defs)"),

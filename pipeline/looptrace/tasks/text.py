@@ -46,14 +46,16 @@ import hashlib
 import json
 import re
 import unicodedata
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import polars as pl
 
-from looptrace.config import ConfigError, InputError, MissingInputError
+from looptrace.config import ConfigError, InputError, MissingInputError, to_dict
 from looptrace.tasks import IGNORE, SPLITS, TaskBatch
 from looptrace.tasks.base import prefix_keys, shared_prefixes
 
@@ -178,8 +180,6 @@ def read_documents(path: Path | str, fmt: str = "auto", field: str = "text",
                 if max_documents is not None and len(docs) >= max_documents:
                     break
     elif fmt == "parquet":
-        import polars as pl
-
         try:
             col = pl.read_parquet(path, columns=[field], n_rows=max_documents)[field]
         except Exception as exc:  # noqa: BLE001 - polars raises several types for a missing column / bad file
@@ -248,8 +248,8 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False):
     ``auto_map`` (Ouro, Huginn) is remote code to transformers even for the tokenizer: without it, transformers asks
     "Do you wish to run the custom code? [y/N]" on a terminal.
     """
-    import warnings
 
+    # lazy: transformers: a multi-second import, only once a tokenizer is loaded (tasks import light)
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -484,7 +484,6 @@ def loss_bins_finalizer(n_bins: int):
 
 def text_attrs(cfg: TextConfig, split: str) -> dict[str, Any]:
     """Store attributes of a text split (task description, difficulty name and definition, token-type names)."""
-    from looptrace.config import to_dict
 
     return {"split": split, "task": {"name": "text", "kind": "text", **to_dict(cfg)},
             "difficulty_name": DIFFICULTY_NAMES[cfg.difficulty],

@@ -73,6 +73,8 @@ code the shim does not cover); anything else (a bug) propagates with its traceba
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import inspect
 import json
@@ -87,14 +89,11 @@ from typing import Any
 import torch
 
 from looptrace.config import CheckpointLoadError  # noqa: F401  (re-exported: the loaders' error)
+from looptrace.models.adapters.registry import adapter_kinds
 
 #: transformers versions the shim supports: [low, high) as (major, minor).
 SUPPORTED_TRANSFORMERS = ((4, 55), (6, 0))
 SUPPORTED_TEXT = "transformers>=4.55,<6 (looptrace pins >=5.24)"
-#: The remote model class of each family (``auto_map["AutoModelForCausalLM"]``, module.Class).
-FAMILY_CLASSES = {"huginn": "raven_modeling_minimal.RavenForCausalLM", "ouro": "modeling_ouro.OuroForCausalLM"}
-#: The input-embedding weight an untied-in-4.x ``lm_head.weight`` is tied to, per family.
-TIED_SOURCE = {"huginn": "transformer.wte.weight", "ouro": "model.embed_tokens.weight"}
 DISABLE_ENV = "LOOPTRACE_COMPAT_DISABLE"
 _MARK = "_looptrace_compat"
 
@@ -105,6 +104,7 @@ _MARK = "_looptrace_compat"
 # ---------------------------------------------------------------------------------------------
 
 def transformers_version() -> tuple[int, int]:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     import transformers
 
     major, minor = transformers.__version__.split(".")[:2]
@@ -113,6 +113,7 @@ def transformers_version() -> tuple[int, int]:
 
 def check_transformers(path: Path | str, kind: str) -> None:
     """Refuse a transformers outside :data:`SUPPORTED_TRANSFORMERS` (one line, names the range)."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     import transformers
 
     lo, hi = SUPPORTED_TRANSFORMERS
@@ -136,10 +137,16 @@ def read_auto_map(path: Path | str) -> dict[str, str]:
     return {k: str(v).split("--", 1)[-1] for k, v in am.items()} if isinstance(am, dict) else {}
 
 
+def family_classes() -> dict[str, str]:
+    """The remote model class of each family (``auto_map["AutoModelForCausalLM"]``, module.Class): the adapter kinds
+    registered with a ``remote_class`` (:mod:`looptrace.models.adapters.registry`)."""
+    return {k: e.remote_class for k, e in adapter_kinds().items() if e.remote_class}
+
+
 def family_of(auto_map: dict[str, str]) -> str | None:
-    """``huginn`` | ``ouro`` when ``auto_map`` names one of :data:`FAMILY_CLASSES`, else None."""
+    """``huginn`` | ``ouro`` when ``auto_map`` names one of :func:`family_classes`, else None."""
     ref = auto_map.get("AutoModelForCausalLM", "")
-    return next((f for f, cls in FAMILY_CLASSES.items() if ref == cls), None)
+    return next((f for f, cls in family_classes().items() if ref == cls), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,6 +225,7 @@ def active_patches(rc: RemoteCode) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 def _tf_wants_tied_mapping() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers import PreTrainedModel
 
     return hasattr(PreTrainedModel, "get_expanded_tied_weights_keys")
@@ -230,8 +238,8 @@ def _tf_renames_output_cache() -> bool:
     transformers 5.0-5.24 rename the keyword to ``cache=`` in every ``ModelOutput``; 5.25 leaves classes that
     still declare the old field alone. Probed on a throw-away class rather than read off the version number.
     """
-    import dataclasses
 
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import ModelOutput
 
     @dataclasses.dataclass
@@ -246,18 +254,21 @@ def _tf_renames_output_cache() -> bool:
 
 
 def _tf_rope_has_default() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return "default" in ROPE_INIT_FUNCTIONS
 
 
 def _tf_generate_passes_cache() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.generation.utils import GenerationMixin
 
     return "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
 
 
 def _tf_mask_sizes_take_length() -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.cache_utils import Cache
 
     params = list(inspect.signature(Cache.get_mask_sizes).parameters)
@@ -275,7 +286,7 @@ def _tied_weights_mapping(rc: RemoteCode) -> bool:
     for klass in rc.model_cls.__mro__:
         keys = klass.__dict__.get("_tied_weights_keys")
         if isinstance(keys, list | tuple):
-            type.__setattr__(klass, "_tied_weights_keys", {k: TIED_SOURCE[rc.family] for k in keys})
+            type.__setattr__(klass, "_tied_weights_keys", {k: adapter_kinds()[rc.family].tied_source for k in keys})
             changed = True
     return changed
 
@@ -283,6 +294,7 @@ def _tied_weights_mapping(rc: RemoteCode) -> bool:
 def _output_past_key_values(rc: RemoteCode) -> bool:
     if not _tf_renames_output_cache():
         return False
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import ModelOutput
 
     mod, changed = rc.module, False
@@ -330,6 +342,7 @@ def _huginn_config_tie(rc: RemoteCode) -> bool:
 
 
 def _huginn_generation_cache_position(rc: RemoteCode) -> bool:
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.generation.utils import GenerationMixin
 
     cls = rc.model_cls
@@ -408,7 +421,6 @@ def _huginn_generate_route(rc: RemoteCode) -> bool:
     def generate(self, *args, **kwargs):
         if any(k in kwargs for k in _HUGINN_OWN_GENERATE):
             return own(self, *args, **kwargs)
-        import copy
 
         input_ids = args[0] if args else kwargs.pop("input_ids")
         gc = args[1] if len(args) > 1 else kwargs.pop("generation_config", None)
@@ -565,13 +577,14 @@ PATCHES: tuple[Patch, ...] = (
 
 def remote_code(path: Path | str, kind: str, auto_map: dict[str, str] | None = None) -> RemoteCode:
     """The checkpoint's own config and model classes (imported from the directory, local files only), patched."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
     am = read_auto_map(path) if auto_map is None else auto_map
     for key in ("AutoConfig", "AutoModelForCausalLM"):
         if key not in am:
             raise CheckpointLoadError(f"dump.adapter.path '{path}': config.json's auto_map has no {key}; kind {kind} "
-                                      f"needs the checkpoint's own code ({FAMILY_CLASSES[kind]})")
+                                      f"needs the checkpoint's own code ({family_classes()[kind]})")
     rc = RemoteCode(kind, get_class_from_dynamic_module(am["AutoConfig"], str(path), local_files_only=True),
                     get_class_from_dynamic_module(am["AutoModelForCausalLM"], str(path), local_files_only=True))
     apply_patches(rc)
@@ -593,7 +606,7 @@ def load_remote_model(path: Path | str, kind: str, dtype: torch.dtype | str, att
     fam = family_of(am)
     if fam is not None and fam != kind:
         raise CheckpointLoadError(f"dump.adapter.path '{path}': kind is {kind} but config.json's auto_map names "
-                                  f"{FAMILY_CLASSES[fam]} ({fam}); set dump.adapter.kind: {fam}")
+                                  f"{family_classes()[fam]} ({fam}); set dump.adapter.kind: {fam}")
     with quiet_transformers():
         return _load(path, kind, am, dtype, attn_implementation, config_overrides)
 
@@ -661,6 +674,7 @@ def quiet_transformers():
     """Hide the deprecation notices transformers 5 prints for the 4.x-era remote code (``check_model_inputs``,
     ``rope_scaling``, ``past_key_values``... — known and harmless; docs/adapters.md): its logger at ERROR and its
     FutureWarning / DeprecationWarning ignored while the model loads and runs."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -676,6 +690,7 @@ def quiet_transformers():
 
 def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str = "load") -> str:
     """One line: the checkpoint, what failed (type, where, message) and the fix (``verb``: load | run)."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     import transformers
 
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -690,17 +705,17 @@ def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str 
     what = f"{type(exc).__name__}{at}: {msg}" if msg else f"{type(exc).__name__}{at}"
     if isinstance(exc, OSError) and not isinstance(exc, ImportError):
         fix = "it must be a save_pretrained directory with config.json, its weights and the model's .py files"
-    elif kind not in FAMILY_CLASSES:
+    elif kind not in family_classes():
         fix = "the checkpoint's own code does not run under the installed transformers; use a revision of it that does"
     else:
         fix = (f"the shim (looptrace.models.adapters.compat) covers the published {kind} code "
-               f"({FAMILY_CLASSES[kind].split('.')[0]}.py, docs/adapters.md 'Remote code'); compare the directory's "
+               f"({family_classes()[kind].split('.')[0]}.py, docs/adapters.md 'Remote code'); compare the directory's "
                f"code with it, or set {DISABLE_ENV} to narrow down which patch no longer fits")
     return (f"dump.adapter.path '{path}': cannot {verb} the {kind} checkpoint under transformers "
             f"{transformers.__version__} ({what}); {fix}")
 
 
-__all__ = ["DISABLE_ENV", "FAMILY_CLASSES", "PATCHES", "SUPPORTED_TRANSFORMERS", "CheckpointLoadError", "Patch",
-           "RemoteCode", "active_patches", "apply_patches", "check_transformers", "describe_failure", "family_of",
+__all__ = ["DISABLE_ENV", "PATCHES", "SUPPORTED_TRANSFORMERS", "CheckpointLoadError", "Patch",
+           "RemoteCode", "active_patches", "apply_patches", "check_transformers", "describe_failure", "family_classes", "family_of",
            "is_incompatibility", "load_remote_model", "quiet_transformers", "read_auto_map", "remote_code",
            "transformers_version"]

@@ -55,12 +55,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from looptrace.config import ConfigError, InputError, to_dict
+from looptrace.config import ConfigError, InputError, from_dict, to_dict
 from looptrace.models.adapters import compat
 from looptrace.models.adapters.compat import CheckpointLoadError
+from looptrace.models.adapters.registry import adapter_kind, adapter_kinds, register_adapter
 from looptrace.models.interface import AdapterInfo, LoopedModelAdapter, States, file_sha256
 
-KINDS = ("dory", "inkling2loop", "retrofit", "ouro", "huginn")
 MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
@@ -99,21 +99,24 @@ class AdapterConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"dump.adapter.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        kinds = adapter_kinds()
+        if self.kind not in kinds:
+            raise ConfigError(f"dump.adapter.kind must be one of {', '.join(kinds)}, got {self.kind!r}")
+        entry = kinds[self.kind]
         if self.dtype not in (*MODEL_DTYPES, "auto"):
             raise ConfigError(f"dump.adapter.dtype must be one of {', '.join(MODEL_DTYPES)}, auto; got {self.dtype!r}")
         if self.n_loops is not None and self.n_loops < 1:
             raise ConfigError(f"dump.adapter.n_loops must be >= 1, got {self.n_loops}")
-        if self.kind == "retrofit":
+        if entry.needs_block:
             if self.block is None or len(self.block) != 2 or not 0 <= self.block[0] < self.block[1]:
-                raise ConfigError("dump.adapter.block: retrofit needs [start, end) with 0 <= start < end, "
+                raise ConfigError(f"dump.adapter.block: {self.kind} needs [start, end) with 0 <= start < end, "
                                   f"got {self.block!r}")
             if self.n_loops is None:
-                raise ConfigError("dump.adapter.n_loops: retrofit needs the number of passes through the block")
+                raise ConfigError(f"dump.adapter.n_loops: {self.kind} needs the number of passes through the block")
         elif self.block is not None:
-            raise ConfigError(f"dump.adapter.block is only for kind retrofit (kind is {self.kind})")
-        if self.kind in ("ouro", "huginn") and not self.trust_remote_code:
+            blocks = [k for k, e in kinds.items() if e.needs_block]
+            raise ConfigError(f"dump.adapter.block is only for kind {', '.join(blocks)} (kind is {self.kind})")
+        if entry.remote and not self.trust_remote_code:
             raise ConfigError(f"dump.adapter.trust_remote_code: kind {self.kind} runs the checkpoint's own "
                               "modeling code; set it to true (the code is read from the local directory only)")
 
@@ -154,6 +157,7 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
             config.json, unknown architecture, missing weights, remote code that does not fit the installed
             transformers); an unexpected error propagates with its traceback.
     """
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers.utils import logging as hf_logging
 
     path = Path(cfg.path)
@@ -167,7 +171,7 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the dump has its own progress bar; keep stage output to one line
     try:
-        if cfg.kind in ("ouro", "huginn") and compat.read_auto_map(path):
+        if adapter_kind(cfg.kind).remote and compat.read_auto_map(path):
             over = {"total_ut_steps": cfg.n_loops} if cfg.kind == "ouro" and cfg.n_loops is not None else {}
             model, patches = compat.load_remote_model(path, cfg.kind, dtype, cfg.attn_implementation, over)
             model._looptrace_compat_patches = patches
@@ -181,6 +185,7 @@ def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
 
 def _load_auto(cfg: AdapterConfig, path: Path, dtype) -> nn.Module:
     """transformers' Auto classes (native architectures, or remote code the shim does not know)."""
+    # lazy: transformers: a multi-second import, only once a checkpoint is loaded
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kw: dict[str, Any] = {"local_files_only": True, "trust_remote_code": cfg.trust_remote_code, "dtype": dtype}
@@ -190,6 +195,7 @@ def _load_auto(cfg: AdapterConfig, path: Path, dtype) -> nn.Module:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
         auto = AutoModelForCausalLM
         if getattr(hf_cfg, "model_type", None) == "inkling2_loop":  # the released multimodal wrapper
+            # lazy: transformers: a multi-second import, only once a checkpoint is loaded
             from transformers import AutoModelForImageTextToText as auto
         return auto.from_pretrained(path, **kw)
     except (OSError, ValueError, KeyError) as exc:
@@ -210,14 +216,10 @@ def load_adapter(spec: AdapterConfig | dict, device: str = "cpu") -> LoopedModel
         device: torch device of the model (``base.device``).
     """
     if isinstance(spec, dict):
-        from looptrace.config import from_dict
-
         spec = from_dict(AdapterConfig, spec, "dump.adapter")
-    cls = {"dory": DoryAdapter, "inkling2loop": Inkling2LoopAdapter, "retrofit": RetrofitAdapter,
-           "ouro": OuroAdapter, "huginn": HuginnAdapter}[spec.kind]
-    remote = spec.kind in compat.FAMILY_CLASSES
-    with compat.quiet_transformers() if remote else contextlib.nullcontext():
-        return cls(load_hf_model(spec, device), spec, device)
+    kind = adapter_kind(spec.kind)
+    with compat.quiet_transformers() if kind.remote else contextlib.nullcontext():
+        return kind.adapter(load_hf_model(spec, device), spec, device)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +323,7 @@ class HFAdapter(LoopedModelAdapter):
         )
         patches = getattr(model, "_looptrace_compat_patches", None)
         if patches is not None:  # remote code loaded through the compatibility shim (provenance)
+            # lazy: transformers: a multi-second import, only once a checkpoint is loaded
             import transformers
 
             self.info.extra["compat_patches"] = list(patches)
@@ -366,7 +369,7 @@ class HFAdapter(LoopedModelAdapter):
     def _remote_code_errors(self):
         """Remote code that fails inside itself or transformers with an interface error (a revision the shim does
         not cover) is a one-line :class:`CheckpointLoadError`; anything else keeps its traceback."""
-        if self.cfg.kind not in compat.FAMILY_CLASSES:
+        if not adapter_kind(self.cfg.kind).remote:
             yield
             return
         try:
@@ -406,10 +409,9 @@ class HFAdapter(LoopedModelAdapter):
                 "false only if you accept that")
 
 
+@register_adapter("dory")
 class DoryAdapter(HFAdapter):
     """``DoryForCausalLM``: prelude → recurrent section × ``n_recurrent_loops`` → coda (see module doc)."""
-
-    kind = "dory"
 
     def __init__(self, model, cfg, device="cpu"):
         base = model.model
@@ -448,10 +450,9 @@ class DoryAdapter(HFAdapter):
         return self.model.lm_head(base.norm(h))
 
 
+@register_adapter("retrofit", needs_block=True)
 class RetrofitAdapter(HFAdapter):
     """A standard decoder with layers ``[start, end)`` looped ``n_loops`` times ([RT]'s retrofit)."""
-
-    kind = "retrofit"
 
     def __init__(self, model, cfg, device="cpu"):
         base = getattr(model, "model", None)
@@ -502,10 +503,9 @@ class RetrofitAdapter(HFAdapter):
         return 0, self.model(input_ids=ids, use_cache=False).logits  # pass 1 = the unlooped model
 
 
+@register_adapter("inkling2loop", no_decoder="its layers read whole-pass block states")
 class Inkling2LoopAdapter(HFAdapter):
     """``Inkling2LoopForCausalLM`` (or the multimodal wrapper's language model), see module doc."""
-
-    kind = "inkling2loop"
 
     def __init__(self, model, cfg, device="cpu"):
         self.text = getattr(model.model, "language_model", model.model)
@@ -572,12 +572,13 @@ def _ouro_set_steps(model: nn.Module, n: int) -> None:
         base.total_ut_steps = n
 
 
+@register_adapter("ouro", remote_class="modeling_ouro.OuroForCausalLM",
+                  tied_source="model.embed_tokens.weight")
 class OuroAdapter(HFAdapter):
     """Ouro (remote code, ``modeling_ouro.py``): ``model.model(...)`` → (``BaseModelOutputWithPast``, [h_1..h_T],
     [gate_1..gate_T]); each h_t is already normed (``OuroModel`` applies ``norm`` after every step and feeds the
     normed state to the next), so the exit at loop t is ``lm_head(h_t)``; gate_t is ``[batch, seq, 1]``."""
 
-    kind = "ouro"
     has_gate = True
 
     def __init__(self, model, cfg, device="cpu"):
@@ -630,6 +631,8 @@ def sequence_seed(seed: int, ids: torch.Tensor) -> int:
     return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
 
 
+@register_adapter("huginn", remote_class="raven_modeling_minimal.RavenForCausalLM",
+                  tied_source="transformer.wte.weight")
 class HuginnAdapter(HFAdapter):
     """Huginn / Raven (remote code, ``raven_modeling_minimal.py``): ``embed_inputs`` → ``initialize_state`` →
     ``iterate_one_step(current_step=t)`` × T; h_t is the raw core-block output, the exit at loop t is
@@ -641,7 +644,6 @@ class HuginnAdapter(HFAdapter):
     noise of steps 0..T−1. Without noise h_0 is drawn per sequence and the steps run batched; with noise every
     sequence runs alone (the noise of a step is drawn for the whole batch at once)."""
 
-    kind = "huginn"
     METHODS = ("embed_inputs", "initialize_state", "iterate_one_step", "predict_from_latents")
 
     def __init__(self, model, cfg, device="cpu"):
@@ -707,6 +709,6 @@ class HuginnAdapter(HFAdapter):
         return self.info.n_loops - 1, torch.cat(out, dim=0)
 
 
-__all__ = ["KINDS", "AdapterConfig", "CheckpointLoadError", "DoryAdapter", "HFAdapter", "HuginnAdapter",
+__all__ = ["AdapterConfig", "CheckpointLoadError", "DoryAdapter", "HFAdapter", "HuginnAdapter",
            "Inkling2LoopAdapter", "OuroAdapter", "RetrofitAdapter", "checkpoint_hash", "load_adapter", "load_hf_model",
            "sequence_seed"]

@@ -37,6 +37,7 @@ from looptrace.models.adapters.hf import (
     RetrofitAdapter,
     sequence_seed,
 )
+from looptrace.models.adapters.registry import adapter_kinds, register_decoder
 from looptrace.models.decode import DecodeUnsupported, LoopDecoder
 from looptrace.models.kv import CODA, LOOP, PRELUDE, LoopKVCache
 
@@ -143,6 +144,7 @@ class _LayerListDecoder(_HFDecoder):
         return out[0] if isinstance(out, tuple) else out
 
 
+@register_decoder("dory")
 class DoryDecoder(_LayerListDecoder):
     """``DoryForCausalLM``: prelude → (norm(h) + norm(prelude)) → recurrent layers × T → coda → L2 norm → head."""
 
@@ -185,6 +187,7 @@ class DoryDecoder(_LayerListDecoder):
         return self.model.lm_head(self._base().norm(h)).float()
 
 
+@register_decoder("retrofit")
 class RetrofitDecoder(_LayerListDecoder):
     """A standard decoder with layers ``[start, end)`` looped T times (the ``retrofit`` adapter)."""
 
@@ -227,6 +230,7 @@ class RetrofitDecoder(_LayerListDecoder):
         return logits
 
 
+@register_decoder("ouro")
 class OuroDecoder(_HFDecoder):
     """Ouro: ``L`` shared layers × T steps, ``norm`` after every step (the normed state feeds the next), exit =
     ``lm_head(h_t)``, gate = ``early_exit_gate(h_t)``; its layers call ``update(k, v, current_ut·L + layer_idx)``."""
@@ -279,6 +283,7 @@ class OuroDecoder(_HFDecoder):
         return g.reshape(*g.shape[:2], -1)[..., 0].float()
 
 
+@register_decoder("huginn")
 class HuginnDecoder(_HFDecoder):
     """Huginn / Raven through its own API: ``embed_inputs`` → ``initialize_state`` → ``iterate_one_step`` (block_idx
     P−1 + Lc·t) → ``predict_from_latents``, every call with ``past_key_values`` and ``cache_position``.
@@ -352,14 +357,13 @@ def hf_decoder(adapter, policy: str, **options) -> LoopDecoder:
     Raises:
         DecodeUnsupported: the kind has no decoder (``inkling2loop``), or no ``native`` policy, or Huginn's noise.
     """
-    for cls, dec in ((DoryAdapter, DoryDecoder), (RetrofitAdapter, RetrofitDecoder), (OuroAdapter, OuroDecoder),
-                     (HuginnAdapter, HuginnDecoder)):
-        if isinstance(adapter, cls):
-            with adapter._remote_code_errors():
-                return dec(adapter, policy, **options)
     kind = getattr(adapter, "kind", type(adapter).__name__)
-    raise DecodeUnsupported(f"adapter kind '{kind}' has no loop-by-loop decoder (its layers read whole-pass block "
-                            "states)" if kind == "inkling2loop" else f"no loop-by-loop decoder for {kind}")
+    entry = adapter_kinds().get(kind)
+    if entry is None or entry.decoder is None or not isinstance(adapter, entry.adapter):
+        why = f" ({entry.no_decoder})" if entry is not None and entry.no_decoder else ""
+        raise DecodeUnsupported(f"adapter kind '{kind}' has no loop-by-loop decoder{why}")
+    with adapter._remote_code_errors():
+        return entry.decoder(adapter, policy, **options)
 
 
 __all__ = ["DoryDecoder", "HuginnDecoder", "OuroDecoder", "RetrofitDecoder", "SlotCache", "hf_decoder"]

@@ -1,11 +1,11 @@
-"""Tiny builders the tests share (and a user's own tests may reuse): configs, models, data, stores, tables and a
-whole small artifacts tree, each in seconds on one CPU thread.
+"""Tiny builders the tests share: configs, models, data, stores, tables and a whole small artifacts tree, each in
+seconds on one CPU thread.
 
-Following lm-evaluation-harness's dummy model kept in the package, the builders live here, next to the code
-they build for, instead of in one test file or another; ``tests/conftest.py`` exposes the common ones as
-fixtures. No library module or stage imports this module (tests/test_layout.py checks it), and torch is
-imported only inside the builders that need it, so a test of an offline stage that builds a store from arrays
-stays torch-free.
+They live under ``tests/`` (``tests.builders``), not in the package: the wheel ships no test code, and no library
+module or stage can import them. ``tests/conftest.py`` exposes the common ones as fixtures; child processes
+(tests/dump_child.py, tests/kill_child.py) put the repository on ``sys.path`` to import them. torch is imported
+only inside the builders that need it, so a test of an offline stage that builds a store from arrays stays
+torch-free.
 
 Groups:
 
