@@ -191,8 +191,8 @@ class GatesConfig:
             raise ConfigError(f"gates.gates lists a gate twice: {list(self.gates)}")
         names = {s.name for s in specs}
         for g in self.cross_gates:
-            s = GateSpec.parse(g, "gates.cross_gates")
-            if s.name not in names:
+            spec = GateSpec.parse(g, "gates.cross_gates")
+            if spec.name not in names:
                 raise ConfigError(f"gates.cross_gates: '{g}' is not in gates.gates; add it there or drop it")
         if self.pca_components < 0:
             raise ConfigError(f"gates.pca_components must be ≥ 0 (0 = off), got {self.pca_components}")

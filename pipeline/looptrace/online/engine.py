@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from looptrace.rules.base import HISTORY, SIGNAL, ExitRule
 from looptrace.rules.registry import get_rule
 from looptrace.signals import keep_rows
 from looptrace.signals.firing import two_hit_step
+
+if TYPE_CHECKING:
+    from looptrace.models.decode import LoopDecoder
 
 # ----------------------------------------------------------------------------------------------
 # Online rules: a rule of the registry evaluated loop by loop on the live batch
@@ -58,16 +62,18 @@ class OnlineRule:
         self._thr32 = float32_threshold(self.threshold, op)
         self.state: dict[str, torch.Tensor] = {}
 
-    def reset(self, model: LoopedTransformer, h0: torch.Tensor) -> None:
+    def reset(self, model: LoopedTransformer | LoopDecoder, h0: torch.Tensor) -> None:
         """Start a new batch (h0: [batch, seq, d_model])."""
         self.state = {}
 
-    def signal(self, t: int, h: torch.Tensor, z: torch.Tensor | None, model: LoopedTransformer) -> torch.Tensor:
+    def signal(self, t: int, h: torch.Tensor, z: torch.Tensor | None,
+               model: LoopedTransformer | LoopDecoder) -> torch.Tensor:
         """Signal after loop t (1-based): [batch, seq] float32 (values the store holds as float32) or
         float64 (or integer), NaN where undefined."""
         raise NotImplementedError
 
-    def fires(self, t: int, h: torch.Tensor, z: torch.Tensor | None, model: LoopedTransformer) -> torch.Tensor:
+    def fires(self, t: int, h: torch.Tensor, z: torch.Tensor | None,
+              model: LoopedTransformer | LoopDecoder) -> torch.Tensor:
         """[batch, seq] bool: the rule's condition at loop t (before the engine's undecided mask)."""
         s = self.signal(t, h, z, model)
         # A float32 signal is compared with the float32 threshold that gives the same answer as the
@@ -273,6 +279,7 @@ def early_exit(model: LoopedTransformer, tokens: torch.Tensor, scored: torch.Ten
     if rule is not None:  # the rule starts on the batch it was made for, then follows the compaction
         rule.reset(model, h0)
     any_scored = undecided.any(dim=1)
+    keep: torch.Tensor | None
     if not bool(any_scored.all()):  # rows with nothing to predict never run
         keep = any_scored.nonzero().squeeze(1)
         rows, h0, undecided = rows[keep], h0.index_select(0, keep), undecided.index_select(0, keep)
@@ -287,8 +294,13 @@ def early_exit(model: LoopedTransformer, tokens: torch.Tensor, scored: torch.Ten
         last = t == T
         if rule is None and not last:
             continue
-        z = model.readout(h) if (last or rule.needs_logits) else None  # [b, seq, V]
-        fire = undecided if last else (rule.fires(t, h, z, model) & undecided)
+        # (before T the rule is not None: the loop continued above without one)
+        z = model.readout(h) if (last or (rule is not None and rule.needs_logits)) else None  # [b, seq, V]
+        if last:
+            fire = undecided
+        else:
+            assert rule is not None
+            fire = rule.fires(t, h, z, model) & undecided
         b, s = fire.nonzero(as_tuple=True)
         if b.numel():
             if z is None:

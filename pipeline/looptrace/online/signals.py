@@ -82,6 +82,7 @@ class LiveSignals:
         """
         out: dict[str, torch.Tensor] = {}
         if self._logits is not None:
+            assert z is not None  # the caller passes z_t whenever needs_logits
             out.update(self._logits.update(z))
         if self._steps is not None:
             cpu = h.device.type == "cpu"

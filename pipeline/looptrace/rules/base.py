@@ -159,8 +159,8 @@ class ExitRule:
         """The explicit threshold values (float64), or None when the rule uses the val quantile grid."""
         if self.thresholds is None:
             return None
-        vals = self.thresholds(n_loops, cfg) if callable(self.thresholds) else self.thresholds
-        vals = np.asarray(list(vals), dtype=np.float64).ravel()
+        given = self.thresholds(n_loops, cfg) if callable(self.thresholds) else self.thresholds
+        vals = np.asarray(list(given), dtype=np.float64).ravel()
         if vals.size == 0:
             raise ConfigError(f"exit rule '{self.name}': no threshold values")
         return vals

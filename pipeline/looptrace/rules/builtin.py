@@ -129,7 +129,10 @@ LOOP_COLUMNS = ("loop", "argmax", "correct", "target_logprob", "gate_logit",
 def oracle_depths(correct: np.ndarray) -> np.ndarray:
     """Oracle earliest-correct depth ([AD] ceiling): min{t : argmax_t = y}, else T ([token] int64, 1-based)."""
     r = BUILTIN_RULES["oracle"]
-    return exit_depths(r.score_of({"correct": np.asarray(correct, dtype=bool)}), r.calibration_values(0), r.op)[0]
+    score = r.score_of({"correct": np.asarray(correct, dtype=bool)})
+    vals = r.calibration_values(0)
+    assert vals is not None  # the oracle's thresholds are explicit
+    return exit_depths(score, vals, r.op)[0]
 
 
 def argmax_stable_depths(argmax: np.ndarray, ns: Sequence[int]) -> np.ndarray:

@@ -143,7 +143,8 @@ def resolve_rules(names: Sequence[str | ExitRule], section: str, online: bool = 
     Raises:
         ConfigError: one line prefixed with ``section``.
     """
-    out, seen = [], {}
+    out: list[ExitRule] = []
+    seen: dict[str, str | ExitRule] = {}
     for n in names:
         try:
             r = get_rule(n)

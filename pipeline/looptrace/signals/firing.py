@@ -46,8 +46,11 @@ class ArgmaxStableCount:
     def update(self, argmax: np.ndarray) -> np.ndarray:
         """c_t [...] int64 from argmax_t [...]."""
         a = argmax
-        self.count = (np.zeros(a.shape, dtype=np.int64) if self.prev is None
-                      else np.where(a == self.prev, self.count + 1, 0))
+        if self.prev is None:
+            self.count = np.zeros(a.shape, dtype=np.int64)
+        else:
+            assert self.count is not None  # set together with prev
+            self.count = np.where(a == self.prev, self.count + 1, 0)
         self.prev = a
         return self.count
 

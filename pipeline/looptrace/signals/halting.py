@@ -66,7 +66,7 @@ def _check_dtype(dtype: str) -> None:
         raise ValueError(f"ouro_halting_cdf: dtype must be one of {', '.join(OURO_DTYPES)}, got {dtype!r}")
 
 
-def round_to(x: np.ndarray, dtype: str) -> np.ndarray:
+def round_to(x: np.ndarray | np.floating, dtype: str) -> np.ndarray:
     """float32 ``x`` rounded (to nearest, ties to even — torch's conversion) to ``dtype``, held as float32."""
     x = np.asarray(x, dtype=np.float32)
     if dtype == "float32":
@@ -109,7 +109,8 @@ class _CumSum:
     rounds every prefix sum to the dtype."""
 
     def __init__(self, dtype: str) -> None:
-        self.dtype, self.acc = dtype, None
+        self.dtype = dtype
+        self.acc: np.ndarray | None = None
 
     def add(self, p: np.ndarray) -> np.ndarray:
         wide = np.float64 if self.dtype == "float32" else np.float32
@@ -160,7 +161,8 @@ class OuroHaltingCDF:
 
     def __init__(self, dtype: str) -> None:
         _check_dtype(dtype)
-        self.dtype, self.rem, self.cum = dtype, None, _CumSum(dtype)
+        self.dtype, self.cum = dtype, _CumSum(dtype)
+        self.rem: np.ndarray | None = None
 
     def update(self, gate_logit: np.ndarray) -> np.ndarray:
         g = np.asarray(gate_logit, dtype=np.float32)

@@ -165,7 +165,9 @@ class LoopStats:
             raise ValueError("LoopStats: 'kl_final' needs final_logits (loop T's readout)")
         if "target_logprob" in self.names and target is None:
             raise ValueError("LoopStats: 'target_logprob' needs the target ids")
-        self._final_logp = self._final_p = self._target = None
+        self._final_logp: torch.Tensor | None = None
+        self._final_p: torch.Tensor | None = None
+        self._target: torch.Tensor | None = None
         self._final_finite = False
         if final_logits is not None and "kl_final" in self.names:
             z = final_logits.float()
@@ -205,33 +207,46 @@ class LoopStats:
         z = logits.float()
         names = self.names
         logp = torch.log_softmax(z, dim=-1) if self._need_logp else None
-        p = logp.exp() if (logp is not None and any(n in names for n in ("entropy", "kl_prev", "kl_final")))\
-            or self._keep_p else None
+        # (_keep_p implies _need_logp: kl_prev_rev needs logp)
+        p = logp.exp() if logp is not None and (any(n in names for n in ("entropy", "kl_prev", "kl_final"))
+                                                 or self._keep_p) else None
         # finite logits: finite log-probabilities, no mask needed in the sums (only the sums need to know)
         finite = _all_finite(z) if self._need_finite else False
         z_top, top = z.max(dim=-1) if self._need_top else (None, None)  # [...], [...]
         prev = self._started
         out: dict[str, torch.Tensor] = {}
+        # The asserts restate the invariants of __init__: a requested name has its inputs (logp for every
+        # name but argmax/margin/logit_change, p for entropy/kl_prev/kl_prev_rev, top for
+        # max_prob/argmax/margin, the target/final loop when asked for, the kept previous loop when prev).
         for n in names:
             if n == "entropy":
+                assert logp is not None and p is not None
                 out[n] = entropy(logp, p, finite)
             elif n == "max_prob":
+                assert logp is not None and top is not None
                 out[n] = max_prob(logp, top)
             elif n == "margin":
+                assert z_top is not None and top is not None
                 out[n] = margin(z, z_top, top)
             elif n == "target_logprob":
+                assert logp is not None and self._target is not None
                 out[n] = target_logprob(logp, self._target)
             elif n == "argmax":
+                assert top is not None
                 out[n] = argmax(top)
             elif n == "kl_final":
+                assert logp is not None and self._final_logp is not None and self._final_p is not None
                 out[n] = kl_final(logp, self._final_logp, self._final_p, finite and self._final_finite)
             elif not prev:  # kl_prev, kl_prev_rev, logit_change at t = 1
                 out[n] = _nan(z)
             elif n == "kl_prev":
+                assert logp is not None and p is not None and self._prev_logp is not None
                 out[n] = kl_prev(logp, p, self._prev_logp, finite and self._prev_finite)
             elif n == "kl_prev_rev":
+                assert logp is not None and self._prev_logp is not None and self._prev_p is not None
                 out[n] = kl_prev_rev(logp, self._prev_logp, self._prev_p, finite and self._prev_finite)
             elif n == "logit_change":
+                assert self._prev_z is not None
                 out[n] = logit_change(z, self._prev_z)
         self._prev_z = z if self._keep_z else None
         self._prev_logp = logp if self._keep_logp else None

@@ -107,8 +107,10 @@ class StepSignals:
             raise ValueError(f"StepSignals: unknown signal '{unknown[0]}'; known: {', '.join(GEOMETRY_METRICS)}")
         self.names = tuple(n for n in GEOMETRY_METRICS if n in names)
         self._h_prev = np.asarray(hidden_init, dtype=np.float64)
-        self._nh_prev = None
-        self._d_prev = self._s_prev = self._s_prev2 = None
+        self._nh_prev: np.ndarray | None = None
+        self._d_prev: np.ndarray | None = None
+        self._s_prev: np.ndarray | None = None
+        self._s_prev2: np.ndarray | None = None
         self._need_nh = any(n in self.names for n in ("rel_step", "state_cos_dist", "accel_norm"))
         self._need_s = any(n in self.names for n in ("step_norm", "rel_step", "step_cos", "step_d2"))
 
@@ -131,22 +133,32 @@ class StepSignals:
         if self._need_nh and self._nh_prev is None:
             self._nh_prev = _norm(hp).reshape(lead)
         flat: dict[str, np.ndarray] = {}  # [rows] values
+        # The asserts restate the invariants: s is there for step_norm/rel_step/step_cos/step_d2, nh and
+        # the previous loop's norms for rel_step/state_cos_dist/accel_norm, and a previous loop's d / s
+        # (t − 1, t − 2) once one has been seen.
+        v: np.ndarray
         for n in self.names:
             if n == "step_norm":
+                assert s is not None
                 v = s
             elif n == "rel_step":
+                assert s is not None and nh is not None
                 v = rel_step(s, nh)
             elif n == "state_cos_dist":
+                assert nh is not None and self._nh_prev is not None
                 v = state_cos_dist(h2, hp, nh, self._nh_prev.reshape(-1))
             elif n == "step_d2" and self._s_prev2 is not None:
+                assert s is not None and self._s_prev is not None
                 v = step_d2(s, self._s_prev.reshape(-1), self._s_prev2.reshape(-1))
             elif n == "step_d2" or self._d_prev is None:  # needs t − 2 / t − 1
                 v = np.full(h2.shape[0], np.nan)
             elif n == "step_cos":
+                assert s is not None and self._s_prev is not None
                 v = step_cos(d, self._d_prev.reshape(-1, D), s, self._s_prev.reshape(-1))
             elif n == "accel":
                 v = accel(d, self._d_prev.reshape(-1, D))
             else:  # accel_norm
+                assert nh is not None
                 v = accel_norm(flat["accel"] if "accel" in flat else accel(d, self._d_prev.reshape(-1, D)), nh)
             flat[n] = v
         out = {n: v.reshape(lead) for n, v in flat.items()}
