@@ -37,7 +37,6 @@ from typing import Any
 
 import torch
 
-from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.kv import LoopKVCache
 from looptrace.models.looped import LoopedTransformer
 

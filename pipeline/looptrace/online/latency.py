@@ -53,6 +53,8 @@ from tqdm.auto import tqdm
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, read_parquet
 from looptrace.io.artifacts import jsonable as _jsonable
+from looptrace.io.store.identity import check_store_model
+from looptrace.io.store.reader import open_store
 from looptrace.models.interface import file_sha256
 from looptrace.models.looped import LoopedTransformer, load_checkpoint
 from looptrace.online.engine import (
@@ -64,8 +66,6 @@ from looptrace.online.engine import (
     minimal_work,
 )
 from looptrace.online.gates import load_online_gate
-from looptrace.io.store.identity import check_store_model
-from looptrace.io.store.reader import open_store
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks import IGNORE, TaskBatch, make_task
 
