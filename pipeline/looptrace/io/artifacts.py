@@ -114,6 +114,7 @@ def swap_in(staged: Path | str, out_dir: Path | str) -> None:
     never a mix. A kill between the two renames leaves ``.<name>.old`` (and no ``out_dir``), which
     :func:`clear_debris` removes on the next run."""
     staged, out_dir = Path(staged), Path(out_dir)
+    _claim_and_manifest(staged, out_dir)
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -122,6 +123,16 @@ def swap_in(staged: Path | str, out_dir: Path | str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, out_dir)
+
+
+def _claim_and_manifest(staged: Path, out_dir: Path) -> None:
+    """Before a swap: refuse replacing what another stage wrote, then write the staged directory's manifest last
+    (:mod:`looptrace.io.guard`, :mod:`looptrace.io.manifest`)."""
+    from looptrace.io.guard import CURRENT_STAGE, check_replaceable
+    from looptrace.io.manifest import write_manifest
+
+    check_replaceable(out_dir)
+    write_manifest(staged, CURRENT_STAGE.get())
 
 
 @contextlib.contextmanager

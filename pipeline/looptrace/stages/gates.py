@@ -31,7 +31,7 @@ def main(
         cal = load_section(CalibrationConfig, "calibration", params)
         ivc = load_section(IntervalsConfig, "intervals", params)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
+        with stage_output(out, stage="gates", inputs={"--dump-root": dump_root}):
             names = model_names(params, models)
             stores, meta, tasks = {}, {}, {}
             vers = versions()

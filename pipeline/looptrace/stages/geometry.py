@@ -26,7 +26,7 @@ def main(
         base = load_base(params)
         cfg = load_section(GeometryConfig, "geometry", params, required=True)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out / model):
+        with stage_output(out / model, stage="geometry", inputs={"--dump-root": dump_root}, out_root=out):
             stores = open_split_stores(dump_root, model, cfg.splits)  # checked to be one dump of this model
             meta = {"model": model, "seed": base.seed,
                     "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
