@@ -101,13 +101,13 @@ def _foreign_ckpt(t: Path) -> None:
     tiny_checkpoint(t / "train", name="other").parent.rename(t / "train" / "m")
 
 
-def _stores(t: Path, model: dict | None = None) -> None:
+def _stores(t: Path, model: dict | None = None, chunk: int = 16) -> None:
     from looptrace.testing import random_signal_arrays, write_arrays
 
     attrs = {"token_types": ["keep", "change"], "vocab_size": 4} | ({"model": model} if model else {})
     for i, s in enumerate(("fit", "val", "test")):
         write_arrays(t / "dump" / "m" / f"{s}.zarr", random_signal_arrays(np.random.default_rng(i), N=40),
-                     attrs=attrs)
+                     attrs=attrs, chunk_tokens=chunk)
 
 
 def _foreign_stores(t: Path) -> None:
@@ -290,6 +290,22 @@ CASES = [
     Case("rep-metrics", "report", "a truncated readouts `metrics.json`",
          ("readouts/m/metrics.json is truncated or not JSON", "re-run the readouts stage"),
          setup=_truncated_readouts_metrics),
+    # issue 24: params that mean exactly what they say
+    Case("dup-key", "readouts", "a key given twice (`calibration: {delta: 0.5, delta: 5}`)",
+         ("key 'calibration.delta' is given twice (line 1 and line 1)", "keep one of them"),
+         "calibration: {delta: 0.5, delta: 5}"),
+    Case("dup-section", "readouts", "a section given twice in one file",
+         ("section 'calibration' is given twice (line 1 and line 2)",),
+         "calibration: {delta: 0.5}\ncalibration: {delta: 5}"),
+    Case("n-boot-1", "readouts", "`intervals.n_boot: 1`",
+         ("intervals.n_boot = 1: a 0.95 percentile interval needs at least 200 resamples", "or 0 for no intervals"),
+         "intervals: {n_boot: 1}"),
+    Case("nq-huge", "readouts", "`calibration.n_quantiles: 1000000` on a model with 80 val values",
+         ("calibration.n_quantiles = 1000000 exceeds the 80 val values", "set calibration.n_quantiles ≤ 80 (51 in [AD])"),
+         "calibration: {n_quantiles: 1000000}", setup=lambda t: _token_loop(t)),
+    Case("block-tokens-1", "geometry", "`geometry.block_tokens: 1` on a store chunked by 40 tokens",
+         ("geometry.block_tokens = 1 is far below the chunk of store", "decoded 40 times",
+          "set geometry.block_tokens ≥ 3, or null"), "geometry: {block_tokens: 1}", setup=lambda t: _stores(t, chunk=40)),
 ]
 
 

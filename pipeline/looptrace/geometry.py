@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
+from looptrace.bounds import check_block_tokens
 from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.parallel import DaskRunner, map_chunks
@@ -520,6 +521,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                                                      for g, _, _ in handoffs}
             bar = tqdm(total=st.n_tokens, desc=f"geometry {split}", unit="tok", disable=None if progress else True,
                        leave=False)
+            check_block_tokens(cfg.block_tokens, st.chunk_tokens, "geometry.block_tokens", st.label)
             chunks = map_chunks(geometry_chunk, st, st.blocks(cfg.block_tokens), (split, loop_group, keys), runner)
             for block, tl_table, conv, cv_table, dlr in chunks:
                 tl_writer.write_table(tl_table)

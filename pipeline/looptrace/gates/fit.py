@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from looptrace.bounds import check_block_tokens
 from looptrace.config import InputError
 from looptrace.gates.config import GatesConfig, GateSpec, derive_seed
 from looptrace.gates.features import (
@@ -224,6 +225,7 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
     m = n if cfg.max_fit_tokens is None else min(n, cfg.max_fit_tokens)
     tokens = np.sort(rng.choice(n, size=m, replace=False)) if m < n else np.arange(n)
     t0 = time.perf_counter()
+    check_block_tokens(cfg.block_tokens, st.chunk_tokens, "gates.block_tokens", st.label)
     h, s = gather_fit_rows(st, tokens, cfg.stats, cfg.block_tokens, runner)
     tgt = read_targets(st)
     loss, argmax = tgt.loss[tokens], tgt.loop["argmax"][tokens]
