@@ -131,6 +131,14 @@ def _damaged_array_meta(t: Path) -> None:
     z.write_text(z.read_text()[:200])
 
 
+def _zarr_format_2(t: Path, member: str = "") -> None:
+    import json
+
+    _stores(t)
+    z = t / "dump" / "m" / "fit.zarr" / member / "zarr.json"
+    z.write_text(json.dumps({**json.loads(z.read_text()), "zarr_format": 2}))
+
+
 def _out_is_a_file(t: Path) -> None:
     _stores(t)
     (t / "geometry").write_text("not a directory")
@@ -290,6 +298,13 @@ CASES = [
     Case("rep-metrics", "report", "a truncated readouts `metrics.json`",
          ("readouts/m/metrics.json is truncated or not JSON", "re-run the readouts stage"),
          setup=_truncated_readouts_metrics),
+    # issue 24: nothing quiet
+    Case("store-format", "geometry", "a store whose `zarr.json` declares `zarr_format: 2`",
+         ("fit.zarr: 'zarr.json' field 'zarr_format' is 2, expected 3", "re-run `looptrace dump`"),
+         setup=_zarr_format_2),
+    Case("array-format", "gates", "an array whose `zarr.json` declares `zarr_format: 2`",
+         ("fit.zarr: 'margin/zarr.json' field 'zarr_format' is 2, expected 3",),
+         setup=lambda t: _zarr_format_2(t, "margin")),
     # issue 24: params that mean exactly what they say
     Case("dup-key", "readouts", "a key given twice (`calibration: {delta: 0.5, delta: 5}`)",
          ("key 'calibration.delta' is given twice (line 1 and line 1)", "keep one of them"),

@@ -53,3 +53,58 @@ def test_small_block_warns_once_with_its_cost(tmp_path):
     warns = [ln for ln in res.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warns) == 1 and "geometry.block_tokens = 8 is below the chunk" in warns[0], res.stderr
     assert "decoded 2 times" in warns[0]
+
+
+# ------------------------------------------------------------------------------------------- nothing quiet
+
+@pytest.mark.parametrize("policy", ["refuse", "warn"])
+def test_lm_dump_short_of_sequences_refuses_or_warns(policy, tmp_path):
+    """An LM corpus yielding fewer sequences than asked: refused before any write (default), or one warning and the
+    counts got/asked in the summary line (``dump.text.short_splits: warn``)."""
+    import yaml
+
+    from tests import hf_helpers as H
+    from tests.hf_helpers import corpus, lm_params
+
+    ckpt = H.build_dory(tmp_path / "dory")
+    params = lm_params(tmp_path, ckpt, corpus(tmp_path / "corpus.jsonl"))
+    p = yaml.safe_load(params.read_text())
+    p["dump"]["sequences"] = {"fit": 4, "val": 4, "test": 64}
+    p["dump"]["text"]["short_splits"] = policy
+    p["dump"]["allow_prefix_overlap"] = True
+    params.write_text(yaml.safe_dump(p, sort_keys=False))
+    out = tmp_path / "dump"
+    r = CliRunner().invoke(app, ["dump", "--params", str(params), "--out", str(out)])
+    if policy == "refuse":
+        assert r.exit_code == 2, r.output
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "split 'test' gets" in lines[0] and "of the 64 asked" in lines[0], r.stderr
+        assert "dump.text.short_splits: warn" in lines[0]
+        assert not out.exists() or not any(out.rglob("zarr.json"))
+    else:
+        assert r.exit_code == 0, r.output
+        warns = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+        assert len(warns) == 1 and "split 'test' gets" in warns[0], r.stderr
+        assert "sequences per split (got/asked): fit 4/4, val 4/4, test " in r.stdout and "/64" in r.stdout
+
+
+@pytest.mark.parametrize("entry", ["launcher", "cli"])
+def test_closed_stdout_changes_neither_exit_status_nor_outputs(entry, tmp_path):
+    """``looptrace geometry ... | head -0``: the reader is gone before the summary line; exit 0, outputs written."""
+    import os
+    import subprocess
+    import sys
+
+    _stores(tmp_path)
+    args = ["--model", "m", "--dump-root", str(tmp_path / "dump"), "--out", str(tmp_path / "geometry"), "--params",
+            str(REPO / "params.yaml")]
+    cmd = ([sys.executable, str(REPO / "stages" / "geometry.py"), *args] if entry == "launcher" else
+           [sys.executable, "-c", "import sys; from looptrace.cli import app; sys.argv[0] = 'looptrace'; app()",
+            "geometry", *args])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "pipeline"), str(REPO)])}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, env=env)
+    p.stdout.close()  # the reader goes away at once
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 0, err
+    assert not [ln for ln in err.splitlines() if ln.startswith(("error", "internal error", "Exception", "Traceback"))]
+    assert (tmp_path / "geometry" / "m" / "metrics.json").is_file()

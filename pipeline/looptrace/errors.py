@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import sys
 import tempfile
@@ -58,9 +59,53 @@ def _write_bug_log(exc: BaseException) -> Path | None:
         return None
 
 
+class _PipeSafeRaw(io.RawIOBase):
+    """fd 1 that swallows EPIPE: once the reader has gone (``| head -1``), further output is dropped."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd, self.broken = fd, False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, b) -> int:
+        if not self.broken:
+            try:
+                return os.write(self.fd, b)
+            except BrokenPipeError:
+                self.broken = True
+        return len(b)
+
+
+def pipe_safe_stdout() -> None:
+    """A closed stdout never changes a stage's exit status or outputs (issue 24): the process's real stdout is
+    replaced by one that drops what the reader no longer wants, as ``cat``-style tools do when their reader closes
+    early, instead of the exit status 1 click gives a BrokenPipeError. Idempotent; a captured stdout (tests) is
+    left alone."""
+    out = sys.stdout
+    if out is None or out is not sys.__stdout__:
+        return
+    try:
+        fd = out.fileno()
+        out.flush()
+    except (OSError, ValueError):
+        return
+    _REPLACED.append(out)  # kept alive: closing it would close fd 1
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_PipeSafeRaw(fd)), encoding=out.encoding, errors=out.errors,
+                                  line_buffering=True, write_through=True)
+
+
+_REPLACED: list = []
+
+
 @contextlib.contextmanager
 def user_errors():
     """Report errors of a stage body: a user error as one line and exit 2, a bug with its traceback and exit 1."""
+    pipe_safe_stdout()
     try:
         yield
     except UserError as exc:

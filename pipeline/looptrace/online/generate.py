@@ -309,6 +309,9 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
     store_path = Path(store_path)
     if not store_path.exists():
         raise MissingInputError(f"{store_path} not found; run the dump stage first")
+    from looptrace.io.store_meta import check_store_format_at
+
+    check_store_format_at(store_path)
     st = open_store(store_path)
     task = st.attrs.get("task") or {}
     if task.get("kind") == "text":
@@ -557,7 +560,9 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
             ckpt_hash = file_sha256(ckpt)
         store = Path(dump_root) / name / "test.zarr"
         from looptrace.io.store import check_store_model, open_store
+        from looptrace.io.store_meta import check_store_format_at
 
+        check_store_format_at(store)
         st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
         if st is not None:  # identity first: load_prompts' own checks would blame the data instead
             check_store_model(st, name, ckpt_hash, str(ckpt))

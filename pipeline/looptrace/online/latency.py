@@ -157,6 +157,9 @@ def load_test_data(store_path: Path | str, model: str | None = None, checkpoint:
     store_path = Path(store_path)
     if not store_path.exists():
         raise MissingInputError(f"{store_path} not found; run the dump stage first (dvc repro dump)")
+    from looptrace.io.store_meta import check_store_format_at
+
+    check_store_format_at(store_path)
     st = open_store(store_path)
     if model is not None:
         from looptrace.models.interface import file_sha256

@@ -65,7 +65,9 @@ def main(
     sizes = ", ".join(f"{s} {st.n_tokens}" for s, st in stores.items())
     pending = [s for s, st in stores.items() if not st.complete]
     note = f"; shard {part[0]}/{part[1]} written, still incomplete: {', '.join(pending)}" if pending else ""
-    typer.echo(f"{model}: dumped tokens per split: {sizes} (T = {adapter.info.n_loops}){note}")
+    got = ", ".join(f"{s} {st.attrs.get('n_sequences', '?')}/{cfg.sequences.get(s, '?')}" for s, st in stores.items())
+    typer.echo(f"{model}: dumped tokens per split: {sizes} (T = {adapter.info.n_loops}); sequences per split "
+               f"(got/asked): {got}{note}")
 
 
 def _device(device: str) -> str:

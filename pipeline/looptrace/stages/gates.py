@@ -14,6 +14,7 @@ from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store import open_split_stores
+from looptrace.io.store_meta import check_split_formats
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
 
@@ -36,6 +37,7 @@ def main(
             stores, meta, tasks = {}, {}, {}
             vers = versions()
             for m in names:
+                check_split_formats(dump_root, m, SPLITS)  # a wrong zarr.json field: one line naming it
                 stores[m] = open_split_stores(dump_root, m, SPLITS)  # checked to be one dump of model m
                 info = model_meta(m, params)
                 task_attr = stores[m]["fit"].attrs.get("task")

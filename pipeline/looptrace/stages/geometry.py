@@ -12,6 +12,7 @@ from looptrace.geometry import GeometryConfig, geometry_model
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store import open_split_stores
+from looptrace.io.store_meta import check_split_formats
 from looptrace.project import versions
 
 
@@ -27,6 +28,7 @@ def main(
         cfg = load_section(GeometryConfig, "geometry", params, required=True)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out / model, stage="geometry", inputs={"--dump-root": dump_root}, out_root=out):
+            check_split_formats(dump_root, model, cfg.splits)  # a wrong zarr.json field: one line naming it
             stores = open_split_stores(dump_root, model, cfg.splits)  # checked to be one dump of this model
             meta = {"model": model, "seed": base.seed,
                     "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
