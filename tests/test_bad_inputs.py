@@ -65,6 +65,7 @@ class Case:
     extra: tuple[str, ...] = ()
     code: int = 2
     skip: str = field(default="")
+    env: dict | None = None  # environment of the run (None values unset a variable)
 
 
 # ------------------------------------------------------------------------------------------- input artifacts
@@ -137,6 +138,17 @@ def _zarr_format_2(t: Path, member: str = "") -> None:
     _stores(t)
     z = t / "dump" / "m" / "fit.zarr" / member / "zarr.json"
     z.write_text(json.dumps({**json.loads(z.read_text()), "zarr_format": 2}))
+
+
+def _symlink_loop(t: Path) -> None:
+    _stores(t)
+    (t / "loop").symlink_to(t / "loop")
+
+
+#: No AWS credentials anywhere (and no instance metadata service to ask).
+NO_AWS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
+          "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
+          "AWS_CONFIG_FILE": "/nonexistent/config", "AWS_ENDPOINT_URL": None, "AWS_ENDPOINT_URL_S3": None}
 
 
 def _out_is_a_file(t: Path) -> None:
@@ -305,6 +317,30 @@ CASES = [
     Case("array-format", "gates", "an array whose `zarr.json` declares `zarr_format: 2`",
          ("fit.zarr: 'margin/zarr.json' field 'zarr_format' is 2, expected 3",),
          setup=lambda t: _zarr_format_2(t, "margin")),
+    # issue 24: the environment's faults are the user's to fix
+    Case("dask-unparsable", "geometry", "`base.dask.scheduler: 'foo:bar:baz'` (does not parse)",
+         ("Dask scheduler address 'foo:bar:baz'", "does not parse", "write it as tcp://host:8786"),
+         "base: {dask: {scheduler: 'foo:bar:baz'}}", setup=_stores),
+    Case("dask-unreachable", "geometry", "`base.dask.scheduler` naming a port nothing listens on",
+         ("Dask scheduler address 'tcp://127.0.0.1:1'", "nothing answers within 1 s",
+          "base.dask.connect_timeout_s"), "base: {dask: {scheduler: 'tcp://127.0.0.1:1', connect_timeout_s: 1}}",
+         setup=_stores),
+    Case("dask-timeout-0", "geometry", "`base.dask.connect_timeout_s: 0`",
+         ("base.dask.connect_timeout_s must be a number of seconds > 0",), "base: {dask: {connect_timeout_s: 0}}"),
+    Case("s3-no-credentials", "geometry", "an `s3://` dump root with no AWS credentials",
+         ("s3 store s3://looptrace-no-such-bucket/dump/m/fit.zarr: no AWS credentials found", "AWS_ACCESS_KEY_ID"),
+         extra=("--dump-root", "s3://looptrace-no-such-bucket/dump"), env=NO_AWS),
+    Case("out-symlink-loop", "geometry", "`--out` through a symlink loop",
+         ("Too many levels of symbolic links", "the path goes through a symlink loop"),
+         setup=_symlink_loop, extra=("--out", "<tmp>/loop/geometry")),
+    Case("out-name-too-long", "geometry", "`--out` with a 300-character directory name",
+         ("File name too long", "longer than the filesystem allows"), setup=_stores,
+         extra=("--out", "<tmp>/" + "x" * 300 + "/geometry")),
+    Case("user-rule-raises", "readouts", "a user's exit rule that raises (IndexError inside their function)",
+         ("your exit rule 'reads_a_loop_it_does_not_have' (tests.user_rules.reads_a_loop_it_does_not_have at ",
+          "user_rules.py:", "raised IndexError", "shape (", "not in looptrace"),
+         "readouts: {rules: [fixed, 'tests.user_rules:reads_a_loop_it_does_not_have']}",
+         setup=lambda t: _token_loop(t)),
     # issue 24: params that mean exactly what they say
     Case("dup-key", "readouts", "a key given twice (`calibration: {delta: 0.5, delta: 5}`)",
          ("key 'calibration.delta' is given twice (line 1 and line 1)", "keep one of them"),
@@ -328,7 +364,7 @@ def run_case(case: Case, t: Path):
     """Run one case in ``t``; returns (exit code, stderr)."""
     if case.setup:
         case.setup(t)
-    argv, extra = _argv(case.stage, t), list(case.extra)
+    argv, extra = _argv(case.stage, t), [x.replace("<tmp>", str(t)) for x in case.extra]
     if extra and extra[0] == "--params":  # the params files themselves are the bad input
         params = extra
     else:
@@ -345,8 +381,20 @@ def run_case(case: Case, t: Path):
                 f = t / "over.yaml"
                 f.write_text(case.override + "\n")
                 params += ["--params", str(f)]
-    res = CliRunner().invoke(app, [*argv, *params])
+    _clear_fs_cache(case)
+    try:
+        res = CliRunner().invoke(app, [*argv, *params], env=case.env)
+    finally:
+        _clear_fs_cache(case)
     return res.exit_code, res.stderr
+
+
+def _clear_fs_cache(case: Case) -> None:
+    """A case with its own environment (credentials) must neither reuse nor leave a cached S3 filesystem."""
+    if case.env:
+        import fsspec
+
+        fsspec.get_filesystem_class("s3").clear_instance_cache()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -217,11 +217,14 @@ class DaskConfig:
         workers: worker processes of ``local`` (null = the machine's CPU count); ignored for an address.
         max_in_flight: tasks submitted ahead of the one the stage consumes (null = 2 × worker threads);
             bounds the results waiting in the stage's memory.
+        connect_timeout_s: seconds to wait for a scheduler address to answer before the stage stops with a one-line
+            error naming it (an address nothing listens on).
     """
 
     scheduler: str | None = None
     workers: int | None = None
     max_in_flight: int | None = None
+    connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -232,6 +235,9 @@ class DaskConfig:
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"base.dask.{key} must be an integer >= 1 or null, got {v!r}")
+        t = self.connect_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
+            raise ConfigError(f"base.dask.connect_timeout_s must be a number of seconds > 0, got {t!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,11 @@ from looptrace.config import (  # noqa: F401  (the error family, re-exported for
 USER_EXIT, BUG_EXIT = 2, 1
 #: OS errors the user fixes (the message names the file): missing file, permission, disk full, read-only fs.
 _ENV_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EISDIR,
-               errno.ENOTDIR}
+               errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG}
+#: What to check, for the OS errors whose message does not say it.
+_ENV_HINTS = {errno.ELOOP: "the path goes through a symlink loop: fix or remove the link, or pick another path",
+              errno.ENAMETOOLONG: "a path component is longer than the filesystem allows (255 bytes on most): use a "
+                                  "shorter name"}
 
 
 def one_line(exc: BaseException) -> str:
@@ -115,12 +119,64 @@ def user_errors():
         if exc.errno not in _ENV_ERRNOS:
             _bug(exc)
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
-        typer.echo(f"error: {one_line(exc)}{where}", err=True)
+        hint = f"; {_ENV_HINTS[exc.errno]}" if exc.errno in _ENV_HINTS else ""
+        typer.echo(f"error: {one_line(exc)}{where}{hint}", err=True)
         raise typer.Exit(code=USER_EXIT) from None
     except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:  # a bug: keep the traceback
-        _bug(exc)
+        env = environment_fault(exc)
+        if env is None:
+            _bug(exc)
+        typer.echo(f"error: {env}", err=True)
+        raise typer.Exit(code=USER_EXIT) from None
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _urls(exc: BaseException, scheme: str) -> list[str]:
+    """The ``scheme://`` URL looptrace was working on when ``exc`` was raised: the string or path arguments of the
+    innermost looptrace frame that held one (a ``Path`` keeps ``s3:/bucket``: written back as ``s3://bucket``)."""
+    found: list[str] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__", "").startswith("looptrace"):
+            here = []
+            for v in frame.f_locals.values():
+                if isinstance(v, str | os.PathLike) and str(v).startswith(f"{scheme}:/"):
+                    s = str(v)
+                    here.append(s if s.startswith(f"{scheme}://") else f"{scheme}://" + s[len(scheme) + 2:])
+            found = here or found
+        tb = tb.tb_next
+    return found[:1]
+
+
+#: botocore's errors that mean "no usable credentials" (matched by name: botocore is optional).
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "NoAuthTokenError", "UnauthorizedSSOTokenError"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+
+
+def environment_fault(exc: BaseException) -> str | None:
+    """The one-line message of an exception that is the environment's fault and the user's to fix (issue 24),
+    or None: S3 without (valid) credentials."""
+    for e in _chain(exc):
+        name, mod = type(e).__name__, type(e).__module__
+        code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code") if mod.startswith("botocore") else None
+        if (mod.startswith("botocore") and name in _NO_CREDENTIALS) or code in _BAD_CREDENTIALS:
+            urls = next((u for x in _chain(exc) if (u := _urls(x, "s3"))), [])
+            what = f"s3 store {', '.join(urls)}" if urls else "an s3:// store"
+            problem = "no AWS credentials found" if code is None else f"the AWS credentials were refused ({code})"
+            return (f"{what}: {problem} ({one_line(e)}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                    "AWS_PROFILE / ~/.aws/credentials, for that bucket (or use a local path)")
+    return None
 
 
 def _bug(exc: BaseException) -> None:

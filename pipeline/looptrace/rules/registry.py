@@ -155,6 +155,12 @@ class ExitRule:
         except KeyError as exc:
             raise ConfigError(f"exit rule '{self.name}' ({self.origin}) reads signal {exc} that it does not "
                              f"declare in signals={list(self.signals)}") from None
+        except Exception as exc:  # a user's rule that raises is the user's bug (issue 24); a built-in's is ours
+            if self.origin == "builtin":
+                raise
+            from looptrace.rules.user_fault import user_rule_error
+
+            raise user_rule_error(self, exc, shape) from None
         out = np.asarray(out, dtype=np.float64)
         if out.shape != shape:
             raise ConfigError(f"exit rule '{self.name}' ({self.origin}) returned a score of shape {out.shape} for "
