@@ -167,6 +167,41 @@ def _truncated_token_loop(t: Path) -> None:
     p.write_bytes(p.read_bytes()[:200])
 
 
+def _damage_page(path: Path, column: str = "entropy") -> None:
+    """64 bytes overwritten inside the first data page of ``column`` (not the footer: the file still opens)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    col = meta.row_group(0).column(names.index(column))
+    at = col.data_page_offset + col.total_compressed_size // 2
+    raw = bytearray(path.read_bytes())
+    raw[at:at + 64] = bytes(64)
+    path.write_bytes(bytes(raw))
+
+
+def _checksummed_token_loop(t: Path, manifest: bool) -> Path:
+    """token_loop.parquet as the geometry stage writes it now: page checksums, and its directory's manifest."""
+    import polars as pl
+
+    from looptrace.io.manifest import write_manifest
+    from looptrace.io.parquet import write_parquet
+
+    p = _token_loop(t)
+    write_parquet(pl.read_parquet(p), p)
+    if manifest:
+        write_manifest(p.parent, "geometry")
+    return p
+
+
+def _damaged_page_token_loop(t: Path) -> None:
+    _damage_page(_checksummed_token_loop(t, manifest=False))
+
+
+def _damaged_token_loop_with_manifest(t: Path) -> None:
+    _damage_page(_checksummed_token_loop(t, manifest=True))
+
+
 def _readouts_artifacts(t: Path) -> None:
     from looptrace.testing import tiny_artifacts
 
@@ -308,7 +343,7 @@ CASES = [
          "report: {x: 90}"),
     Case("rep-dpi", "report", "`report.dpi: 10`", ("report.dpi must be ≥ 50",), "report: {dpi: 10}"),
     Case("rep-metrics", "report", "a truncated readouts `metrics.json`",
-         ("readouts/m/metrics.json is truncated or not JSON", "re-run the readouts stage"),
+         ("readouts/m/metrics.json does not match its manifest.json", "re-run the readouts stage"),
          setup=_truncated_readouts_metrics),
     # issue 24: nothing quiet
     Case("store-format", "geometry", "a store whose `zarr.json` declares `zarr_format: 2`",
@@ -317,6 +352,12 @@ CASES = [
     Case("array-format", "gates", "an array whose `zarr.json` declares `zarr_format: 2`",
          ("fit.zarr: 'margin/zarr.json' field 'zarr_format' is 2, expected 3",),
          setup=lambda t: _zarr_format_2(t, "margin")),
+    # issue 24: every artifact verified on read
+    Case("token-loop-page", "readouts", "64 bytes overwritten in a data page of `token_loop.parquet` (no manifest)",
+         ("token_loop.parquet has a damaged data page", "re-run the geometry stage"), setup=_damaged_page_token_loop),
+    Case("token-loop-manifest", "readouts", "64 bytes overwritten in `token_loop.parquet` beside its manifest",
+         ("token_loop.parquet does not match its manifest.json", "re-run the geometry stage"),
+         setup=_damaged_token_loop_with_manifest),
     # issue 24: the environment's faults are the user's to fix
     Case("dask-unparsable", "geometry", "`base.dask.scheduler: 'foo:bar:baz'` (does not parse)",
          ("Dask scheduler address 'foo:bar:baz'", "does not parse", "write it as tcp://host:8786"),

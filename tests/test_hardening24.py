@@ -108,3 +108,33 @@ def test_closed_stdout_changes_neither_exit_status_nor_outputs(entry, tmp_path):
     assert p.wait(timeout=300) == 0, err
     assert not [ln for ln in err.splitlines() if ln.startswith(("error", "internal error", "Exception", "Traceback"))]
     assert (tmp_path / "geometry" / "m" / "metrics.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------- verified reads
+
+def test_stage_outputs_carry_a_manifest_and_page_checksums(tmp_path):
+    """geometry's outputs: a manifest listing every file with its sha256; a page damaged in token_loop.parquet is
+    refused by readouts, by the manifest, and by the page checksums when the manifest is gone."""
+    import json
+
+    from looptrace.io.manifest import sha256_file
+    from tests.test_bad_inputs import _damage_page
+
+    _stores(tmp_path)
+    geo = ["geometry", "--model", "m", "--dump-root", str(tmp_path / "dump"), "--out", str(tmp_path / "geometry"),
+           "--params", str(REPO / "params.yaml")]
+    assert CliRunner().invoke(app, geo).exit_code == 0
+    d = tmp_path / "geometry" / "m"
+    doc = json.loads((d / "manifest.json").read_text())
+    assert doc["stage"] == "geometry" and sorted(doc["files"]) == sorted(p.name for p in d.iterdir()
+                                                                           if p.name != "manifest.json")
+    assert all(sha256_file(d / f) == h for f, h in doc["files"].items())
+    _damage_page(d / "token_loop.parquet")
+    ro = ["readouts", "--model", "m", "--geometry-root", str(tmp_path / "geometry"), "--out", str(tmp_path / "ro"),
+          "--params", str(REPO / "params.yaml")]
+    r = CliRunner().invoke(app, ro)
+    assert r.exit_code == 2 and "token_loop.parquet does not match its manifest.json" in r.stderr, r.stderr
+    (d / "manifest.json").unlink()
+    r = CliRunner().invoke(app, ro)
+    assert r.exit_code == 2 and "token_loop.parquet has a damaged data page" in r.stderr, r.stderr
+    assert not (tmp_path / "ro").exists()

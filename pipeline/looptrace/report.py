@@ -37,6 +37,7 @@ from looptrace.config import MissingInputError
 from looptrace.diagnose import dx_best, with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.io.artifacts import read_json, read_parquet
+from looptrace.io.parquet import read_verified
 from looptrace.project import split_seed
 from looptrace.rules.scoring import best_chosen
 
@@ -173,7 +174,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
                     missing[f"gates/{model}"] = "run the gates stage"
         ops = rdir / "operating_points.parquet"
         if ops.is_file():
-            f = (pl.scan_parquet(ops).filter((pl.col("rule") == "fixed") & (pl.col("split") == "test")
+            f = (read_verified(ops).lazy().filter((pl.col("rule") == "fixed") & (pl.col("split") == "test")
                                              & (pl.col("threshold") == float(T))).collect())
             if f.height:
                 full.append(f.head(1).with_columns(model=pl.lit(model)))
@@ -186,7 +187,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         else:
             missing[f"geometry/{model}/loop_summary.parquet"] = "run the geometry stage"
         if cp.is_file():
-            c = (pl.scan_parquet(cp).filter((pl.col("split") == cfg.split)
+            c = (read_verified(cp).lazy().filter((pl.col("split") == cfg.split)
                                              & (pl.col("signal") == cfg.convergence_signal)
                                              & ((pl.col("eps") - cfg.convergence_eps).abs() <= 1e-12 * max(1.0, cfg.convergence_eps))
                                              & (pl.col("kind") == cfg.convergence_kind))
@@ -222,7 +223,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         elif name != "verdict_groups":  # diagnose outputs before issue 12 have no group table
             missing[f"diagnose/{name}.parquet"] = "run the diagnose stage"
     if (ddir / "metrics.json").is_file():
-        inp.claims = json.loads((ddir / "metrics.json").read_text()).get("claims")
+        inp.claims = read_json(ddir / "metrics.json").get("claims")
     if (ddir / "summary.md").is_file():
         inp.summary = (ddir / "summary.md").read_text()
     cr = root / "gates" / "cross_regime.parquet"
@@ -239,9 +240,9 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         missing["latency/latency.parquet"] = "run the latency stage"
     gen = root / "generate" / "generate.parquet"
     if gen.is_file():
-        inp.generate = pl.read_parquet(gen).filter(pl.col("model").is_in(list(models)))
+        inp.generate = read_parquet(gen).filter(pl.col("model").is_in(list(models)))
         gm = root / "generate" / "metrics.json"
-        inp.generate_metrics = json.loads(gm.read_text()) if gm.is_file() else None
+        inp.generate_metrics = read_json(gm) if gm.is_file() else None
     else:
         missing["generate/generate.parquet"] = "run the generate stage"
     return inp

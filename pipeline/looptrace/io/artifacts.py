@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import InputError, MissingInputError
+from looptrace.io.parquet import write_parquet
 
 #: Stage names, as directories under ``artifacts/`` (which stage rebuilds a file).
 _STAGES = ("train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report")
@@ -56,10 +57,12 @@ def read_parquet(path: Path | str, **kwargs: Any) -> pl.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} not found; run {producer(path)} first")
-    try:
-        return pl.read_parquet(path, **kwargs)
-    except (OSError, pl.exceptions.PolarsError) as exc:
-        raise _damaged(path, "a Parquet file", exc) from None
+    from looptrace.io.parquet import read_verified
+
+    unknown = set(kwargs) - {"columns"}
+    if unknown:
+        raise TypeError(f"read_parquet: unsupported arguments {sorted(unknown)}")
+    return read_verified(path, columns=kwargs.get("columns"))  # manifest digest and page checksums (issue 24)
 
 
 def read_json(path: Path | str) -> Any:
@@ -72,6 +75,9 @@ def read_json(path: Path | str) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} not found; run {producer(path)} first")
+    from looptrace.io.manifest import verify
+
+    verify(path)  # against its directory's manifest (issue 24)
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -190,7 +196,7 @@ def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics:
     """
     with atomic_dir(out_dir) as tmp:
         for name, df in frames.items():
-            df.write_parquet(tmp / f"{name}.parquet")
+            write_parquet(df, tmp / f"{name}.parquet")  # page checksums (issue 24)
         for name, text in (extra_text or {}).items():
             (tmp / name).write_text(text)
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=True) + "\n")
@@ -200,5 +206,5 @@ def write_parquet_atomic(df: pl.DataFrame, path: Path | str) -> None:
     """Write a polars frame to ``path`` via a temporary file and ``os.replace``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    df.write_parquet(tmp)
+    write_parquet(df, tmp)
     os.replace(tmp, path)

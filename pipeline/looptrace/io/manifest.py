@@ -87,9 +87,9 @@ def read_manifest_stage(path: str | os.PathLike) -> str | None:
     return stage if isinstance(stage, str) else None
 
 
-def verify(path: str | os.PathLike) -> None:
+def verify(path: str | os.PathLike) -> bool:
     """Check ``path`` against the manifest of its directory (nothing to check when there is none, or when the
-    manifest does not list it).
+    manifest does not list it). Returns whether the manifest covered it.
 
     Raises:
         InputError: the file's sha256 differs from the manifest's, or the manifest is damaged.
@@ -97,11 +97,11 @@ def verify(path: str | os.PathLike) -> None:
     path = Path(path)
     mpath = path.parent / MANIFEST
     if path.name == MANIFEST or not mpath.is_file():
-        return
+        return False
     doc = _load(mpath)
     want = doc["files"].get(path.name) if doc else None
     if want is None:
-        return
+        return False
     st = path.stat()
     key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
     got = _VERIFIED.get(key) or sha256_file(path)
@@ -111,6 +111,7 @@ def verify(path: str | os.PathLike) -> None:
         raise InputError(f"{path} does not match its {MANIFEST} (sha256 {got[:12]}, written as {want[:12]}): the file "
                          f"was damaged or changed after it was written; re-run {producer(path)} to rebuild it")
     _VERIFIED[key] = got
+    return True
 
 
 __all__ = ["MANIFEST", "build_manifest", "read_manifest_stage", "sha256_file", "verify", "write_manifest"]

@@ -609,7 +609,9 @@ def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None
     from looptrace.io.artifacts import atomic_dir, jsonable
 
     with atomic_dir(out_dir) as tmp:
-        df.write_parquet(tmp / "generate.parquet")
+        from looptrace.io.parquet import write_parquet
+
+        write_parquet(df, tmp / "generate.parquet")  # page checksums (issue 24)
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2) + "\n")
 
 

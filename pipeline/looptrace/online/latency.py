@@ -501,5 +501,7 @@ def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     from looptrace.io.artifacts import jsonable as _jsonable
 
     with atomic_dir(out_dir) as tmp:
-        df.write_parquet(tmp / "latency.parquet")
+        from looptrace.io.parquet import write_parquet
+
+        write_parquet(df, tmp / "latency.parquet")  # page checksums (issue 24)
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2) + "\n")
