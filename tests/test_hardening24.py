@@ -43,7 +43,7 @@ def test_duplicate_keys_anywhere_are_refused(tmp_path):
 
 
 def test_small_block_warns_once_with_its_cost(tmp_path):
-    from looptrace import bounds
+    from looptrace.io import bounds
 
     bounds._WARNED.clear()
     _stores(tmp_path)  # chunks of 16 tokens

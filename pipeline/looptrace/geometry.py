@@ -37,9 +37,9 @@ import polars as pl
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from looptrace.bounds import check_block_tokens
 from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.bounds import check_block_tokens
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.parquet import parquet_writer, write_parquet
 from looptrace.io.tables import SplitArrays

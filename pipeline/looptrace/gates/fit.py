@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from looptrace.bounds import check_block_tokens
 from looptrace.config import InputError
 from looptrace.gates.config import GatesConfig, GateSpec, derive_seed
 from looptrace.gates.features import (
@@ -23,6 +22,7 @@ from looptrace.gates.features import (
 )
 from looptrace.gates.labels import stop_targets
 from looptrace.gates.ponder import _ponder_module, fit_ponder
+from looptrace.io.bounds import check_block_tokens
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.signals.halting import halting_cdf
 
