@@ -151,6 +151,25 @@ NO_AWS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION
           "AWS_CONFIG_FILE": "/nonexistent/config", "AWS_ENDPOINT_URL": None, "AWS_ENDPOINT_URL_S3": None}
 
 
+def _lm_checkpoint(t: Path) -> None:
+    from tests import hf_helpers as H
+
+    H.build_dory(t / "dory")
+    H.corpus(t / "corpus.jsonl")
+
+
+def _lm_short_override() -> str:
+    """The LM profile's dump section for a tiny checkpoint and corpus under ``<tmp>``, asking 64 test sequences of a
+    corpus that yields a few."""
+    import yaml
+
+    d = yaml.safe_load((REPO / "profiles" / "lm" / "params.yaml").read_text())["dump"]
+    d["adapter"].update(path="<tmp>/dory", dtype="float32", name="m")
+    d["text"].update(path="<tmp>/corpus.jsonl", seq_len=16)
+    d.update(sequences={"fit": 4, "val": 4, "test": 64}, batch_size=3, chunk_tokens=20, allow_prefix_overlap=True)
+    return yaml.safe_dump({"dump": d}, sort_keys=False).strip()
+
+
 def _out_is_a_file(t: Path) -> None:
     _stores(t)
     (t / "geometry").write_text("not a directory")
@@ -358,6 +377,9 @@ CASES = [
     Case("token-loop-manifest", "readouts", "64 bytes overwritten in `token_loop.parquet` beside its manifest",
          ("token_loop.parquet does not match its manifest.json", "re-run the geometry stage"),
          setup=_damaged_token_loop_with_manifest),
+    Case("lm-short-split", "dump", "an LM corpus that yields fewer test sequences than `dump.sequences` asks",
+         ("corpus.jsonl': split 'test' gets", "of the 64 asked (dump.sequences)",
+          "set dump.text.short_splits: warn"), _lm_short_override(), setup=_lm_checkpoint),
     # issue 24: the environment's faults are the user's to fix
     Case("dask-unparsable", "geometry", "`base.dask.scheduler: 'foo:bar:baz'` (does not parse)",
          ("Dask scheduler address 'foo:bar:baz'", "does not parse", "write it as tcp://host:8786"),
@@ -420,7 +442,7 @@ def run_case(case: Case, t: Path):
             params = ["--params", str(REPO / "params.yaml")]
             if case.override is not None:
                 f = t / "over.yaml"
-                f.write_text(case.override + "\n")
+                f.write_text(case.override.replace("<tmp>", str(t)) + "\n")
                 params += ["--params", str(f)]
     _clear_fs_cache(case)
     try:
