@@ -65,6 +65,7 @@ class Case:
     extra: tuple[str, ...] = ()
     code: int = 2
     skip: str = field(default="")
+    env: dict | None = None  # environment of the run (None values unset a variable)
 
 
 # ------------------------------------------------------------------------------------------- input artifacts
@@ -101,13 +102,13 @@ def _foreign_ckpt(t: Path) -> None:
     tiny_checkpoint(t / "train", name="other").parent.rename(t / "train" / "m")
 
 
-def _stores(t: Path, model: dict | None = None) -> None:
+def _stores(t: Path, model: dict | None = None, chunk: int = 16) -> None:
     from tests.builders import random_signal_arrays, write_arrays
 
     attrs = {"token_types": ["keep", "change"], "vocab_size": 4} | ({"model": model} if model else {})
     for i, s in enumerate(("fit", "val", "test")):
         write_arrays(t / "dump" / "m" / f"{s}.zarr", random_signal_arrays(np.random.default_rng(i), N=40),
-                     attrs=attrs)
+                     attrs=attrs, chunk_tokens=chunk)
 
 
 def _foreign_stores(t: Path) -> None:
@@ -131,6 +132,44 @@ def _damaged_array_meta(t: Path) -> None:
     z.write_text(z.read_text()[:200])
 
 
+def _zarr_format_2(t: Path, member: str = "") -> None:
+    import json
+
+    _stores(t)
+    z = t / "dump" / "m" / "fit.zarr" / member / "zarr.json"
+    z.write_text(json.dumps({**json.loads(z.read_text()), "zarr_format": 2}))
+
+
+def _symlink_loop(t: Path) -> None:
+    _stores(t)
+    (t / "loop").symlink_to(t / "loop")
+
+
+#: No AWS credentials anywhere (and no instance metadata service to ask).
+NO_AWS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
+          "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
+          "AWS_CONFIG_FILE": "/nonexistent/config", "AWS_ENDPOINT_URL": None, "AWS_ENDPOINT_URL_S3": None}
+
+
+def _lm_checkpoint(t: Path) -> None:
+    from tests import hf_helpers as H
+
+    H.build_dory(t / "dory")
+    H.corpus(t / "corpus.jsonl")
+
+
+def _lm_short_override() -> str:
+    """The LM profile's dump section for a tiny checkpoint and corpus under ``<tmp>``, asking 64 test sequences of a
+    corpus that yields a few."""
+    import yaml
+
+    d = yaml.safe_load((REPO / "profiles" / "lm" / "params.yaml").read_text())["dump"]
+    d["adapter"].update(path="<tmp>/dory", dtype="float32", name="m")
+    d["text"].update(path="<tmp>/corpus.jsonl", seq_len=16)
+    d.update(sequences={"fit": 4, "val": 4, "test": 64}, batch_size=3, chunk_tokens=20, allow_prefix_overlap=True)
+    return yaml.safe_dump({"dump": d}, sort_keys=False).strip()
+
+
 def _out_is_a_file(t: Path) -> None:
     _stores(t)
     (t / "geometry").write_text("not a directory")
@@ -145,6 +184,41 @@ def _token_loop(t: Path) -> Path:
 def _truncated_token_loop(t: Path) -> None:
     p = _token_loop(t)
     p.write_bytes(p.read_bytes()[:200])
+
+
+def _damage_page(path: Path, column: str = "entropy") -> None:
+    """64 bytes overwritten inside the first data page of ``column`` (not the footer: the file still opens)."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    col = meta.row_group(0).column(names.index(column))
+    at = col.data_page_offset + col.total_compressed_size // 2
+    raw = bytearray(path.read_bytes())
+    raw[at:at + 64] = bytes(64)
+    path.write_bytes(bytes(raw))
+
+
+def _checksummed_token_loop(t: Path, manifest: bool) -> Path:
+    """token_loop.parquet as the geometry stage writes it now: page checksums, and its directory's manifest."""
+    import polars as pl
+
+    from looptrace.io.manifest import write_manifest
+    from looptrace.io.parquet import write_parquet
+
+    p = _token_loop(t)
+    write_parquet(pl.read_parquet(p), p)
+    if manifest:
+        write_manifest(p.parent, "geometry")
+    return p
+
+
+def _damaged_page_token_loop(t: Path) -> None:
+    _damage_page(_checksummed_token_loop(t, manifest=False))
+
+
+def _damaged_token_loop_with_manifest(t: Path) -> None:
+    _damage_page(_checksummed_token_loop(t, manifest=True))
 
 
 def _readouts_artifacts(t: Path) -> None:
@@ -288,8 +362,64 @@ CASES = [
          "report: {x: 90}"),
     Case("rep-dpi", "report", "`report.dpi: 10`", ("report.dpi must be ≥ 50",), "report: {dpi: 10}"),
     Case("rep-metrics", "report", "a truncated readouts `metrics.json`",
-         ("readouts/m/metrics.json is truncated or not JSON", "re-run the readouts stage"),
+         ("readouts/m/metrics.json does not match its manifest.json", "re-run the readouts stage"),
          setup=_truncated_readouts_metrics),
+    # issue 24: nothing quiet
+    Case("store-format", "geometry", "a store whose `zarr.json` declares `zarr_format: 2`",
+         ("fit.zarr: 'zarr.json' field 'zarr_format' is 2, expected 3", "re-run `looptrace dump`"),
+         setup=_zarr_format_2),
+    Case("array-format", "gates", "an array whose `zarr.json` declares `zarr_format: 2`",
+         ("fit.zarr: 'margin/zarr.json' field 'zarr_format' is 2, expected 3",),
+         setup=lambda t: _zarr_format_2(t, "margin")),
+    # issue 24: every artifact verified on read
+    Case("token-loop-page", "readouts", "64 bytes overwritten in a data page of `token_loop.parquet` (no manifest)",
+         ("token_loop.parquet has a damaged data page", "re-run the geometry stage"), setup=_damaged_page_token_loop),
+    Case("token-loop-manifest", "readouts", "64 bytes overwritten in `token_loop.parquet` beside its manifest",
+         ("token_loop.parquet does not match its manifest.json", "re-run the geometry stage"),
+         setup=_damaged_token_loop_with_manifest),
+    Case("lm-short-split", "dump", "an LM corpus that yields fewer test sequences than `dump.sequences` asks",
+         ("corpus.jsonl': split 'test' gets", "of the 64 asked (dump.sequences)",
+          "set dump.text.short_splits: warn"), _lm_short_override(), setup=_lm_checkpoint),
+    # issue 24: the environment's faults are the user's to fix
+    Case("dask-unparsable", "geometry", "`base.dask.scheduler: 'foo:bar:baz'` (does not parse)",
+         ("Dask scheduler address 'foo:bar:baz'", "does not parse", "write it as tcp://host:8786"),
+         "base: {dask: {scheduler: 'foo:bar:baz'}}", setup=_stores),
+    Case("dask-unreachable", "geometry", "`base.dask.scheduler` naming a port nothing listens on",
+         ("Dask scheduler address 'tcp://127.0.0.1:1'", "nothing answers within 1 s",
+          "base.dask.connect_timeout_s"), "base: {dask: {scheduler: 'tcp://127.0.0.1:1', connect_timeout_s: 1}}",
+         setup=_stores),
+    Case("dask-timeout-0", "geometry", "`base.dask.connect_timeout_s: 0`",
+         ("base.dask.connect_timeout_s must be a number of seconds > 0",), "base: {dask: {connect_timeout_s: 0}}"),
+    Case("s3-no-credentials", "geometry", "an `s3://` dump root with no AWS credentials",
+         ("s3 store s3://looptrace-no-such-bucket/dump/m/fit.zarr: no AWS credentials found", "AWS_ACCESS_KEY_ID"),
+         extra=("--dump-root", "s3://looptrace-no-such-bucket/dump"), env=NO_AWS),
+    Case("out-symlink-loop", "geometry", "`--out` through a symlink loop",
+         ("Too many levels of symbolic links", "the path goes through a symlink loop"),
+         setup=_symlink_loop, extra=("--out", "<tmp>/loop/geometry")),
+    Case("out-name-too-long", "geometry", "`--out` with a 300-character directory name",
+         ("File name too long", "longer than the filesystem allows"), setup=_stores,
+         extra=("--out", "<tmp>/" + "x" * 300 + "/geometry")),
+    Case("user-rule-raises", "readouts", "a user's exit rule that raises (IndexError inside their function)",
+         ("your exit rule 'reads_a_loop_it_does_not_have' (tests.user_rules.reads_a_loop_it_does_not_have at ",
+          "user_rules.py:", "raised IndexError", "shape (", "not in looptrace"),
+         "readouts: {rules: [fixed, 'tests.user_rules:reads_a_loop_it_does_not_have']}",
+         setup=lambda t: _token_loop(t)),
+    # issue 24: params that mean exactly what they say
+    Case("dup-key", "readouts", "a key given twice (`calibration: {delta: 0.5, delta: 5}`)",
+         ("key 'calibration.delta' is given twice (line 1 and line 1)", "keep one of them"),
+         "calibration: {delta: 0.5, delta: 5}"),
+    Case("dup-section", "readouts", "a section given twice in one file",
+         ("section 'calibration' is given twice (line 1 and line 2)",),
+         "calibration: {delta: 0.5}\ncalibration: {delta: 5}"),
+    Case("n-boot-1", "readouts", "`intervals.n_boot: 1`",
+         ("intervals.n_boot = 1: a 0.95 percentile interval needs at least 200 resamples", "or 0 for no intervals"),
+         "intervals: {n_boot: 1}"),
+    Case("nq-huge", "readouts", "`calibration.n_quantiles: 1000000` on a model with 80 val values",
+         ("calibration.n_quantiles = 1000000 exceeds the 80 val values", "set calibration.n_quantiles ≤ 80 (51 in [AD])"),
+         "calibration: {n_quantiles: 1000000}", setup=lambda t: _token_loop(t)),
+    Case("block-tokens-1", "geometry", "`geometry.block_tokens: 1` on a store chunked by 40 tokens",
+         ("geometry.block_tokens = 1 is far below the chunk of store", "decoded 40 times",
+          "set geometry.block_tokens ≥ 3, or null"), "geometry: {block_tokens: 1}", setup=lambda t: _stores(t, chunk=40)),
 ]
 
 
@@ -297,7 +427,7 @@ def run_case(case: Case, t: Path):
     """Run one case in ``t``; returns (exit code, stderr)."""
     if case.setup:
         case.setup(t)
-    argv, extra = _argv(case.stage, t), list(case.extra)
+    argv, extra = _argv(case.stage, t), [x.replace("<tmp>", str(t)) for x in case.extra]
     if extra and extra[0] == "--params":  # the params files themselves are the bad input
         params = extra
     else:
@@ -312,10 +442,22 @@ def run_case(case: Case, t: Path):
             params = ["--params", str(REPO / "params.yaml")]
             if case.override is not None:
                 f = t / "over.yaml"
-                f.write_text(case.override + "\n")
+                f.write_text(case.override.replace("<tmp>", str(t)) + "\n")
                 params += ["--params", str(f)]
-    res = CliRunner().invoke(app, [*argv, *params])
+    _clear_fs_cache(case)
+    try:
+        res = CliRunner().invoke(app, [*argv, *params], env=case.env)
+    finally:
+        _clear_fs_cache(case)
     return res.exit_code, res.stderr
+
+
+def _clear_fs_cache(case: Case) -> None:
+    """A case with its own environment (credentials) must neither reuse nor leave a cached S3 filesystem."""
+    if case.env:
+        import fsspec
+
+        fsspec.get_filesystem_class("s3").clear_instance_cache()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

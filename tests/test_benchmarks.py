@@ -20,7 +20,7 @@ BENCH = REPO / "benchmarks"
 #: benchmark -> its smoke arguments (latency's are added by its test: it reads an artifacts tree).
 SMOKE = {"dump.py": ["--smoke"], "dump_hf.py": ["--smoke"], "generate.py": ["--smoke"],
          "geometry.py": ["--smoke"], "latency.py": [], "scale.py": ["--smoke"], "seeds.py": ["--smoke"],
-         "train_step.py": ["--smoke"]}
+         "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"]}
 
 
 def run_bench(name: str, *args: str) -> subprocess.CompletedProcess:

@@ -434,7 +434,8 @@ def test_stage_cli_end_to_end_and_errors(tmp_path, tiny_base):
     assert res.exit_code == 0, res.output
     out = tmp_path / "geometry" / "rp-uniform"
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["token_loop.parquet", "loop_summary.parquet", "convergence.parquet", "dlr.parquet", "metrics.json"])
+        ["token_loop.parquet", "loop_summary.parquet", "convergence.parquet", "dlr.parquet", "metrics.json",
+         "manifest.json"])
     m = json.loads((out / "metrics.json").read_text())
     assert m["model"] == "rp-uniform"
     # training dynamics: its own stage (capture code), never part of the offline geometry stage

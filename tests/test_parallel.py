@@ -169,7 +169,7 @@ def test_geometry_same_bytes(runner, tmp_path):
         geometry_model(stores, cfg, tmp_path / f"b{block}", meta={"model": "m"}, progress=False, runner=runner)
         a, b = digests(tmp_path / f"a{block}"), digests(tmp_path / f"b{block}")
         assert set(a) == {"token_loop.parquet", "loop_summary.parquet", "convergence.parquet", "dlr.parquet",
-                          "metrics.json"}
+                          "metrics.json", "manifest.json"}
         assert a == b
     assert pl.read_parquet(tmp_path / "aNone" / "dlr.parquet").height == 3
 
@@ -207,7 +207,11 @@ def test_readouts_gates_diagnose_same_bytes(runner, tmp_path):
         write_diagnosis(root / "diagnose", frames, summary, metrics)
     a, b = tmp_path / "a", tmp_path / "b"
     # gates.json records fit times; the skops archive of the estimators and the ponder weights are bytes-equal
-    da, db = digests(a, skip=("metrics.json", "gates.json")), digests(b, skip=("metrics.json", "gates.json"))
+    skip = ("metrics.json", "gates.json", "manifest.json")  # manifests: compared below (gates': digests of timings)
+    da, db = digests(a, skip=skip), digests(b, skip=skip)
+    for p in sorted(a.rglob("manifest.json")):
+        if "gates" not in p.parts:
+            assert p.read_bytes() == (b / p.relative_to(a)).read_bytes(), p
     assert da == db and len(da) == 2 * 4 + 2 * 5 + 2 * 7 + 1 + 4 + 1  # geometry, readouts, gates, cross, diagnose (4 tables + summary)
     for p in sorted([*a.rglob("metrics.json"), *a.rglob("gates.json")]):
         q = b / p.relative_to(a)

@@ -162,7 +162,7 @@ def test_killed_train_resumes_bit_identical(tmp_path, tiny_base, monkeypatch):
     for name in ("step_000005.pt", "step_000010.pt"):
         assert file_sha256(out / "checkpoints" / name) == file_sha256(tmp_path / "ref" / "checkpoints" / name)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000005.pt", "step_000010.pt"]
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "metrics.json", "model.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "manifest.json", "metrics.json", "model.pt"]
     ref = json.loads((tmp_path / "ref" / "metrics.json").read_text())
     got = json.loads((out / "metrics.json").read_text())
     assert got["history"] == ref["history"] and got["final_train_loss"] == ref["final_train_loss"]

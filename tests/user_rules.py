@@ -43,3 +43,9 @@ def entropy(s):
 
 
 not_a_rule = np.mean
+
+
+@exit_rule(signals=("entropy",), op="le")
+def reads_a_loop_it_does_not_have(s):
+    """A user's bug: indexes loop 100 whatever the model's depth (IndexError inside the user's function)."""
+    return s["entropy"] - s["entropy"][:, 99][:, None]

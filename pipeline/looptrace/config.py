@@ -225,11 +225,14 @@ class DaskConfig:
         workers: worker processes of ``local`` (null = the machine's CPU count); ignored for an address.
         max_in_flight: tasks submitted ahead of the one the stage consumes (null = 2 × worker threads);
             bounds the results waiting in the stage's memory.
+        connect_timeout_s: seconds to wait for a scheduler address to answer before the stage stops with a one-line
+            error naming it (an address nothing listens on).
     """
 
     scheduler: str | None = None
     workers: int | None = None
     max_in_flight: int | None = None
+    connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         s = self.scheduler
@@ -240,6 +243,9 @@ class DaskConfig:
             v = getattr(self, key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"base.dask.{key} must be an integer >= 1 or null, got {v!r}")
+        t = self.connect_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < math.inf:
+            raise ConfigError(f"base.dask.connect_timeout_s must be a number of seconds > 0, got {t!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,9 +375,11 @@ def _read_one(path: Path) -> dict[str, Any]:
         what = "is a directory, not a file" if path.is_dir() else "not found"
         raise ConfigError(f"params file '{path}' {what}; run from the repository root or pass --params")
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
+        data = yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"params file '{path}' is not valid YAML: {exc}".splitlines()[0]) from None
+    refuse_duplicate_keys(text, path)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -384,6 +392,39 @@ def _read_one(path: Path) -> dict[str, Any]:
         raise ConfigError(f"unknown params section '{unknown[0]}' in '{path}'; {hint}"
                           f"allowed sections: {', '.join(SECTIONS)}")
     return data
+
+
+def refuse_duplicate_keys(text: str, path: Path | str) -> None:
+    """Refuse a YAML mapping that gives a key twice (a section twice in one file, or ``{delta: 0.5, delta: 5}``):
+    PyYAML keeps the last value silently. The document's node tree (``yaml.compose``) is walked, so the message
+    names the dotted key and both lines.
+
+    Raises:
+        ConfigError: one line naming the file, the key, both lines and the fix.
+    """
+    def walk(node: yaml.Node, where: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Node] = {}
+            for k, v in node.value:
+                key = k.value if isinstance(k, yaml.ScalarNode) else None
+                if key is not None and key != "<<":
+                    name = f"{where}.{key}" if where else str(key)
+                    if key in seen:
+                        what = "section" if not where else "key"
+                        raise ConfigError(f"params file '{path}': {what} '{name}' is given twice (line "
+                                          f"{seen[key].start_mark.line + 1} and line {k.start_mark.line + 1}); "
+                                          "YAML would keep only the last one: keep one of them")
+                    seen[key] = k
+                    walk(v, name)
+                else:
+                    walk(v, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                walk(v, f"{where}[{i}]")
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, "")
 
 
 def merge_params(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

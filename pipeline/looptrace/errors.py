@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import sys
 import tempfile
@@ -33,7 +34,11 @@ from looptrace.config import (  # noqa: F401  (the error family, re-exported for
 USER_EXIT, BUG_EXIT = 2, 1
 #: OS errors the user fixes (the message names the file): missing file, permission, disk full, read-only fs.
 _ENV_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EISDIR,
-               errno.ENOTDIR}
+               errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG}
+#: What to check, for the OS errors whose message does not say it.
+_ENV_HINTS = {errno.ELOOP: "the path goes through a symlink loop: fix or remove the link, or pick another path",
+              errno.ENAMETOOLONG: "a path component is longer than the filesystem allows (255 bytes on most): use a "
+                                  "shorter name"}
 
 
 def one_line(exc: BaseException) -> str:
@@ -58,9 +63,53 @@ def _write_bug_log(exc: BaseException) -> Path | None:
         return None
 
 
+class _PipeSafeRaw(io.RawIOBase):
+    """fd 1 that swallows EPIPE: once the reader has gone (``| head -1``), further output is dropped."""
+
+    def __init__(self, fd: int):
+        super().__init__()
+        self.fd, self.broken = fd, False
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, b) -> int:
+        if not self.broken:
+            try:
+                return os.write(self.fd, b)
+            except BrokenPipeError:
+                self.broken = True
+        return len(b)
+
+
+def pipe_safe_stdout() -> None:
+    """A closed stdout never changes a stage's exit status or outputs (issue 24): the process's real stdout is
+    replaced by one that drops what the reader no longer wants, as ``cat``-style tools do when their reader closes
+    early, instead of the exit status 1 click gives a BrokenPipeError. Idempotent; a captured stdout (tests) is
+    left alone."""
+    out = sys.stdout
+    if out is None or out is not sys.__stdout__:
+        return
+    try:
+        fd = out.fileno()
+        out.flush()
+    except (OSError, ValueError):
+        return
+    _REPLACED.append(out)  # kept alive: closing it would close fd 1
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(_PipeSafeRaw(fd)), encoding=out.encoding, errors=out.errors,
+                                  line_buffering=True, write_through=True)
+
+
+_REPLACED: list = []
+
+
 @contextlib.contextmanager
 def user_errors():
     """Report errors of a stage body: a user error as one line and exit 2, a bug with its traceback and exit 1."""
+    pipe_safe_stdout()
     try:
         yield
     except UserError as exc:
@@ -70,12 +119,64 @@ def user_errors():
         if exc.errno not in _ENV_ERRNOS:
             _bug(exc)
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
-        typer.echo(f"error: {one_line(exc)}{where}", err=True)
+        hint = f"; {_ENV_HINTS[exc.errno]}" if exc.errno in _ENV_HINTS else ""
+        typer.echo(f"error: {one_line(exc)}{where}{hint}", err=True)
         raise typer.Exit(code=USER_EXIT) from None
     except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:  # a bug: keep the traceback
-        _bug(exc)
+        env = environment_fault(exc)
+        if env is None:
+            _bug(exc)
+        typer.echo(f"error: {env}", err=True)
+        raise typer.Exit(code=USER_EXIT) from None
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _urls(exc: BaseException, scheme: str) -> list[str]:
+    """The ``scheme://`` URL looptrace was working on when ``exc`` was raised: the string or path arguments of the
+    innermost looptrace frame that held one (a ``Path`` keeps ``s3:/bucket``: written back as ``s3://bucket``)."""
+    found: list[str] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_globals.get("__name__", "").startswith("looptrace"):
+            here = []
+            for v in frame.f_locals.values():
+                if isinstance(v, str | os.PathLike) and str(v).startswith(f"{scheme}:/"):
+                    s = str(v)
+                    here.append(s if s.startswith(f"{scheme}://") else f"{scheme}://" + s[len(scheme) + 2:])
+            found = here or found
+        tb = tb.tb_next
+    return found[:1]
+
+
+#: botocore's errors that mean "no usable credentials" (matched by name: botocore is optional).
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "NoAuthTokenError", "UnauthorizedSSOTokenError"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"}
+
+
+def environment_fault(exc: BaseException) -> str | None:
+    """The one-line message of an exception that is the environment's fault and the user's to fix (issue 24),
+    or None: S3 without (valid) credentials."""
+    for e in _chain(exc):
+        name, mod = type(e).__name__, type(e).__module__
+        code = (getattr(e, "response", None) or {}).get("Error", {}).get("Code") if mod.startswith("botocore") else None
+        if (mod.startswith("botocore") and name in _NO_CREDENTIALS) or code in _BAD_CREDENTIALS:
+            urls = next((u for x in _chain(exc) if (u := _urls(x, "s3"))), [])
+            what = f"s3 store {', '.join(urls)}" if urls else "an s3:// store"
+            problem = "no AWS credentials found" if code is None else f"the AWS credentials were refused ({code})"
+            return (f"{what}: {problem} ({one_line(e)}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                    "AWS_PROFILE / ~/.aws/credentials, for that bucket (or use a local path)")
+    return None
 
 
 def _bug(exc: BaseException) -> None:

@@ -35,12 +35,13 @@ from typing import Any, BinaryIO
 import numpy as np
 import polars as pl
 import pyarrow as pa
-import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError, to_dict
 from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.bounds import check_block_tokens
 from looptrace.io.parallel import DaskRunner, map_chunks
+from looptrace.io.parquet import parquet_writer, write_parquet
 from looptrace.io.tables import SplitArrays
 from looptrace.signals import names as signal_names
 from looptrace.signals.names import LOGIT_STATS, add_aliases
@@ -473,7 +474,7 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
     with atomic_dir(out_dir) as tmp:
         metrics = _geometry_into(stores, cfg, tmp, dict(meta or {}), progress, runner)
         for name, df in (extra_tables or {}).items():
-            df.write_parquet(tmp / name)
+            write_parquet(df, tmp / name)
     return metrics
 
 
@@ -508,8 +509,8 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     sum_metrics = SUMMARY_METRICS + (("gate_logit",) if has_gate else ())
     keys = cfg.convergence_keys()
     scratch = tmp / "_scratch"
-    tl_writer = pq.ParquetWriter(tmp / "token_loop.parquet", _TOKEN_LOOP_SCHEMA)
-    cv_writer = pq.ParquetWriter(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
+    tl_writer = parquet_writer(tmp / "token_loop.parquet", _TOKEN_LOOP_SCHEMA)  # page checksums (issue 24)
+    cv_writer = parquet_writer(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
     summaries, dlr_rows, split_metrics = [], [], {}
     try:
         for split, st in stores.items():
@@ -519,6 +520,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
                                                      for g, _, _ in handoffs}
             bar = tqdm(total=st.n_tokens, desc=f"geometry {split}", unit="tok", disable=None if progress else True,
                        leave=False)
+            check_block_tokens(cfg.block_tokens, st.chunk_tokens, "geometry.block_tokens", st.label)
             chunks = map_chunks(geometry_chunk, st, st.blocks(cfg.block_tokens), (split, loop_group, keys), runner)
             for block, tl_table, conv, cv_table, dlr in chunks:
                 tl_writer.write_table(tl_table)
@@ -557,9 +559,9 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
         cv_writer.close()
     shutil.rmtree(scratch, ignore_errors=True)
     summary = pl.DataFrame(summaries, schema=SUMMARY_SCHEMA)
-    summary.write_parquet(tmp / "loop_summary.parquet")
+    write_parquet(summary, tmp / "loop_summary.parquet")
     # Always written (zero rows for a single looped group) so the stage's outputs are a fixed set.
-    pl.DataFrame(dlr_rows, schema=DLR_SCHEMA).write_parquet(tmp / "dlr.parquet")
+    write_parquet(pl.DataFrame(dlr_rows, schema=DLR_SCHEMA), tmp / "dlr.parquet")
     metrics = _metrics(summary, split_metrics, dlr_rows, stores, cfg, meta)
     (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=False))
     return metrics

@@ -22,6 +22,7 @@ from looptrace.gates.features import (
 )
 from looptrace.gates.labels import stop_targets
 from looptrace.gates.ponder import _ponder_module, fit_ponder
+from looptrace.io.bounds import check_block_tokens
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.signals.halting import halting_cdf
 
@@ -226,6 +227,7 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
     m = n if cfg.max_fit_tokens is None else min(n, cfg.max_fit_tokens)
     tokens = np.sort(rng.choice(n, size=m, replace=False)) if m < n else np.arange(n)
     t0 = time.perf_counter()
+    check_block_tokens(cfg.block_tokens, st.chunk_tokens, "gates.block_tokens", st.label)
     h, s = gather_fit_rows(st, tokens, cfg.stats, cfg.block_tokens, runner)
     tgt = read_targets(st)
     loss, argmax = tgt.loss[tokens], tgt.loop["argmax"][tokens]

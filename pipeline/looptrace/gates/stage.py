@@ -20,12 +20,14 @@ from looptrace.gates.fit import ModelGates, analysis_threads, compatible, fit_mo
 from looptrace.intervals import IntervalsConfig, Resampler, boot_seed, split_resampler
 from looptrace.io.artifacts import atomic_dir, jsonable, write_outputs
 from looptrace.io.parallel import DaskRunner
+from looptrace.io.parquet import write_parquet
 from looptrace.io.tables import SplitArrays
 from looptrace.project import split_seed
 from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
     best_entry,
+    check_n_quantiles,
     d_at,
     evaluate_depths,
     evaluate_rule,
@@ -56,6 +58,7 @@ def evaluate_gate(rule: str, p_val: np.ndarray, p_test: np.ndarray, val: SplitAr
     Returns:
         RuleResult of kind ``gate``.
     """
+    check_n_quantiles(cal.n_quantiles, *p_val.shape, where=f"gate {rule}")
     if gate_rule_form(rule)[1] == "q_exit":
         return evaluate_rule(rule, p_val, p_test, val, test, op="ge", min_loop=1, n_quantiles=cal.n_quantiles,
                              delta=cal.delta, kind="gate", resampler=resampler)
@@ -195,7 +198,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
                             "chosen_test_depth": float(r.test.mean_depth[k]), "budget": float(cfg.cross_budget),
                             "acc_at_budget": acc_at_budget(r, cfg.cross_budget), "full_depth_accuracy": full})
         cross_df = pl.DataFrame(cross_rows, schema=CROSS_SCHEMA).sort("task", "rule", "fit_model", "eval_model", "mode")
-        cross_df.write_parquet(tmp / "cross_regime.parquet")
+        write_parquet(cross_df, tmp / "cross_regime.parquet")  # page checksums (issue 24)
         stage = {"models": list(stores), "gates": [s.name for s in specs], "cross_gates": cross,
                  "seed": base_seed, "params": to_dict(cfg), "calibration": to_dict(cal),
                  "intervals": to_dict(intervals) if intervals is not None else None,

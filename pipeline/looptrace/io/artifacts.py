@@ -27,20 +27,12 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import InputError, MissingInputError
+from looptrace.io.guard import CURRENT_STAGE, check_replaceable
+from looptrace.io.manifest import producer, verify, write_manifest
+from looptrace.io.parquet import read_verified, write_parquet
+
 
 #: Stage names, as directories under ``artifacts/`` (which stage rebuilds a file).
-_STAGES = ("train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report")
-
-
-def producer(path: Path | str) -> str:
-    """How to rebuild the artifact at ``path``: ``the <stage> stage (dvc repro <stage>)`` for a path under a stage's
-    output directory (the nearest such directory), else "the stage that wrote it"."""
-    for part in reversed(Path(path).parts[:-1]):
-        if part in _STAGES:
-            return f"the {part} stage (`dvc repro {part}`)"
-    return "the stage that wrote it"
-
-
 def _damaged(path: Path, what: str, exc: BaseException) -> InputError:
     msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
     return InputError(f"{path} is truncated or not {what} ({msg}); re-run {producer(path)} to rebuild it")
@@ -56,10 +48,10 @@ def read_parquet(path: Path | str, **kwargs: Any) -> pl.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} not found; run {producer(path)} first")
-    try:
-        return pl.read_parquet(path, **kwargs)
-    except (OSError, pl.exceptions.PolarsError) as exc:
-        raise _damaged(path, "a Parquet file", exc) from None
+    unknown = set(kwargs) - {"columns"}
+    if unknown:
+        raise TypeError(f"read_parquet: unsupported arguments {sorted(unknown)}")
+    return read_verified(path, columns=kwargs.get("columns"))  # manifest digest and page checksums (issue 24)
 
 
 def read_json(path: Path | str) -> Any:
@@ -72,6 +64,7 @@ def read_json(path: Path | str) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} not found; run {producer(path)} first")
+    verify(path)  # against its directory's manifest (issue 24)
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -114,6 +107,7 @@ def swap_in(staged: Path | str, out_dir: Path | str) -> None:
     never a mix. A kill between the two renames leaves ``.<name>.old`` (and no ``out_dir``), which
     :func:`clear_debris` removes on the next run."""
     staged, out_dir = Path(staged), Path(out_dir)
+    _claim_and_manifest(staged, out_dir)
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old")
         shutil.rmtree(old, ignore_errors=True)
@@ -122,6 +116,13 @@ def swap_in(staged: Path | str, out_dir: Path | str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(staged, out_dir)
+
+
+def _claim_and_manifest(staged: Path, out_dir: Path) -> None:
+    """Before a swap: refuse replacing what another stage wrote, then write the staged directory's manifest last
+    (:mod:`looptrace.io.guard`, :mod:`looptrace.io.manifest`)."""
+    check_replaceable(out_dir)
+    write_manifest(staged, CURRENT_STAGE.get())
 
 
 @contextlib.contextmanager
@@ -179,7 +180,7 @@ def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics:
     """
     with atomic_dir(out_dir) as tmp:
         for name, df in frames.items():
-            df.write_parquet(tmp / f"{name}.parquet")
+            write_parquet(df, tmp / f"{name}.parquet")  # page checksums (issue 24)
         for name, text in (extra_text or {}).items():
             (tmp / name).write_text(text)
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=True) + "\n")
@@ -189,5 +190,5 @@ def write_parquet_atomic(df: pl.DataFrame, path: Path | str) -> None:
     """Write a polars frame to ``path`` via a temporary file and ``os.replace``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    df.write_parquet(tmp)
+    write_parquet(df, tmp)
     os.replace(tmp, path)

@@ -46,7 +46,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -718,21 +718,32 @@ def output_lock(target: str | os.PathLike, fingerprint: str = "", lease_s: float
 
 
 @contextlib.contextmanager
-def stage_output(out_dir: str | os.PathLike) -> Iterator[Path]:
+def stage_output(out_dir: str | os.PathLike, stage: str | None = None,
+                 inputs: Mapping[str, str | os.PathLike | None] | None = None,
+                 out_root: str | os.PathLike | None = None) -> Iterator[Path]:
     """What a stage holds while it writes ``out_dir``: :func:`output_lock`, after refusing an ``out_dir`` that is
     (or lies under) a file, and with a killed run's staging debris beside it removed
     (:func:`looptrace.io.artifacts.clear_debris`). Parent directories this call creates are removed again when the
     block leaves them empty (a refused run leaves no trace).
 
+    Before anything is written, ``out_root`` (default ``out_dir``; the ``--out`` root) must not overlap any of
+    ``inputs`` (option name -> input root; :func:`looptrace.io.guard.check_overlap`), and an existing ``out_dir``
+    must be one this ``stage`` wrote (:func:`looptrace.io.guard.check_replaceable`); the swap checks it again.
+
     Raises:
-        InputError: ``out_dir`` or a parent is a file. ClaimError: another live run writes ``out_dir``.
+        InputError: ``out_dir`` or a parent is a file; the output overlaps an input root or holds what another
+            stage wrote. ClaimError: another live run writes ``out_dir``.
     """
     from looptrace.io.artifacts import check_output_path, clear_debris
+    from looptrace.io.guard import CURRENT_STAGE, check_overlap, check_replaceable
 
     out_dir = Path(out_dir)
+    check_overlap(out_dir if out_root is None else out_root, inputs or {})
+    token = CURRENT_STAGE.set(stage) if stage is not None else None
     missing = [p for p in out_dir.parents if not p.exists()]
-    check_output_path(out_dir)
     try:
+        check_output_path(out_dir)
+        check_replaceable(out_dir)
         with output_lock(out_dir):
             clear_debris(out_dir)
             yield out_dir
@@ -740,6 +751,8 @@ def stage_output(out_dir: str | os.PathLike) -> Iterator[Path]:
         for p in missing:  # innermost first
             with contextlib.suppress(OSError):
                 p.rmdir()  # only if empty
+        if token is not None:
+            CURRENT_STAGE.reset(token)
 
 
 __all__ = ["LEASE_S", "ClaimError", "ClaimsDir", "Coordinator", "NullCoordinator", "Owner", "Plan",

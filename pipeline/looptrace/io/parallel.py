@@ -112,7 +112,7 @@ def dask_runner(cfg: Any) -> Iterator[DaskRunner | None]:
                                threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0")
         client = Client(cluster)
     else:
-        client = Client(scheduler)
+        client = connect_client(scheduler, float(getattr(cfg, "connect_timeout_s", 10.0)))
     try:
         client.run(tune_allocator)
         yield DaskRunner(client, getattr(cfg, "max_in_flight", None))
@@ -120,6 +120,42 @@ def dask_runner(cfg: Any) -> Iterator[DaskRunner | None]:
         client.close()
         if cluster is not None:
             cluster.close()
+
+
+def connect_client(address: str, timeout_s: float):
+    """``Client(address)``, with an address that does not parse or that nothing answers on within ``timeout_s``
+    as a one-line :class:`~looptrace.config.UserError` (the environment's fault, not looptrace's).
+
+    A TCP address is first tried with a plain socket, so a refused or unreachable scheduler creates no half-made
+    client (whose clean-up would print a traceback).
+    """
+    import socket
+
+    from distributed import Client
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    from looptrace.config import UserError
+
+    where = f"Dask scheduler address '{address}' (base.dask.scheduler or ${SCHEDULER_ENV})"
+    try:
+        proto, loc = parse_address(address)
+        host, port = parse_host_port(loc) if proto in ("tcp", "tls") else (None, None)
+    except (ValueError, TypeError) as exc:
+        raise UserError(f"{where} does not parse ({exc}); write it as tcp://host:8786, or set base.dask.scheduler: "
+                        "null or local") from None
+    if host is not None:
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            raise UserError(f"{where}: nothing answers within {timeout_s:g} s ({why}); check that the scheduler runs "
+                            "and that host and port are right (base.dask.connect_timeout_s waits longer), or set "
+                            "base.dask.scheduler: null") from None
+    try:
+        return Client(address, timeout=timeout_s)
+    except (OSError, TimeoutError) as exc:
+        raise UserError(f"{where}: no Dask scheduler answered within {timeout_s:g} s ({str(exc)[:80]}); check the "
+                        "address (base.dask.connect_timeout_s waits longer), or set base.dask.scheduler: null") from None
 
 
 # ---------------------------------------------------------------------------------------------- mapping

@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
 from looptrace.io.store.reader import open_store
 from looptrace.models.adapters.hf import load_adapter
@@ -325,6 +326,7 @@ def load_prompts(store_path: Path | str, n: int, prompt_len: int,
     store_path = Path(store_path)
     if not store_path.exists():
         raise MissingInputError(f"{store_path} not found; run the dump stage first")
+    check_store_format_at(store_path)
     st = open_store(store_path)
     task = st.attrs.get("task") or {}
     if task.get("kind") == "text":
@@ -573,7 +575,7 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
             has_gate = model.gate is not None
             ckpt_hash = file_sha256(ckpt)
         store = Path(dump_root) / name / "test.zarr"
-
+        check_store_format_at(store)
         st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
         if st is not None:  # identity first: load_prompts' own checks would blame the data instead
             check_store_model(st, name, ckpt_hash, str(ckpt))
@@ -620,7 +622,9 @@ def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None
     """Write ``generate.parquet`` and ``metrics.json`` atomically."""
 
     with atomic_dir(out_dir) as tmp:
-        df.write_parquet(tmp / "generate.parquet")
+        from looptrace.io.parquet import write_parquet
+
+        write_parquet(df, tmp / "generate.parquet")  # page checksums (issue 24)
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2) + "\n")
 
 

@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, read_parquet
 from looptrace.io.artifacts import jsonable as _jsonable
+from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
 from looptrace.io.store.reader import open_store
 from looptrace.models.interface import file_sha256
@@ -159,6 +160,7 @@ def load_test_data(store_path: Path | str, model: str | None = None, checkpoint:
     store_path = Path(store_path)
     if not store_path.exists():
         raise MissingInputError(f"{store_path} not found; run the dump stage first (dvc repro dump)")
+    check_store_format_at(store_path)
     st = open_store(store_path)
     if model is not None:
         check_store_model(st, model, None if checkpoint is None else file_sha256(checkpoint),
@@ -497,5 +499,7 @@ def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``latency.parquet`` and ``metrics.json`` atomically (temp dir + os.replace)."""
 
     with atomic_dir(out_dir) as tmp:
-        df.write_parquet(tmp / "latency.parquet")
+        from looptrace.io.parquet import write_parquet
+
+        write_parquet(df, tmp / "latency.parquet")  # page checksums (issue 24)
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2) + "\n")

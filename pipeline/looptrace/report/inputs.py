@@ -4,7 +4,6 @@ readouts' spine)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +13,7 @@ import polars as pl
 
 from looptrace.config import MissingInputError
 from looptrace.io.artifacts import read_json, read_parquet
+from looptrace.io.parquet import read_verified
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
                     missing[f"gates/{model}"] = "run the gates stage"
         ops = rdir / "operating_points.parquet"
         if ops.is_file():
-            f = (pl.scan_parquet(ops).filter((pl.col("rule") == "fixed") & (pl.col("split") == "test")
+            f = (read_verified(ops).lazy().filter((pl.col("rule") == "fixed") & (pl.col("split") == "test")
                                              & (pl.col("threshold") == float(T))).collect())
             if f.height:
                 full.append(f.head(1).with_columns(model=pl.lit(model)))
@@ -157,7 +157,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         else:
             missing[f"geometry/{model}/loop_summary.parquet"] = "run the geometry stage"
         if cp.is_file():
-            c = (pl.scan_parquet(cp).filter((pl.col("split") == cfg.split)
+            c = (read_verified(cp).lazy().filter((pl.col("split") == cfg.split)
                                              & (pl.col("signal") == cfg.convergence_signal)
                                              & ((pl.col("eps") - cfg.convergence_eps).abs() <= 1e-12 * max(1.0, cfg.convergence_eps))
                                              & (pl.col("kind") == cfg.convergence_kind))
@@ -193,7 +193,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         elif name != "verdict_groups":  # diagnose outputs before issue 12 have no group table
             missing[f"diagnose/{name}.parquet"] = "run the diagnose stage"
     if (ddir / "metrics.json").is_file():
-        inp.claims = json.loads((ddir / "metrics.json").read_text()).get("claims")
+        inp.claims = read_json(ddir / "metrics.json").get("claims")
     if (ddir / "summary.md").is_file():
         inp.summary = (ddir / "summary.md").read_text()
     cr = root / "gates" / "cross_regime.parquet"
@@ -210,9 +210,9 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         missing["latency/latency.parquet"] = "run the latency stage"
     gen = root / "generate" / "generate.parquet"
     if gen.is_file():
-        inp.generate = pl.read_parquet(gen).filter(pl.col("model").is_in(list(models)))
+        inp.generate = read_parquet(gen).filter(pl.col("model").is_in(list(models)))
         gm = root / "generate" / "metrics.json"
-        inp.generate_metrics = json.loads(gm.read_text()) if gm.is_file() else None
+        inp.generate_metrics = read_json(gm) if gm.is_file() else None
     else:
         missing["generate/generate.parquet"] = "run the generate stage"
     return inp

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from looptrace.config import ConfigError
+from looptrace.rules.user_fault import user_rule_error
 from looptrace.signals import names as signal_names
 
 #: Rule families (the ``kind`` column of the outputs).
@@ -149,6 +150,10 @@ class ExitRule:
         except KeyError as exc:
             raise ConfigError(f"exit rule '{self.name}' ({self.origin}) reads signal {exc} that it does not "
                              f"declare in signals={list(self.signals)}") from None
+        except Exception as exc:  # a user's rule that raises is the user's bug (issue 24); a built-in's is ours
+            if self.origin == "builtin":
+                raise
+            raise user_rule_error(self, exc, shape) from None
         out = np.asarray(out, dtype=np.float64)
         if out.shape != shape:
             raise ConfigError(f"exit rule '{self.name}' ({self.origin}) returned a score of shape {out.shape} for "

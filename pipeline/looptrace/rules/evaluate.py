@@ -27,6 +27,7 @@ from looptrace.rules.scoring import (
     CalibrationConfig,
     RuleResult,
     best_entry,
+    check_n_quantiles,
     evaluate_depths,
     exit_depths,
     headline_entry,
@@ -169,6 +170,7 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
     splits = load_token_loop(Path(geometry_dir) / "token_loop.parquet", columns=rule_columns(rules))
     val, test = splits["val"], splits["test"]
     model = (meta or {}).get("model") or Path(geometry_dir).name
+    check_n_quantiles(cal.n_quantiles, val.n, val.n_loops, f"model {model}")
     rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
     results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules, resampler=rs, runner=runner)
     frames = result_frames(results, cal.dx)

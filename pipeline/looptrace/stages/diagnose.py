@@ -34,7 +34,8 @@ def main(
         ivc = load_section(IntervalsConfig, "intervals", params)
         require_in("diagnose.x", cfg.x, "calibration.dx", load_section(CalibrationConfig, "calibration", params).dx)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
+        with stage_output(out, stage="diagnose", inputs={"--readouts-root": readouts_root, "--gates-root": gates_root,
+                                                       "--geometry-root": geometry_root}):
             names = model_names(params, models)
             meta = {"seed": base.seed, "params": {**to_dict(cfg), "intervals": to_dict(ivc)}, "versions": versions(),
                     "models_list": names}

@@ -24,6 +24,7 @@ from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, user_errors
 from looptrace.io.claims import parse_shard, shard_from_env
+from looptrace.io.guard import check_overlap
 from looptrace.io.store.location import join_store
 from looptrace.models import check_device
 from looptrace.models.adapters.hf import load_adapter
@@ -48,6 +49,7 @@ def main(
         base = load_base(params)
         cfg = load_section(DumpConfig, "dump", params, required=True)
         part = parse_shard(shard) if shard else shard_from_env()
+        check_overlap(out, {"--train-root": None if cfg.adapter is not None else train_root})  # before any write
         torch.set_num_threads(base.threads)
         device = _device(check_device(base.device))
         with _sigterm_as_interrupt():  # torchrun's agent stops the other ranks with SIGTERM: drain the writer
@@ -65,7 +67,9 @@ def main(
     sizes = ", ".join(f"{s} {st.n_tokens}" for s, st in stores.items())
     pending = [s for s, st in stores.items() if not st.complete]
     note = f"; shard {part[0]}/{part[1]} written, still incomplete: {', '.join(pending)}" if pending else ""
-    typer.echo(f"{model}: dumped tokens per split: {sizes} (T = {adapter.info.n_loops}){note}")
+    got = ", ".join(f"{s} {st.attrs.get('n_sequences', '?')}/{cfg.sequences.get(s, '?')}" for s, st in stores.items())
+    typer.echo(f"{model}: dumped tokens per split: {sizes} (T = {adapter.info.n_loops}); sequences per split "
+               f"(got/asked): {got}{note}")
 
 
 def _device(device: str) -> str:

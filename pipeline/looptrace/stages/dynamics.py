@@ -32,7 +32,7 @@ def main(
         cfg = load_section(DynamicsConfig, "dynamics", params, required=True)
         dump_cfg = load_section(DumpConfig, "dump", params)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out / model):
+        with stage_output(out / model, stage="dynamics", inputs={"--train-root": train_root}, out_root=out):
             torch.set_num_threads(base.threads)
             df = (training_dynamics(train_root / model, cfg, dump_cfg, check_device(base.device)) if cfg.enabled
                   else pl.DataFrame(schema=DYNAMICS_SCHEMA))

@@ -13,6 +13,7 @@ from looptrace.gates.stage import gates_stage
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
+from looptrace.io.store.format import check_split_formats
 from looptrace.io.store.identity import open_split_stores
 from looptrace.project import model_meta, model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
@@ -33,11 +34,12 @@ def main(
         cal = load_section(CalibrationConfig, "calibration", params)
         ivc = load_section(IntervalsConfig, "intervals", params)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
+        with stage_output(out, stage="gates", inputs={"--dump-root": dump_root}):
             names = model_names(params, models)
             stores, meta, tasks = {}, {}, {}
             vers = versions()
             for m in names:
+                check_split_formats(dump_root, m, SPLITS)  # a wrong zarr.json field: one line naming it
                 stores[m] = open_split_stores(dump_root, m, SPLITS)  # checked to be one dump of model m
                 info = model_meta(m, params)
                 task_attr = stores[m]["fit"].attrs.get("task")

@@ -16,6 +16,7 @@ from looptrace.capture.dump import DumpConfig
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import user_errors
 from looptrace.io.claims import stage_output
+from looptrace.io.guard import input_roots
 from looptrace.models import check_device
 from looptrace.online.generate import GenerateConfig, dump_text_windows, generate_models, write_generate
 from looptrace.project import model_meta, model_names, versions
@@ -41,7 +42,7 @@ def main(
         dump_cfg = load_section(DumpConfig, "dump", params)
         adapter = dump_cfg.adapter
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
+        with stage_output(out, stage="generate", inputs=input_roots(train_root, dump_root, readouts_root, gates_root)):
             torch.set_num_threads(base.analysis_threads)
             torch.manual_seed(base.seed)
             names = model_names(params, models) if models or adapter is None else [adapter.run_name]

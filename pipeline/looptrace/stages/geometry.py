@@ -11,6 +11,7 @@ from looptrace.errors import user_errors
 from looptrace.geometry import GeometryConfig, geometry_model
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
+from looptrace.io.store.format import check_split_formats
 from looptrace.io.store.identity import open_split_stores
 from looptrace.project import versions
 from looptrace.stages import register_stage
@@ -28,7 +29,8 @@ def main(
         base = load_base(params)
         cfg = load_section(GeometryConfig, "geometry", params, required=True)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out / model):
+        with stage_output(out / model, stage="geometry", inputs={"--dump-root": dump_root}, out_root=out):
+            check_split_formats(dump_root, model, cfg.splits)  # a wrong zarr.json field: one line naming it
             stores = open_split_stores(dump_root, model, cfg.splits)  # checked to be one dump of this model
             meta = {"model": model, "seed": base.seed,
                     "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}

@@ -10,6 +10,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.errors import user_errors
 from looptrace.io.claims import stage_output
+from looptrace.io.guard import input_roots
 from looptrace.models import check_device
 from looptrace.online.latency import LatencyConfig, latency_models, write_latency
 from looptrace.project import model_meta, model_names, versions
@@ -38,7 +39,7 @@ def main(
                 require_in("latency.rules", rule, "readouts.rules", scored)
         check_device(base.device)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
+        with stage_output(out, stage="latency", inputs=input_roots(train_root, dump_root, readouts_root, gates_root)):
             torch.set_num_threads(base.analysis_threads)
             torch.manual_seed(base.seed)
             names = model_names(params, models)

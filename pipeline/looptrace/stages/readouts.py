@@ -31,7 +31,8 @@ def main(
         cal = load_section(CalibrationConfig, "calibration", params)
         ivc = load_section(IntervalsConfig, "intervals", params)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out / model):
+        with stage_output(out / model, stage="readouts", inputs={"--geometry-root": geometry_root},
+                          out_root=out):
             meta = {**model_meta(model, params), "seed": base.seed,
                     "params": {"readouts": to_dict(cfg), "calibration": to_dict(cal), "intervals": to_dict(ivc)},
                     "versions": versions()}

@@ -10,6 +10,7 @@ from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, t
 from looptrace.errors import user_errors
 from looptrace.geometry import GeometryConfig
 from looptrace.io.claims import stage_output
+from looptrace.io.guard import report_inputs
 from looptrace.project import model_names, versions
 from looptrace.report import ReportConfig, build_report
 from looptrace.rules.scoring import CalibrationConfig
@@ -36,7 +37,7 @@ def main(
         require_in("report.convergence_eps", cfg.convergence_eps, f"geometry.eps.{cfg.convergence_signal}",
                    geo.eps[cfg.convergence_signal])
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out):
+        with stage_output(out, stage="report", inputs=report_inputs(root)):
             names = model_names(params, models)
             metrics = build_report(names, root, out, cfg,
                                    meta={"seed": base.seed, "params": to_dict(cfg), "versions": versions()})

@@ -32,7 +32,7 @@ def main(
         if seed is not None and cfg.seeds and seed not in cfg.seeds:
             raise ConfigError(f"--seed {seed} is not in train.seeds {list(cfg.seeds)}: add it there or pick one of them")
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
-        with stage_output(out / model_name(task, regime, seed)):
+        with stage_output(out / model_name(task, regime, seed), stage="train", out_root=out):
             # One model per DVC stage: DVC runs stages one at a time, so each uses base.threads (docs/train.md "Seeds").
             metrics = train_model(base, cfg, task, regime, out / model_name(task, regime, seed), seed=seed)
     acc = " ".join(f"{a:.3f}" for a in metrics["val"]["acc_per_loop"])

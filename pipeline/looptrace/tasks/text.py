@@ -111,6 +111,9 @@ class TextConfig:
             confidence signals). Module docstring.
         difficulty_bins: number of quantile bins of ``difficulty`` (10 = deciles).
         max_documents: read at most this many documents (null = all).
+        short_splits: a split whose corpus yields fewer sequences than ``dump.sequences`` asks: ``refuse`` (default:
+            one line naming the splits, got vs asked, before anything is written) or ``warn`` (one warning line,
+            then dump what there is). The counts per split are reported either way.
         dedup_prefixes: unscore, in all but one split, every window prefix scored in several splits
             (:func:`dedup_prefixes`); false keeps the document-level split only.
     """
@@ -127,6 +130,7 @@ class TextConfig:
     difficulty_bins: int = 10
     max_documents: int | None = None
     dedup_prefixes: bool = True
+    short_splits: str = "refuse"
 
     def __post_init__(self) -> None:
         if self.format not in ("auto", "jsonl", "parquet", "text"):
@@ -137,6 +141,8 @@ class TextConfig:
             raise ConfigError(f"dump.text.token_type_of must be input or target, got {self.token_type_of!r}")
         if self.difficulty not in DIFFICULTY_NAMES:
             raise ConfigError(f"dump.text.difficulty must be token_frequency or final_loss, got {self.difficulty!r}")
+        if self.short_splits not in ("refuse", "warn"):
+            raise ConfigError(f"dump.text.short_splits must be refuse or warn; got {self.short_splits!r}")
         if self.difficulty_bins < 1:
             raise ConfigError(f"dump.text.difficulty_bins must be >= 1, got {self.difficulty_bins}")
 
@@ -296,6 +302,26 @@ def pack(stream: np.ndarray, seq_len: int, n: int | None = None) -> tuple[np.nda
     return win[:, :-1].copy(), win[:, 1:].copy()
 
 
+def check_split_counts(cfg: TextConfig, asked: Mapping[str, int], got: Mapping[str, int]) -> None:
+    """Refuse (or warn, ``dump.text.short_splits``) when a split gets fewer sequences than ``dump.sequences`` asks,
+    before anything is written (the dump stage's summary line reports got/asked per split either way).
+
+    Raises:
+        InputError: a split is short and ``short_splits`` is ``refuse``.
+    """
+    import sys
+
+    short = [s for s in got if got[s] < int(asked[s])]
+    if not short:
+        return
+    what = ", ".join(f"'{s}' gets {got[s]} of the {int(asked[s])} asked" for s in short)
+    if cfg.short_splits == "refuse":
+        raise InputError(f"dump.text.path '{cfg.path}': split {what} (dump.sequences); use a longer corpus or fewer "
+                         "dump.sequences, or set dump.text.short_splits: warn to dump what there is")
+    print(f"warning: dump.text.path '{cfg.path}': split {what} (dump.sequences); dumping what there is "
+          "(dump.text.short_splits: warn)", file=sys.stderr, flush=True)
+
+
 def text_batch(tokenizer, docs: Sequence[str], cfg: TextConfig, n: int | None = None,
                vocab_size: int | None = None, stream: np.ndarray | None = None) -> TaskBatch:
     """Pack one split's documents into a :class:`TaskBatch` (difficulty −1: filled after the dump).
@@ -360,6 +386,7 @@ def text_dataset(cfg: TextConfig, sequences: Mapping[str, int], tokenizer_path: 
                              f"documents, not one window of {cfg.seq_len + 1} tokens; use a longer corpus or a "
                              "smaller dump.text.seq_len")
         out[split] = batch
+    check_split_counts(cfg, sequences, {s: len(b) for s, b in out.items()})
     attrs: dict[str, Any] = {"difficulty_name": DIFFICULTY_NAMES[cfg.difficulty],
                              "difficulty_definition": DIFFICULTY_DEFINITIONS[cfg.difficulty]}
     if cfg.difficulty == "token_frequency":
