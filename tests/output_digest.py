@@ -7,7 +7,9 @@ JSON files. Normalised so that only values count: JSON without ``*seconds`` keys
 ``fingerprint`` (hashes of the source, which any edit changes); latency/generate measured columns (wall clock)
 dropped; ``model.pt`` digested by tensors and metadata without ``*seconds``. A tree of the old layout
 (``pipeline/`` mapped onto ``looptrace`` by setuptools' package-dir) needs ``PYTHONPATH`` pointing at a folder
-``looptrace/`` of links to its ``pipeline/*`` and ``stages``.
+``looptrace/`` of links to its ``pipeline/*`` and ``stages``. ``--values`` digests Parquet files by their table
+(not their encoding: page checksums change the bytes, not the values) and leaves out ``manifest.json`` (the files'
+sha256).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ def skeleton(o):
     return len(o) if isinstance(o, list) else None
 
 
-def digest(p: Path, stage: str) -> str:
+def digest(p: Path, stage: str, values: bool = False) -> str:
     import polars as pl
     import torch
 
     if p.suffix == ".json":
         d = json.loads(p.read_text())
         b = json.dumps(skeleton(d) if stage in MEASURED_STAGES else clean(d), sort_keys=True).encode()
+    elif p.suffix == ".parquet" and values and stage not in MEASURED_STAGES:  # the table, not its encoding
+        b = json.dumps(pl.read_parquet(p).to_dicts(), default=str).encode()
     elif p.suffix == ".parquet" and stage in MEASURED_STAGES:
         df = pl.read_parquet(p)
         b = json.dumps(df.drop([c for c in df.columns if MEASURED.search(c)]).to_dicts(), default=str).encode()
@@ -75,7 +79,7 @@ def digest(p: Path, stage: str) -> str:
     return hashlib.sha256(b).hexdigest()
 
 
-def main(repo: Path) -> dict[str, str]:
+def main(repo: Path, values: bool = False) -> dict[str, str]:
     sys.path[:0] = [str(repo / "pipeline"), str(repo)] if (repo / "pipeline" / "looptrace").is_dir() else [str(repo)]
     import yaml
 
@@ -93,12 +97,13 @@ def main(repo: Path) -> dict[str, str]:
         run_in_process(cmd, tmp)
     out = {}
     for p in sorted((tmp / "artifacts").rglob("*")):
-        if p.is_file():
+        if p.is_file() and not (values and p.name == "manifest.json"):
             rel = p.relative_to(tmp / "artifacts")
-            out[str(rel)] = digest(p, rel.parts[0])
+            out[str(rel)] = digest(p, rel.parts[0], values)
     print(f"{len(out)} files under {tmp}", file=sys.stderr)
     return out
 
 
 if __name__ == "__main__":
-    json.dump(main(Path(sys.argv[1]).resolve()), sys.stdout, indent=0, sort_keys=True)
+    json.dump(main(Path(sys.argv[1]).resolve(), values="--values" in sys.argv[2:]), sys.stdout, indent=0,
+              sort_keys=True)
