@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -181,7 +181,7 @@ def block_stats(st, tokens: slice, stats: Sequence[str], hidden: np.ndarray | No
     if not stats:
         return None
     geo = [s for s in stats if s in GEOMETRY_FEATURES]
-    metrics = {}
+    metrics: MutableMapping = {}
     if geo:
         from looptrace.signals.steps import step_metrics
 

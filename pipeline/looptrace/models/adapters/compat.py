@@ -158,8 +158,8 @@ class RemoteCode:
     """The remote classes of one checkpoint directory (what the patches work on)."""
 
     family: str
-    config_cls: type
-    model_cls: type
+    config_cls: type[Any]  # the checkpoint's own classes: the patches set attributes mypy cannot know
+    model_cls: type[Any]
 
     @property
     def module(self):
@@ -472,7 +472,7 @@ def _ouro_rope_default(rc: RemoteCode) -> bool:
     return True
 
 
-def _rotary_classes(mod) -> list[type]:
+def _rotary_classes(mod) -> list[type[Any]]:
     return [v for k, v in vars(mod).items() if isinstance(v, type) and k.endswith("RotaryEmbedding")
             and v.__module__ == mod.__name__]
 

@@ -193,7 +193,7 @@ def _load_auto(cfg: AdapterConfig, path: Path, dtype) -> nn.Module:
         kw["attn_implementation"] = cfg.attn_implementation
     try:
         hf_cfg = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=cfg.trust_remote_code)
-        auto = AutoModelForCausalLM
+        auto: type[Any] = AutoModelForCausalLM  # or the multimodal wrapper's Auto class, below
         if getattr(hf_cfg, "model_type", None) == "inkling2_loop":  # the released multimodal wrapper
             # lazy: transformers: a multi-second import, only once a checkpoint is loaded
             from transformers import AutoModelForImageTextToText as auto
@@ -565,7 +565,8 @@ class Inkling2LoopAdapter(HFAdapter):
 def _ouro_set_steps(model: nn.Module, n: int) -> None:
     """Run ``n`` recurrent steps: ``OuroModel`` copies ``total_ut_steps`` into an instance attribute at
     construction and its forward loops over that attribute, so the configs alone are not enough."""
-    base = model.model
+    base: Any = model.model  # OuroModel (remote code): total_ut_steps is a plain int attribute
+    c: Any  # the remote code's configs (attributes of their own)
     for c in {id(model.config): model.config, id(base.config): base.config}.values():
         c.total_ut_steps = n
     if hasattr(base, "total_ut_steps"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any, cast
 
 import torch
 
@@ -67,6 +68,8 @@ def _module_attr(obj, name: str):
 
 class _HFDecoder(LoopDecoder):
     """Shared plumbing: shapes from the adapter's info, the position tensors, the cache."""
+
+    model: Any  # the checkpoint's model: its submodules, config and methods are its own code's (duck-typed)
 
     def __init__(self, adapter: HFAdapter, policy: str, **options):
         super().__init__(policy)
@@ -125,6 +128,7 @@ class _LayerListDecoder(_HFDecoder):
 
     def _where(self, i: int):
         kind, j = self._where_static(i)
+        assert self.kv is not None  # the SlotCache that calls this is built by reset(), after the kv
         return (LOOP, self.kv.loop, j) if kind == LOOP else (kind, j)
 
     def reset(self, prompts, max_len):
@@ -138,6 +142,10 @@ class _LayerListDecoder(_HFDecoder):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pos = 0
 
+    def _layer_kwargs(self, layer) -> dict:
+        """The keyword arguments of ``layer``'s call besides the cache (each decoder's own)."""
+        raise NotImplementedError
+
     def _layer(self, i: int, h: torch.Tensor) -> torch.Tensor:
         layer = self._base().layers[i]
         out = layer(h, **self._layer_kwargs(layer), **{self._cache_kw: self.cache})
@@ -149,7 +157,8 @@ class DoryDecoder(_LayerListDecoder):
     """``DoryForCausalLM``: prelude → (norm(h) + norm(prelude)) → recurrent layers × T → coda → L2 norm → head."""
 
     def __init__(self, adapter: DoryAdapter, policy: str, **options):
-        mode = getattr(adapter.model.model.config, "recurrent_kv_cache_mode", "per_loop")
+        base = cast(torch.nn.Module, adapter.model.model)
+        mode = getattr(base.config, "recurrent_kv_cache_mode", "per_loop")
         self.native = "compact" if mode == "last_loop" else None
         self.native_name = ("Dory recurrent_kv_cache_mode last_loop: one KV per recurrent layer, the last loop a "
                             "position ran" if mode == "last_loop" else
@@ -293,6 +302,7 @@ class HuginnDecoder(_HFDecoder):
     same position."""
 
     native = "lockstep"
+    adapter: HuginnAdapter
 
     def __init__(self, adapter: HuginnAdapter, policy: str, **options):
         self.strategy = str(options.get("huginn_lookup_strategy") or "full")

@@ -17,6 +17,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class AdapterKind:
     """
 
     kind: str
-    adapter: type
+    adapter: type[Any]
     remote_class: str | None = None
     tied_source: str | None = None
     needs_block: bool = False
@@ -59,7 +60,7 @@ def register_adapter(kind: str, *, remote_class: str | None = None, tied_source:
     Raises:
         ValueError: ``kind`` is registered by another class.
     """
-    def deco(cls: type) -> type:
+    def deco(cls: type[Any]) -> type:
         old = _KINDS.get(kind)
         if old is not None and old.adapter.__qualname__ != cls.__qualname__:
             raise ValueError(f"adapter kind {kind!r} is registered twice ({old.adapter.__qualname__}, {cls.__qualname__})")
