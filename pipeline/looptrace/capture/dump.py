@@ -69,7 +69,7 @@ from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdap
 from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
-from looptrace.tasks.base import prefix_keys, shared_prefixes
+from looptrace.tasks.base import prefix_keys, shared_prefixes, split_overlap
 from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_dataset
 
 
@@ -779,8 +779,6 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     Returns:
         split -> store (complete, unless other shards are still being written).
     """
-    from looptrace.tasks.base import split_overlap
-
     out_dir = _out_dir(out_dir)
     data = {}
     for split, n in cfg.sequences.items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from looptrace.config import ConfigError
+
 #: Failure classes in output order (SPEC §7); codes are their indices.
 CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
 
@@ -44,8 +46,6 @@ class DiagnoseConfig:
     spearman_intervals: str = "headline"
 
     def __post_init__(self) -> None:
-        from looptrace.config import ConfigError
-
         if not 0.0 < self.x <= 100.0:
             raise ConfigError(f"diagnose.x is an accuracy percentage in (0, 100], got {self.x}")
         if self.gap_tol < 0:

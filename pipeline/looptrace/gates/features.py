@@ -12,6 +12,7 @@ from looptrace.gates.config import GEOMETRY_FEATURES, LOG_FLOOR, SIGNED_STATS
 from looptrace.io.parallel import DaskRunner, map_chunks
 from looptrace.io.tables import SplitArrays
 from looptrace.signals.names import add_aliases
+from looptrace.signals.steps import step_metrics
 
 if TYPE_CHECKING:
     from sklearn.decomposition import PCA
@@ -183,8 +184,6 @@ def block_stats(st, tokens: slice, stats: Sequence[str], hidden: np.ndarray | No
     geo = [s for s in stats if s in GEOMETRY_FEATURES]
     metrics: MutableMapping = {}
     if geo:
-        from looptrace.signals.steps import step_metrics
-
         if hidden is None:
             hidden = st.read("hidden", tokens)
         if hidden_init is None:

@@ -82,6 +82,7 @@ class FittedGate:
         if self.spec.labels == "ponder":
             g = self.gate_logit(X)
             if form == "lambda":
+                # lazy: torch, only for a PonderNet gate's λ (importing looptrace.gates loads no torch)
                 import torch
 
                 from looptrace.signals.halting_torch import halting_lambda

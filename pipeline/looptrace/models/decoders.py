@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+from looptrace.models.adapters.hf_decode import hf_decoder
 from looptrace.models.decode import LoopDecoder, LoopedTransformerDecoder
+from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import LoopedTransformer
 
 
@@ -22,14 +24,10 @@ def decoder_for(model, policy: str, **options) -> LoopDecoder:
     Raises:
         DecodeUnsupported: the model or the policy cannot be decoded this way (the message says why).
     """
-    from looptrace.models.interface import LoopedTransformerAdapter
-
     if isinstance(model, LoopedTransformerAdapter):
         model = model.model
     if isinstance(model, LoopedTransformer):
         return LoopedTransformerDecoder(model, policy)
-    from looptrace.models.adapters.hf_decode import hf_decoder
-
     return hf_decoder(model, policy, **options)
 
 

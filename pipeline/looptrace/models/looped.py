@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from looptrace.config import Check, ConfigError
+from looptrace.config import Check, CheckpointLoadError, ConfigError, MissingInputError
 
 #: ``ModelConfig.loop_form`` values (module docstring).
 LOOP_FORMS = ("add", "norm_add", "adapter")
@@ -442,8 +442,6 @@ def load_checkpoint(path, map_location: str = "cpu", name: str | None = None) ->
     import pickle
     import zipfile
     from pathlib import Path
-
-    from looptrace.config import CheckpointLoadError, MissingInputError
 
     path = Path(path)
     if not path.is_file():

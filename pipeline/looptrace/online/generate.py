@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
 from looptrace.io.store.reader import open_store
@@ -622,8 +623,6 @@ def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None
     """Write ``generate.parquet`` and ``metrics.json`` atomically."""
 
     with atomic_dir(out_dir) as tmp:
-        from looptrace.io.parquet import write_parquet
-
         write_parquet(df, tmp / "generate.parquet")  # page checksums (issue 24)
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2) + "\n")
 

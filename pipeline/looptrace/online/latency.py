@@ -53,6 +53,7 @@ from tqdm.auto import tqdm
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, read_parquet
 from looptrace.io.artifacts import jsonable as _jsonable
+from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
 from looptrace.io.store.reader import open_store
@@ -499,7 +500,5 @@ def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``latency.parquet`` and ``metrics.json`` atomically (temp dir + os.replace)."""
 
     with atomic_dir(out_dir) as tmp:
-        from looptrace.io.parquet import write_parquet
-
         write_parquet(df, tmp / "latency.parquet")  # page checksums (issue 24)
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2) + "\n")

@@ -29,6 +29,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from looptrace.io.artifacts import atomic_dir
+from looptrace.io.artifacts import jsonable as _jsonable
+from looptrace.project import machine, versions
 from looptrace.report.figures import make_figures
 from looptrace.report.findings import run_summary_markdown
 from looptrace.report.headline import group_headline, headline, report_metrics
@@ -58,10 +61,6 @@ def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, c
     Returns:
         The metrics dict as written (NaN = unreachable/absent written as None).
     """
-    from looptrace.io.artifacts import atomic_dir
-    from looptrace.io.artifacts import jsonable as _jsonable
-    from looptrace.project import machine, versions
-
     out_dir = Path(out_dir)
     inp = load_inputs(models, root, cfg)
     head = headline(inp, cfg)

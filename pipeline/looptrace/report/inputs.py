@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from looptrace.config import MissingInputError
+from looptrace.config import ConfigError, MissingInputError
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.io.parquet import read_verified
 
@@ -38,8 +38,6 @@ class ReportConfig:
     title: str = "looptrace report"
 
     def __post_init__(self) -> None:
-        from looptrace.config import ConfigError
-
         if not 0.0 < self.x <= 100.0:
             raise ConfigError(f"report.x is an accuracy percentage in (0, 100], got {self.x}")
         if self.convergence_kind not in ("first", "settled"):
