@@ -93,6 +93,7 @@ def pipe_safe_stdout() -> None:
     out = sys.stdout
     if out is None or out is not sys.__stdout__:
         return
+    assert out is not None  # narrowing by `is sys.__stdout__` (Optional) brings None back
     try:
         fd = out.fileno()
         out.flush()
@@ -132,7 +133,7 @@ def user_errors():
         raise typer.Exit(code=USER_EXIT) from None
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException | None):
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))

@@ -58,7 +58,8 @@ def evaluate_gate(rule: str, p_val: np.ndarray, p_test: np.ndarray, val: SplitAr
     Returns:
         RuleResult of kind ``gate``.
     """
-    check_n_quantiles(cal.n_quantiles, *p_val.shape, where=f"gate {rule}")
+    n_tokens, n_loops = p_val.shape
+    check_n_quantiles(cal.n_quantiles, n_tokens, n_loops, where=f"gate {rule}")
     if gate_rule_form(rule)[1] == "q_exit":
         return evaluate_rule(rule, p_val, p_test, val, test, op="ge", min_loop=1, n_quantiles=cal.n_quantiles,
                              delta=cal.delta, kind="gate", resampler=resampler)

@@ -49,7 +49,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from looptrace.config import UserError
 
@@ -117,7 +117,7 @@ class Owner:
 _ACTIVE: set[str] = set()
 
 
-def is_live(rec: dict | None, lease_s: float, now: float | None = None) -> bool:
+def is_live(rec: dict | None, lease_s: float, now: float | None = None) -> TypeGuard[dict]:
     """Whether a record's owner still works on it.
 
     A record is live while its ``state`` is ``active`` and its owner lives: on this host, the pid exists with
@@ -165,8 +165,9 @@ class ClaimsDir:
         self.local = m is None or m["proto"] in ("file", "local")
         if self.local:
             self.root = location if m is None else m["rest"]
-            self.fs = None
+            self.fs: Any = None  # an fsspec filesystem (untyped) when not local
         else:
+            assert m is not None  # not local: a URL
             import fsspec
 
             opts: dict[str, Any] = {}
@@ -345,7 +346,7 @@ def parse_shard(text: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
-def shard_from_env(env: dict | None = None) -> tuple[int, int]:
+def shard_from_env(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     """``(RANK, WORLD_SIZE)`` from the environment (torchrun, SLURM wrappers, by hand), else ``(0, 1)``."""
     env = os.environ if env is None else env
     if "WORLD_SIZE" not in env and "RANK" not in env:
@@ -567,7 +568,9 @@ class Coordinator:
         name = getattr(self, "shard_name", None)
         if name is None:
             return
-        base, g = _parse(name)
+        parsed = _parse(name)
+        assert parsed is not None and self.plan_gen is not None  # set together by claim_shard
+        base, g = parsed
         gens = self._generations(self.dir.names()).get(base, [])
         if (gens and gens[-1] > g) or self._newer_plan_exists(int(self.plan_gen)):
             self.held.pop(name, None)

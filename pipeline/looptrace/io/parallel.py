@@ -144,6 +144,7 @@ def connect_client(address: str, timeout_s: float):
         raise UserError(f"{where} does not parse ({exc}); write it as tcp://host:8786, or set base.dask.scheduler: "
                         "null or local") from None
     if host is not None:
+        assert port is not None  # parse_host_port gives both or raises
         try:
             socket.create_connection((host, int(port)), timeout=timeout_s).close()
         except OSError as exc:

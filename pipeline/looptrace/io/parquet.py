@@ -62,7 +62,7 @@ def _damaged(path: Path, exc: BaseException) -> InputError:
     return InputError(f"{path} {what} ({msg}); re-run {producer(path)} to rebuild it")
 
 
-def read_verified(path: str | os.PathLike, columns: Sequence[str] | None = None, verify: bool = True) -> pl.DataFrame:
+def read_verified(path: str | Path, columns: Sequence[str] | None = None, verify: bool = True) -> pl.DataFrame:
     """``pl.read_parquet(path, columns=...)`` after :func:`verify_parquet` (``verify=False``: without it)."""
     if verify:
         verify_parquet(path, columns)

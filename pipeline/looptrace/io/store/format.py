@@ -30,7 +30,7 @@ def check_store_format(store: zarr.abc.store.Store, label: str) -> None:
     from zarr.core.buffer import default_buffer_prototype
 
     async def first_wrong() -> tuple[str, str, object, object] | None:
-        docs = [("zarr.json", "group")]
+        docs: list[tuple[str, str | None]] = [("zarr.json", "group")]
         docs += [(f"{n}/zarr.json", None) for n in sorted([n async for n in store.list_dir("")]) if n != "zarr.json"]
         for key, node_type in docs:
             buf = await store.get(key, default_buffer_prototype())
