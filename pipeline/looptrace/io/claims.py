@@ -52,6 +52,8 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from looptrace.config import UserError
+from looptrace.io.artifacts import check_output_path, clear_debris
+from looptrace.io.guard import CURRENT_STAGE, check_overlap, check_replaceable
 
 #: Default lease of a claim held by a process on another host: without a heartbeat for this long, it is dead.
 LEASE_S = 600.0
@@ -737,9 +739,6 @@ def stage_output(out_dir: str | os.PathLike, stage: str | None = None,
         InputError: ``out_dir`` or a parent is a file; the output overlaps an input root or holds what another
             stage wrote. ClaimError: another live run writes ``out_dir``.
     """
-    from looptrace.io.artifacts import check_output_path, clear_debris
-    from looptrace.io.guard import CURRENT_STAGE, check_overlap, check_replaceable
-
     out_dir = Path(out_dir)
     check_overlap(out_dir if out_root is None else out_root, inputs or {})
     token = CURRENT_STAGE.set(stage) if stage is not None else None

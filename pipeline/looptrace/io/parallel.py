@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from looptrace.config import UserError
+
 #: Environment variable that overrides ``base.dask.scheduler`` (``null`` forces in-process).
 SCHEDULER_ENV = "LOOPTRACE_DASK_SCHEDULER"
 
@@ -134,8 +136,6 @@ def connect_client(address: str, timeout_s: float):
     from distributed import Client
     from distributed.comm.addressing import parse_address, parse_host_port
 
-    from looptrace.config import UserError
-
     where = f"Dask scheduler address '{address}' (base.dask.scheduler or ${SCHEDULER_ENV})"
     try:
         proto, loc = parse_address(address)
@@ -220,6 +220,8 @@ def worker_store(target: str, key: tuple) -> Any:
     """
     st = _STORES.get(key)
     if st is None:
+        # lazy: zarr — only a worker that decodes a store needs the reader; readouts, diagnose and report use
+        # io.parallel without it (their dvc.yaml deps stay free of the store modules)
         from looptrace.io.store.reader import open_store
 
         st = open_store(target, allow_nan=True, allow_incomplete=True)
