@@ -13,6 +13,8 @@ scores the final model on held-out test contexts (``--test-sequences`` sequences
 
 Recipes are ``--recipe NAME key=value ...`` (repeatable): keys of the ``train`` section, dotted for nested ones
 (``model.d_model=32``, ``task_defs.running_sum.modulus=3``, ``steps_by_task.running_sum=1500``); values are YAML.
+They are layered like a profile: a mapping merges key by key (``steps_by_task={}`` leaves params.yaml's entries in
+place; set ``steps_by_task.<task>=N``), lists and scalars replace. The ``steps`` column is what the run trained.
 Training stops on its step budget (``steps``), never on wall time.
 
 Usage (the docs/train.md table)::
