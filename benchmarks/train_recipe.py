@@ -23,6 +23,7 @@ Usage (the docs/train.md table)::
         --recipe base --recipe lr3e-3 lr=0.003 --jobs 2 --out recipe.jsonl
 
 ``--jobs`` runs that many models at once in spawned processes (one torch thread each by default).
+``--step-cost N`` only times N optimiser steps of each recipe (ms/step, median; no training run, no evaluation).
 """
 
 from __future__ import annotations
@@ -95,6 +96,40 @@ def run_one(job: dict) -> dict:
             "ms_per_step": round(1000 * m["train_seconds"] / m["steps"], 1), "threads": job["threads"]}
 
 
+def step_cost(job: dict, steps: int) -> float:
+    """Milliseconds per optimiser step of a recipe (the train loop's step: sample, forward, regime loss, backward,
+    clip, AdamW), median of ``steps`` timed steps after 5 untimed ones; no evaluation."""
+    import numpy as np
+    import torch
+    from looptrace.config import load_section
+    from looptrace.models.looped import LoopedTransformer
+    from looptrace.models.regimes import regime_loss
+    from looptrace.models.train import TrainConfig, build_model_config, to_torch
+
+    torch.set_num_threads(job["threads"])
+    with tempfile.TemporaryDirectory() as tmp:
+        over = Path(tmp) / "recipe.yaml"
+        over.write_text(yaml.safe_dump({"train": _nest(job["overrides"])}))
+        cfg = load_section(TrainConfig, "train", [Path(p) for p in job["params"]] + [over])
+    task, regime = cfg.task(job["task"]), cfg.regime(job["regime"])
+    torch.manual_seed(0)
+    model = LoopedTransformer(build_model_config(cfg.model, task, regime))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas))
+    rng, times = np.random.default_rng(0), []
+    for i in range(5 + steps):
+        t = time.perf_counter()
+        idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), "cpu")
+        out = model(idx)
+        loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+    return 1000 * float(np.median(times))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", action="append", default=None, help="params files, later winning (params.yaml)")
@@ -109,6 +144,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per model")
     ap.add_argument("--jobs", type=int, default=1, help="models trained at once (spawned processes)")
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per run here")
+    ap.add_argument("--step-cost", type=int, default=0, metavar="N",
+                    help="only time N optimiser steps per recipe x task x regime (ms/step, no training run)")
     a = ap.parse_args()
     recipes = [parse_recipe(r) for r in (a.recipe or [["base"]])]
     jobs = [{"recipe": name, "overrides": over, "task": t, "regime": r, "seed": s, "params": a.params or ["params.yaml"],
@@ -116,6 +153,12 @@ def main() -> None:
             for name, over in recipes for t in a.tasks for r in a.regimes for s in a.seeds]
     print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or platform.machine()}, "
           f"{len(jobs)} runs, {a.jobs} at once, {a.threads} thread(s) each")
+    if a.step_cost:
+        for job in jobs:
+            if job["seed"] == a.seeds[0]:
+                print(f"{job['recipe']:14s} {job['task']}-{job['regime']:22s} {step_cost(job, a.step_cost):7.1f} ms/step "
+                      f"({a.threads} thread(s))", flush=True)
+        return
     print(f"{'recipe':14s} {'model':28s} {'steps':>5s} {'step99':>6s} {'val@T':>6s} {'test@T':>6s} "
           f"{'s':>6s} {'ms/step':>7s}  val/loop")
     if a.jobs > 1:
