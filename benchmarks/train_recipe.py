@@ -85,6 +85,8 @@ def run_one(job: dict) -> dict:
     test = cfg.task(job["task"]).dataset("test", job["test_sequences"], cfg.data_seeds.test)
     torch.set_num_threads(job["threads"])
     ev = evaluate(model, test, base.device)
+    if job["keep"]:
+        shutil.copytree(tmp / "model", Path(job["keep"]) / f"{job['recipe']}-{m['model']}", dirs_exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     step99 = next((h["step"] for h in m["history"] if h["acc_per_loop"][-1] >= job["target"]), None)
     return {"recipe": job["recipe"], "overrides": job["overrides"], "task": job["task"], "regime": job["regime"],
@@ -144,12 +146,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per model")
     ap.add_argument("--jobs", type=int, default=1, help="models trained at once (spawned processes)")
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per run here")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="copy each trained model dir here as <recipe>-<model>/ (model.pt, metrics.json, checkpoints/)")
     ap.add_argument("--step-cost", type=int, default=0, metavar="N",
                     help="only time N optimiser steps per recipe x task x regime (ms/step, no training run)")
     a = ap.parse_args()
     recipes = [parse_recipe(r) for r in (a.recipe or [["base"]])]
     jobs = [{"recipe": name, "overrides": over, "task": t, "regime": r, "seed": s, "params": a.params or ["params.yaml"],
-             "evals": a.evals, "target": a.target, "test_sequences": a.test_sequences, "threads": a.threads}
+             "evals": a.evals, "target": a.target, "test_sequences": a.test_sequences, "threads": a.threads,
+             "keep": str(a.keep) if a.keep else None}
             for name, over in recipes for t in a.tasks for r in a.regimes for s in a.seeds]
     print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or platform.machine()}, "
           f"{len(jobs)} runs, {a.jobs} at once, {a.threads} thread(s) each")
