@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: repro quick status test test-lowest lint bench clean-venv
+.PHONY: repro study status test test-lowest lint bench clean-venv
 
 # torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml
 repro: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
-# The quick profile: the default experiment on running parity only (9 models, three seeds), outputs under
-# artifacts/quick/; estimated ≈ 20 min on a 2-core machine (not yet measured; docs/train.md).
-quick: $(STAMP)
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro profiles/quick/dvc.yaml
+# The study profile: the full matrix (both tasks × uniform, geometric, joint × three seeds = 18 models, dynamics and
+# generate on every seed), outputs under artifacts/study/ (README "Profiles", docs/train.md "Time budget").
+study: $(STAMP)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro profiles/study/dvc.yaml
 
 # The default pipeline's status (a bare `dvc status` also lists every profile's stages).
 status: $(STAMP)

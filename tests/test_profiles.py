@@ -26,9 +26,9 @@ from looptrace.config import ConfigError, load_section, merge_params, read_param
 from tests.import_graph import REPO
 from tests.test_dvc_deps import _has_key, params_reads, stage_script
 
-PROFILES = ("ad", "lm", "quick")
+PROFILES = ("ad", "lm", "study")
 #: Profiles whose dvc.yaml is generated from dvc.yaml (the default pipeline on the profile's override).
-GENERATED = ("ad", "quick")
+GENERATED = ("ad", "study")
 
 
 # ---------------------------------------------------------------------------------------------- layering
@@ -137,8 +137,8 @@ def _artifact_options(stage: str, profile: str) -> list[str]:
 ABOUT = {
     "ad": ("The [AD] GPU-scale profile (SPEC §9)", "dvc repro profiles/ad/dvc.yaml          (on a GPU machine; "
            "dvc status profiles/ad/dvc.yaml)"),
-    "quick": ("The quick profile (running parity only, three seeds)", "make quick   (= dvc repro "
-              "profiles/quick/dvc.yaml; dvc status profiles/quick/dvc.yaml)"),
+    "study": ("The study profile (the full 18-model matrix: both tasks x three regimes x three seeds)",
+              "make study   (= dvc repro profiles/study/dvc.yaml; dvc status profiles/study/dvc.yaml)"),
 }
 
 

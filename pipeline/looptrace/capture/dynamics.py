@@ -42,12 +42,15 @@ class DynamicsConfig:
         probe_split: split the probe sequences are drawn from.
         probe_sequences: number of probe sequences (drawn with the checkpoint's data seed).
         block_tokens: tokens per block read back from each probe store (null = its chunk size).
+        seeds: the training seeds whose models dvc.yaml's ``dynamics`` matrix runs (DVC reads it; the stage runs the
+            ``--model`` it is given). A subset of ``train.seeds``: the probe curves of one seed show the dynamics.
     """
 
     enabled: bool = True
     probe_split: str = "val"
     probe_sequences: int = 256
     block_tokens: int | None = None
+    seeds: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.probe_split not in SPLITS:

@@ -244,6 +244,8 @@ class GenerateConfig:
         repeats: timed runs; full depth and every rule are interleaved within each repeat (median reported).
         huginn_lookup_strategy: the ``native`` policy's cache lookup strategy for Huginn (its
             ``HuginnDynamicCache``; ``full`` is the model's generate default).
+        seeds: run only the default matrix's models of these training seeds (``<task>-<regime>-s<seed>``);
+            null = every model. Not applied to ``--models`` or an adapter.
     """
 
     rules: tuple[str, ...] = ("top1", "entropy", "kl_prev", "q_exit", "gate")
@@ -255,6 +257,14 @@ class GenerateConfig:
     warmup: int = 0
     repeats: int = 3
     huginn_lookup_strategy: str = "full"
+    seeds: tuple[int, ...] | None = None
+
+    def pick(self, names: list[str]) -> list[str]:
+        """The models of ``names`` (default-matrix names) that :attr:`seeds` selects."""
+        if self.seeds is None:
+            return names
+        keep = {f"-s{s}" for s in self.seeds}
+        return [n for n in names if any(n.endswith(k) for k in keep)]
 
     def __post_init__(self) -> None:
         resolve_rules([split_rule(r)[0] for r in self.rules if r != GATE], "generate.rules", online=True)

@@ -46,6 +46,7 @@ def main(
             torch.set_num_threads(base.analysis_threads)
             torch.manual_seed(base.seed)
             names = model_names(params, models) if models or adapter is None else [adapter.run_name]
+            names = cfg.pick(names) if not models and adapter is None else names
             df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
                                           adapter=adapter, device=base.device, seed=base.seed,
                                           regime_meta=lambda name: model_meta(name, params),
