@@ -10,6 +10,7 @@ docs/bad-inputs.md from the same table with the messages as they are now.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from looptrace.cli import app
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "bad-inputs.md"
 NO_CUDA = not torch.cuda.is_available()
+HAS_S3FS = importlib.util.find_spec("s3fs") is not None
 
 
 def _argv(stage: str, t: Path) -> list[str]:
@@ -392,7 +394,8 @@ CASES = [
          ("base.dask.connect_timeout_s must be a number of seconds > 0",), "base: {dask: {connect_timeout_s: 0}}"),
     Case("s3-no-credentials", "geometry", "an `s3://` dump root with no AWS credentials",
          ("s3 store s3://looptrace-no-such-bucket/dump/m/fit.zarr: no AWS credentials found", "AWS_ACCESS_KEY_ID"),
-         extra=("--dump-root", "s3://looptrace-no-such-bucket/dump"), env=NO_AWS),
+         extra=("--dump-root", "s3://looptrace-no-such-bucket/dump"), env=NO_AWS,
+         skip="" if HAS_S3FS else "s3fs is not installed (the `remote` extra; make test-lowest installs `hf` only)"),
     Case("out-symlink-loop", "geometry", "`--out` through a symlink loop",
          ("Too many levels of symbolic links", "the path goes through a symlink loop"),
          setup=_symlink_loop, extra=("--out", "<tmp>/loop/geometry")),
