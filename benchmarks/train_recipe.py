@@ -107,8 +107,7 @@ def step_cost(job: dict, steps: int) -> float:
 
     from looptrace.config import load_section
     from looptrace.models.looped import LoopedTransformer
-    from looptrace.models.regimes import regime_loss
-    from looptrace.models.train import TrainConfig, build_model_config, to_torch
+    from looptrace.models.train import TrainConfig, build_model_config, optimiser_step
 
     torch.set_num_threads(job["threads"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,13 +121,7 @@ def step_cost(job: dict, steps: int) -> float:
     rng, times = np.random.default_rng(0), []
     for i in range(5 + steps):
         t = time.perf_counter()
-        idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), "cpu")
-        out = model(idx)
-        loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        optimiser_step(model, opt, task, regime, cfg, rng, "cpu")
         if i >= 5:
             times.append(time.perf_counter() - t)
     return 1000 * float(np.median(times))

@@ -256,6 +256,23 @@ def _save_resume(stage: Path, state: dict) -> None:
     os.replace(tmp, stage / "resume.pt")
 
 
+def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Generator,
+                   device: str) -> torch.Tensor:
+    """One optimiser step on a fit batch drawn from ``rng``: the regime's loss, gradient clipping, AdamW.
+
+    Returns:
+        The batch's loss (scalar tensor, before the step).
+    """
+    idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), device)
+    out = model(idx)
+    loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return loss
+
+
 def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,
                 progress: bool = True, seed: int | None = None, threads: int | None = None) -> dict:
     """Train one looped model and write ``model.pt``, ``metrics.json`` and ``checkpoints/``.
@@ -336,13 +353,7 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         model.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), base.device)
-        out = model(idx)
-        loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        loss = optimiser_step(model, opt, task, regime, cfg, rng, base.device)
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         if step % 25 == 0:
             bar.set_postfix(loss=f"{loss_ema:.4f}")
