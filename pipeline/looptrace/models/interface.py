@@ -82,6 +82,16 @@ class LoopedModelAdapter(ABC):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
+        """One loop of the model as a differentiable function: h_{t−1} -> h_t, [batch, seq, d_model] each.
+
+        ``h0`` is the injection (``States.hidden_init``), ``loop`` the 0-based index of the loop (its group). The
+        contraction statistics (``dump.contraction``, :mod:`looptrace.capture.contraction`) take JVPs through it;
+        an adapter without one cannot compute them.
+        """
+        raise NotImplementedError(f"adapter '{self.info.name}' ({type(self).__name__}) exposes no loop step; "
+                                  "dump.contraction needs one: set dump.contraction: null")
+
 
 def file_sha256(path: Path | str, chunk: int = 1 << 20) -> str:
     """sha256 hex digest of a file (checkpoint hash recorded in store attributes)."""
@@ -130,3 +140,6 @@ class LoopedTransformerAdapter(LoopedModelAdapter):
     @torch.no_grad()
     def readout(self, h: torch.Tensor, loop: int) -> torch.Tensor:
         return self.model.readout(h)
+
+    def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
+        return self.model.step(h, h0, self.info.loop_group[loop])

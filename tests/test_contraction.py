@@ -1,0 +1,127 @@
+"""Local contraction at capture time (SPEC §2b): power method and Benettin FTLE on closed-form linear loop maps, and
+the JVPs on looptrace's tiny model against finite differences and an exact Jacobian."""
+
+import numpy as np
+import pytest
+import torch
+
+from looptrace.capture.contraction import (
+    ContractionConfig,
+    contraction_stats,
+    diagonal_block_norm,
+    diagonal_jvp,
+)
+from looptrace.config import ConfigError
+from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+
+
+def _nonnormal(rng, eigs):
+    """A = Q diag(eigs) Q^{-1} with a non-orthogonal Q: ‖A‖₂ > ρ(A) (so the two estimates differ)."""
+    q = rng.standard_normal((len(eigs), len(eigs))) + 2 * np.eye(len(eigs))
+    return q @ np.diag(eigs) @ np.linalg.inv(q)
+
+
+def _linear_step(A, M=None, b=None):
+    """h[i] <- A h[i] + M h[i−1] + b: the diagonal block is A whatever M (M mixes positions, as attention does)."""
+    At = torch.as_tensor(A.T)
+    Mt = None if M is None else torch.as_tensor(M.T)
+    bt = 0 if b is None else torch.as_tensor(b)
+
+    def step(h, t):
+        out = h @ At + bt
+        if Mt is not None:
+            out = out + torch.nn.functional.pad(h[:, :-1] @ Mt, (0, 0, 1, 0))
+        return out
+
+    return step
+
+
+def _run(step, h0, T):
+    hs, h = [], h0
+    for t in range(T):
+        h = step(h, t)
+        hs.append(h)
+    return torch.stack(hs, dim=2)
+
+
+def test_power_method_equals_spectral_norm_of_the_diagonal_block():
+    rng = np.random.default_rng(0)
+    A = _nonnormal(rng, [0.9, 0.5, -0.3, 0.1])
+    M = rng.standard_normal((4, 4))  # cross-position coupling must not leak into the diagonal block
+    step = _linear_step(A, M, rng.standard_normal(4))
+    h = torch.as_tensor(rng.standard_normal((2, 5, 4)))
+    sigma, v = diagonal_block_norm(lambda x: step(x, 0), h, torch.as_tensor(rng.standard_normal((2, 5, 4))), 30)
+    want = np.linalg.norm(A, 2)  # closed form: the largest singular value
+    assert want > max(abs(np.linalg.eigvals(A))) + 0.05  # non-normal: ‖A‖₂ ≠ ρ(A)
+    np.testing.assert_allclose(sigma.numpy(), want, atol=1e-4)
+    assert v.shape == (2, 5, 4)
+
+
+def test_ftle_tends_to_log_spectral_radius_and_stats_shapes():
+    rng = np.random.default_rng(1)
+    A = _nonnormal(rng, [0.8, 0.5, -0.4])
+    step = _linear_step(A, b=rng.standard_normal(3))
+    T = 400
+    h0 = torch.as_tensor(rng.standard_normal((2, 3, 3)))
+    out = contraction_stats(step, h0, _run(step, h0, T), ContractionConfig(power_iters=20))
+    assert set(out) == {"contraction", "ftle", "ftle_share"} and out["ftle"].shape == (2, 3, T)
+    np.testing.assert_allclose(out["contraction"].numpy(), np.linalg.norm(A, 2), atol=1e-4)
+    # log‖A^T u‖/T = log ρ + O(1/T) (the initial component along the top eigenvector)
+    np.testing.assert_allclose(out["ftle"][:, :, -1].numpy(), np.log(0.8), atol=1e-2)
+    np.testing.assert_allclose(out["ftle_share"].sum(dim=1).numpy(), 1.0, atol=1e-5)  # shares of one sequence
+
+
+def test_ftle_of_a_scaled_identity_is_exact_at_every_loop():
+    c = 0.7
+    step = _linear_step(c * np.eye(3))
+    h0 = torch.as_tensor(np.random.default_rng(2).standard_normal((1, 4, 3)))
+    out = contraction_stats(step, h0, _run(step, h0, 5), ContractionConfig(power_iters=1))
+    np.testing.assert_allclose(out["ftle"].numpy(), np.log(c), rtol=1e-6)
+    np.testing.assert_allclose(out["contraction"].numpy(), c, rtol=1e-6)
+
+
+def _tiny(form="add"):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=11, block_size=12, d_model=16, n_head=2, groups=(GroupConfig(2, 2), GroupConfig(1, 1)),
+                      loop_form=form)
+    return LoopedTransformer(cfg).double().eval()
+
+
+@pytest.mark.parametrize("form", ["add", "norm_add", "adapter"])
+def test_jvp_of_the_tiny_model_equals_finite_differences(form):
+    model = _tiny(form)
+    ad = LoopedTransformerAdapter(model, "tiny")
+    ids = torch.randint(0, 11, (2, 7), generator=torch.Generator().manual_seed(3))
+    st = ad.states(ids)
+    h = st.hidden[:, :, 0].clone()
+    v = torch.randn(h.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    f = lambda x: ad.loop_step(x, st.hidden_init, 1)  # noqa: E731
+    got = diagonal_jvp(f, h, v, chunk=3)
+    eps = 1e-5
+    with torch.no_grad():
+        for i in range(h.shape[1]):  # central difference, one position perturbed at a time: error O(eps²)
+            e = torch.zeros_like(h)
+            e[:, i] = v[:, i]
+            fd = (f(h + eps * e) - f(h - eps * e))[:, i] / (2 * eps)
+            torch.testing.assert_close(got[:, i], fd, atol=1e-7, rtol=1e-6)
+
+
+def test_power_method_on_the_tiny_model_equals_the_exact_block_svd():
+    model = _tiny("adapter")
+    ad = LoopedTransformerAdapter(model, "tiny")
+    ids = torch.randint(0, 11, (1, 5), generator=torch.Generator().manual_seed(5))
+    st = ad.states(ids)
+    out = contraction_stats(lambda x, t: ad.loop_step(x, st.hidden_init, t), st.hidden_init, st.hidden,
+                            ContractionConfig(power_iters=60, position_chunk=2))
+    h_prev = torch.cat([st.hidden_init[:, :, None], st.hidden[:, :, :-1]], dim=2)
+    for t in range(st.hidden.shape[2]):  # the full Jacobian by reverse mode, then its diagonal blocks' SVD
+        J = torch.autograd.functional.jacobian(lambda x: ad.loop_step(x, st.hidden_init, t), h_prev[:, :, t])
+        for i in range(5):
+            want = torch.linalg.matrix_norm(J[0, i, :, 0, i, :], ord=2)
+            assert float(out["contraction"][0, i, t]) == pytest.approx(float(want), rel=1e-5)
+
+
+def test_bad_config():
+    with pytest.raises(ConfigError, match="power_iters"):
+        ContractionConfig(power_iters=0)
