@@ -116,7 +116,7 @@ def test_power_method_on_the_tiny_model_equals_the_exact_block_svd():
                             ContractionConfig(power_iters=60, position_chunk=2))
     h_prev = torch.cat([st.hidden_init[:, :, None], st.hidden[:, :, :-1]], dim=2)
     for t in range(st.hidden.shape[2]):  # the full Jacobian by reverse mode, then its diagonal blocks' SVD
-        J = torch.autograd.functional.jacobian(lambda x: ad.loop_step(x, st.hidden_init, t), h_prev[:, :, t])
+        J = torch.autograd.functional.jacobian(lambda x, t=t: ad.loop_step(x, st.hidden_init, t), h_prev[:, :, t])
         for i in range(5):
             want = torch.linalg.matrix_norm(J[0, i, :, 0, i, :], ord=2)
             assert float(out["contraction"][0, i, t]) == pytest.approx(float(want), rel=1e-5)
@@ -125,3 +125,64 @@ def test_power_method_on_the_tiny_model_equals_the_exact_block_svd():
 def test_bad_config():
     with pytest.raises(ConfigError, match="power_iters"):
         ContractionConfig(power_iters=0)
+
+
+def test_dump_option_stores_the_stats_of_every_scored_token_and_is_off_by_default():
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store.location import memory_store
+    from looptrace.tasks import IGNORE
+    from tests.builders import tiny_adapter_and_data
+
+    adapter, data = tiny_adapter_and_data(n_seq=9, unscored=True)
+    cc = ContractionConfig(power_iters=3, position_chunk=3, seed=5)
+    plain = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=4, chunk_tokens=16))
+    with_c = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=4, chunk_tokens=16, contraction=cc))
+    assert not {"contraction", "ftle", "ftle_share"} & set(plain.names)
+    for name in plain.names:  # the option adds arrays and changes none
+        np.testing.assert_array_equal(with_c.read(name), plain.read(name), err_msg=name)
+    mask = data.targets != IGNORE
+    T = adapter.info.n_loops
+    for b0 in range(0, len(data), 4):  # the same batches, computed directly (seeded by the batch's first row)
+        ids = torch.from_numpy(data.tokens[b0:b0 + 4])
+        with torch.no_grad():
+            st = adapter.states(ids)
+        want = contraction_stats(lambda h, t, st=st: adapter.loop_step(h, st.hidden_init, t), st.hidden_init,
+                                 st.hidden, cc, b0)
+        rows = np.flatnonzero(np.isin(with_c.read("sequence"), np.arange(b0, b0 + 4)))
+        m = torch.from_numpy(mask[b0:b0 + 4])
+        for name, x in want.items():
+            np.testing.assert_allclose(with_c.read(name)[rows], x[m].numpy(), rtol=1e-5, err_msg=name)
+    assert with_c.read("contraction").shape == (with_c.n_tokens, T)
+    assert np.all(with_c.read("contraction") > 0) and np.all(np.isfinite(with_c.read("ftle")))
+
+
+def test_an_adapter_without_a_loop_step_is_refused_before_writing():
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store.location import memory_store
+    from looptrace.models.interface import LoopedModelAdapter
+    from tests.builders import tiny_adapter_and_data
+
+    inner, data = tiny_adapter_and_data(n_seq=3, unscored=False)
+
+    class NoStep(LoopedModelAdapter):
+        info = inner.info
+
+        def states(self, input_ids):
+            return inner.states(input_ids)
+
+        def readout(self, h, loop):
+            return inner.readout(h, loop)
+
+    with pytest.raises(ConfigError, match="no loop step.*dump.contraction: null"):
+        dump_split(NoStep(), data, memory_store(), DumpConfig(contraction=ContractionConfig()))
+
+
+def test_params_section_turns_it_on():
+    from looptrace.capture.dump import DumpConfig
+    from looptrace.config import from_dict
+
+    assert DumpConfig().contraction is None  # off by default: default stores unchanged
+    cfg = from_dict(DumpConfig, {"contraction": {"power_iters": 2}}, "dump")
+    assert cfg.contraction == ContractionConfig(power_iters=2)
+    with pytest.raises(ConfigError, match="power_iters"):
+        from_dict(DumpConfig, {"contraction": {"power_iters": 0}}, "dump")

@@ -37,9 +37,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from looptrace.config import ConfigError
+from looptrace.io.store.schema import CONTRACTION_NAMES
+from looptrace.models.interface import LoopedModelAdapter, States
 
 #: The store arrays this module writes (each [token, loop] float32), in order.
-CONTRACTION_ARRAYS = ("contraction", "ftle", "ftle_share")
+CONTRACTION_ARRAYS = CONTRACTION_NAMES
 
 #: A loop step: (h_{t−1} [batch, seq, d_model], loop t 0-based) -> h_t [batch, seq, d_model].
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]
@@ -134,7 +136,7 @@ def diagonal_block_norm(f: Callable[[torch.Tensor], torch.Tensor], h: torch.Tens
         (σ_2/σ_1)^{2·iters}) and the unit vectors it was measured on (the next loop's warm start).
     """
     with sdpa_kernel(SDPBackend.MATH):  # the VJP's saved graph is the math kernel's too
-        _, vjp_fn = torch.func.vjp(f, h)
+        vjp_fn = torch.func.vjp(f, h)[1]
     v = _unit_rows(v0)
     for _ in range(iters):
         w = diagonal_jvp(f, h, v, chunk)
@@ -192,5 +194,35 @@ def contraction_stats(step: StepFn, hidden_init: torch.Tensor, hidden: torch.Ten
                 "ftle_share": share.detach().float()}
 
 
-__all__ = ["CONTRACTION_ARRAYS", "ContractionConfig", "StepFn", "contraction_stats", "diagonal_block_norm",
+def check_adapter(adapter: LoopedModelAdapter) -> None:
+    """Refuse, before anything is written, an adapter that exposes no loop step (``loop_step``).
+
+    Raises:
+        ConfigError: one line naming the adapter and the fix.
+    """
+    if type(adapter).loop_step is LoopedModelAdapter.loop_step:
+        raise ConfigError(f"dump.contraction: adapter '{adapter.info.name}' ({type(adapter).__name__}) exposes no "
+                          "loop step to differentiate; set dump.contraction: null for this model")
+
+
+def capture_arrays(adapter: LoopedModelAdapter, states: States, cfg: ContractionConfig, first_row: int,
+                   select: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, np.ndarray]:
+    """The dump's hook: :func:`contraction_stats` of one batch through ``adapter.loop_step``, rows selected.
+
+    Args:
+        adapter: a :class:`~looptrace.models.interface.LoopedModelAdapter` with a loop step.
+        states: its :class:`~looptrace.models.interface.States` of the batch.
+        cfg: ``dump.contraction``.
+        first_row: index of the batch's first sequence.
+        select: [batch, seq, ...] -> [n_scored, ...] (the dump's scored-position selection).
+
+    Returns:
+        name -> [n_scored, loop] float32 numpy, for :data:`CONTRACTION_ARRAYS`.
+    """
+    h0 = states.hidden_init
+    stats = contraction_stats(lambda h, t: adapter.loop_step(h, h0, t), h0, states.hidden, cfg, first_row)
+    return {name: select(stats[name]).cpu().numpy() for name in CONTRACTION_ARRAYS}
+
+
+__all__ = ["capture_arrays", "check_adapter", "CONTRACTION_ARRAYS", "ContractionConfig", "StepFn", "contraction_stats", "diagonal_block_norm",
            "diagonal_jvp", "diagonal_vjp"]

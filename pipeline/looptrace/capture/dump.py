@@ -49,6 +49,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from looptrace.capture import contraction as _contraction
+from looptrace.capture.contraction import ContractionConfig
 from looptrace.capture.encode import encode_states_counted
 from looptrace.config import BaseConfig, ConfigError, InputError, to_dict
 from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator, Superseded, shard_range
@@ -100,6 +102,9 @@ class DumpConfig:
             they condition on, :meth:`looptrace.tasks.Task.context_split`) that is also scored in fit or val;
             false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
             store's ``prefix_overlap`` attribute either way.
+        contraction: also store the loop map's local contraction and FTLE per (token, loop) (SPEC §2b,
+            :mod:`looptrace.capture.contraction`; JVPs through the model's loop step, several times the cost of a
+            plain dump: docs/dump.md); null (default) = off.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -115,6 +120,7 @@ class DumpConfig:
     text: TextConfig | None = None
     claim_lease_s: float = LEASE_S
     allow_prefix_overlap: bool = False
+    contraction: ContractionConfig | None = None
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
@@ -159,7 +165,7 @@ def _data_hash(data: TaskBatch) -> str:
 VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
                  "looptrace.signals.names", "looptrace.io.precision", "looptrace.io.store.schema",
                  "looptrace.io.store.writer",
-                 "looptrace.models.interface", "looptrace.models.looped")
+                 "looptrace.models.interface", "looptrace.models.looped", "looptrace.capture.contraction")
 
 
 def _code_hash(*extra_modules: str) -> str:
@@ -315,6 +321,9 @@ def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tupl
     for f in ("target", "token_id", "sequence", "position", "difficulty", "token_type"):
         specs[f] = ArraySpec((n_tokens,), DTYPES[f])
     specs["loop_group"] = ArraySpec((T,), DTYPES["loop_group"])
+    if cfg.contraction is not None:  # opt-in: a default store has none of these arrays
+        _contraction.check_adapter(adapter)
+        specs.update({c: ArraySpec((n_tokens, T), DTYPES[c]) for c in _contraction.CONTRACTION_ARRAYS})
     return specs, k
 
 
@@ -325,7 +334,8 @@ def state_dtype(adapter: LoopedModelAdapter, cfg: DumpConfig) -> str:
 
 @torch.inference_mode()
 def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
-             k: int | None, hidden_dtype: str) -> dict[str, np.ndarray]:
+             k: int | None, hidden_dtype: str, contraction: ContractionConfig | None = None
+             ) -> dict[str, np.ndarray]:
     """Every token-axis array of one batch of sequences: name -> [n_scored, ...] numpy."""
     info = adapter.info
     T = info.n_loops
@@ -354,6 +364,8 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
         if st.gate_logits is None:
             raise InputError(f"adapter '{info.name}' declares a gate but returned no gate logits")
         out["gate_logit"] = sel(st.gate_logits.float()).cpu().numpy()
+    if contraction is not None:
+        out.update(_contraction.capture_arrays(adapter, st, contraction, rows.start or 0, sel))
     target = torch.from_numpy(data.targets[rows][keep].astype(np.int64)).to(dev)
     # Loop T first (kl_final needs p_T), then 1..T keeping only the previous loop (bounded memory).
     z_final = sel(adapter.readout(st.hidden[:, :, T - 1], T - 1)).float()  # [n, V]
@@ -664,7 +676,7 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
                 if all(done[c] for c in chunks):  # nothing left to write in this batch
                     asm.pos = hi
                 else:
-                    asm.add(_capture(adapter, data, mask, rows, k_top, hidden_dtype))
+                    asm.add(_capture(adapter, data, mask, rows, k_top, hidden_dtype, cfg.contraction))
                 bar.update(hi - lo)
         except BaseException:
             # let the writer finish the chunks already queued (their markers keep them), then stop

@@ -21,6 +21,10 @@ STAT_NAMES = LOGIT_SIGNALS
 #: Per-token metadata arrays (int64), in ``tokens_frame`` column order.
 TOKEN_FIELDS = ("target", "token_id", "sequence", "position", "difficulty", "token_type")
 
+#: Optional per-(token, loop) loop-map statistics (SPEC §2b), written only with ``dump.contraction``
+#: (:mod:`looptrace.capture.contraction`): ρ_t of the diagonal Jacobian block, the sequence's FTLE and its share.
+CONTRACTION_NAMES = ("contraction", "ftle", "ftle_share")
+
 #: Dimension names of every array the store may hold.
 DIMS: dict[str, tuple[str, ...]] = {
     "hidden": ("token", "loop", "d_model"),
@@ -30,6 +34,7 @@ DIMS: dict[str, tuple[str, ...]] = {
     "topk_logits": ("token", "loop", "k"),
     **{s: ("token", "loop") for s in STAT_NAMES},
     "gate_logit": ("token", "loop"),
+    **{c: ("token", "loop") for c in CONTRACTION_NAMES},
     **{f: ("token",) for f in TOKEN_FIELDS},
     "loop_group": ("loop",),
     "chunk_nan_count": ("chunk",),
@@ -40,6 +45,7 @@ DIMS: dict[str, tuple[str, ...]] = {
 DTYPES: dict[str, str] = {
     "logits": "float32", "topk_ids": "int32", "topk_logits": "float32",
     **{s: "float32" for s in STAT_NAMES}, "argmax": "int32", "gate_logit": "float32",
+    **{c: "float32" for c in CONTRACTION_NAMES},
     **{f: "int64" for f in TOKEN_FIELDS}, "loop_group": "int32", "chunk_nan_count": "int64",
     "chunk_digest": "uint32",
 }
