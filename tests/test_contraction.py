@@ -138,6 +138,8 @@ def test_dump_option_stores_the_stats_of_every_scored_token_and_is_off_by_defaul
     plain = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=4, chunk_tokens=16))
     with_c = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=4, chunk_tokens=16, contraction=cc))
     assert not {"contraction", "ftle", "ftle_share"} & set(plain.names)
+    assert "contraction" not in plain.attrs["params"]  # a default store's attributes are unchanged
+    assert with_c.attrs["params"]["contraction"] == {"power_iters": 3, "position_chunk": 3, "seed": 5}
     for name in plain.names:  # the option adds arrays and changes none
         np.testing.assert_array_equal(with_c.read(name), plain.read(name), err_msg=name)
     mask = data.targets != IGNORE

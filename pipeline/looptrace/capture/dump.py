@@ -151,6 +151,15 @@ NONFINITE = "_nonfinite"
 _NOT_FINGERPRINTED = ("writer_queue", "sequences", "claim_lease_s")
 
 
+def _params_attr(cfg: DumpConfig) -> dict[str, Any]:
+    """The ``params`` store attribute: the resolved section, without the opt-in ``contraction`` while it is off
+    (so a default store's attributes are those it had before the option existed)."""
+    params = to_dict(cfg)
+    if cfg.contraction is None:
+        params.pop("contraction")
+    return params
+
+
 def _data_hash(data: TaskBatch) -> str:
     h = hashlib.sha256()
     for name in ("tokens", "targets", "difficulty", "token_type"):
@@ -484,7 +493,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         "task": extra.get("task"), "regime": extra.get("regime"), "split": None,
         "difficulty_name": "difficulty", "difficulty_levels": [], "token_types": [],
         "seeds": {kk: extra[kk] for kk in ("seed", "data_seeds") if kk in extra},
-        "params": to_dict(cfg), "topk": k, "logits_mode": "full" if k is None else "topk",
+        "params": _params_attr(cfg), "topk": k, "logits_mode": "full" if k is None else "topk",
         "dtypes": {name: spec.dtype for name, spec in specs.items()},
         "versions": versions(),
     }
