@@ -1,0 +1,252 @@
+"""Loop-map diagnoses from a store dumped with ``dump.contraction`` (SPEC §2b): the certified fixed-point exit, the
+model's regime in words, and how well the FTLE (and ρ, rel_step, entropy) predict the failures of SPEC §7.
+
+Torch-free (an offline module): it reads the store's ``contraction`` / ``ftle`` arrays, the states (for
+``rel_step``, :func:`looptrace.signals.steps.step_metrics`), ``argmax``, ``entropy`` and ``target``.
+
+- **Certified exit** ([BA]): b_t = r_t·ρ_t/(1 − ρ_t) bounds ‖h_t − h*‖/‖h_t‖ when the loop map contracts with factor
+  ρ_t < 1 (:func:`certified_bound`; NaN — never certified — where ρ_t ≥ 1); the rule exits at the first t with
+  b_t ≤ ε, else at T (:func:`certified_exit`). How often ρ_t < 1 holds is reported beside it, and said in words:
+  on a model in the expanding (chaotic) regime the rule almost never fires, and that is a finding, not a silent
+  censoring.
+- **Regime** (:func:`regime`): from the final FTLE λ_T of each sequence (median, bootstrap interval over sequences)
+  and the share of (token, loop) pairs with ρ_t < 1.
+- **Failure prediction** (:func:`failure_auc`): ROC AUC (scikit-learn ``roc_auc_score``) of each per-token
+  predictor, higher = more failure-prone, for *trajectory failures* (no loop 1..T right; negatives: every other
+  token) and full-depth *readout failures* (some loop right, loop T wrong — the overthinking of a rule that always
+  runs T loops; negatives: tokens right at T), with bootstrap intervals over sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+
+from looptrace.config import ConfigError, InputError
+from looptrace.intervals import Resampler
+from looptrace.signals.steps import step_metrics
+
+#: Predictors of :func:`failure_auc`, each per token: λ_T, mean ρ_t over loops, r_T, H_T.
+PREDICTORS = ("ftle", "contraction", "rel_step", "entropy")
+#: Failure kinds of :func:`failure_auc` (SPEC §7, at full depth).
+FAILURES = ("trajectory", "readout")
+AUC_SCHEMA = {"failure": pl.String, "predictor": pl.String, "auc": pl.Float64, "auc_lo": pl.Float64,
+              "auc_hi": pl.Float64, "n_pos": pl.Int64, "n_neg": pl.Int64}
+FRONTIER_SCHEMA = {"eps": pl.Float64, "mean_depth": pl.Float64, "accuracy": pl.Float64,
+                   "share_certified": pl.Float64}
+
+
+@dataclass(frozen=True)
+class LoopMapConfig:
+    """Parameters of the loop-map diagnoses.
+
+    Attributes:
+        eps: thresholds ε of the certified exit (relative distance to the fixed point).
+        delta: |median λ_T| below this (in nats per loop, interval included) reads as *marginal*.
+        n_boot: bootstrap resamples over sequences (0 = no intervals).
+        level: interval coverage.
+        seed: bootstrap seed.
+    """
+
+    eps: tuple[float, ...] = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
+    delta: float = 0.02
+    n_boot: int = 200
+    level: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.eps or any(not e > 0 for e in self.eps):
+            raise ConfigError(f"loopmap.eps: give thresholds > 0, got {list(self.eps)}")
+        if self.delta < 0:
+            raise ConfigError(f"loopmap.delta must be >= 0, got {self.delta}")
+
+
+def certified_bound(rho: np.ndarray, rel_step: np.ndarray) -> np.ndarray:
+    """b_t = r_t·ρ_t/(1 − ρ_t): the Banach bound on ‖h_t − h*‖/‖h_t‖ ([BA]); NaN where ρ_t ≥ 1 or undefined.
+
+    Args:
+        rho: [token, loop] local contraction ρ_t (``contraction``).
+        rel_step: [token, loop] r_t = ‖Δ_t‖/‖h_t‖.
+
+    Returns:
+        [token, loop] float64.
+    """
+    rho = np.asarray(rho, dtype=np.float64)
+    ok = rho < 1  # NaN compares False
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(ok, np.asarray(rel_step, dtype=np.float64) * rho / (1 - rho), np.nan)
+
+
+def certified_exit(bound: np.ndarray, eps: float) -> np.ndarray:
+    """Exit depth (1-based) of the certified rule: the first t with b_t ≤ ε, else T. [token] int64."""
+    hit = np.asarray(bound) <= eps  # NaN never fires
+    T = hit.shape[1]
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, T).astype(np.int64)
+
+
+def certified_frontier(bound: np.ndarray, correct: np.ndarray, eps: Sequence[float]) -> pl.DataFrame:
+    """One operating point per ε: mean exit depth, accuracy at the exit, share of tokens that exit certified."""
+    rows = []
+    n = len(correct)
+    for e in eps:
+        d = certified_exit(bound, e)
+        fired = (np.asarray(bound) <= e).any(axis=1)
+        rows.append({"eps": float(e), "mean_depth": float(d.mean()) if n else float("nan"),
+                     "accuracy": float(correct[np.arange(n), d - 1].mean()) if n else float("nan"),
+                     "share_certified": float(fired.mean()) if n else float("nan")})
+    return pl.DataFrame(rows, schema=FRONTIER_SCHEMA)
+
+
+def _weighted_median(x: np.ndarray, w: np.ndarray) -> float:
+    keep = w > 0
+    x, w = x[keep], w[keep]
+    order = np.argsort(x, kind="stable")
+    c = np.cumsum(w[order])
+    return float(x[order][np.searchsorted(c, c[-1] / 2)])
+
+
+def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: LoopMapConfig) -> dict:
+    """The model's regime from the final FTLE of each sequence and the share of ρ_t < 1 (SPEC §2b).
+
+    Args:
+        ftle_final: [token] λ_T of each token's sequence.
+        rho: [token, loop] ρ_t.
+        sequence: [token] sequence id (the bootstrap unit; λ_T is per sequence).
+        cfg: δ, B, level, seed.
+
+    Returns:
+        ``regime`` (contracting | marginal | expanding), ``ftle_median`` / ``_lo`` / ``_hi``,
+        ``share_rho_below_1`` / ``_lo`` / ``_hi``, ``rho_median``, ``n_sequences``, ``words`` (one sentence).
+    """
+    seq_ids, first = np.unique(sequence, return_index=True)
+    lam = np.asarray(ftle_final, dtype=np.float64)[first]  # one λ_T per sequence
+    below = (np.asarray(rho) < 1).mean(axis=1)  # per token: share of its loops with ρ_t < 1
+    med = float(np.median(lam))
+    share = float(below.mean())
+    lo = hi = s_lo = s_hi = float("nan")
+    if cfg.n_boot:
+        rs = Resampler(sequence, cfg.n_boot, cfg.seed, cfg.level)
+        # the unit order of the resampler is that of np.unique, as seq_ids
+        meds = np.array([_weighted_median(lam, c) for c in rs.counts])
+        lo, hi = (float(v[0]) for v in rs.interval(meds[:, None]))
+        s_lo, s_hi = (float(v[0]) for v in rs.interval(rs.ratio(below)[:, None]))
+    upper = hi if np.isfinite(hi) else med
+    lower = lo if np.isfinite(lo) else med
+    if upper < -cfg.delta and share > 0.5:
+        name = "contracting"
+    elif lower > cfg.delta:
+        name = "expanding"
+    else:
+        name = "marginal"
+    iv = "" if not np.isfinite(lo) else f" [{lo:.3f}, {hi:.3f}]"
+    siv = "" if not np.isfinite(s_lo) else f" [{100 * s_lo:.0f}, {100 * s_hi:.0f}]"
+    words = {"contracting": "contracts: perturbations die out loop after loop, so a convergence depth is well "
+                            "defined and the certified exit can fire",
+             "expanding": "is in the expanding (chaotic) regime: perturbations grow, so its trajectory has no "
+                          "fixed point to converge to and the certified exit rarely or never fires",
+             "marginal": "is marginal: neither clearly contracting nor clearly expanding at this interval"}[name]
+    sentence = (f"The loop map {words} (median final FTLE {med:.3f}{iv} nats per loop over {len(seq_ids)} "
+                f"sequences; ρ_t < 1 on {100 * share:.0f}{siv} % of (token, loop) pairs).")
+    return {"regime": name, "ftle_median": med, "ftle_lo": lo, "ftle_hi": hi, "share_rho_below_1": share,
+            "share_lo": s_lo, "share_hi": s_hi, "rho_median": float(np.nanmedian(rho)),
+            "n_sequences": int(len(seq_ids)), "words": sentence}
+
+
+def failure_labels(correct: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """failure -> (label [token] bool, included [token] bool) for :data:`FAILURES` (module docstring)."""
+    any_right = correct.any(axis=1)
+    at_T = correct[:, -1]
+    return {"trajectory": (~any_right, np.ones_like(any_right)),
+            "readout": (any_right & ~at_T, any_right)}  # readout failures vs tokens right at T
+
+
+def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, sequence: np.ndarray,
+                cfg: LoopMapConfig) -> pl.DataFrame:
+    """ROC AUC of each predictor for each failure kind, with a bootstrap interval over sequences.
+
+    Args:
+        predictors: name -> [token] score, higher = more failure-prone.
+        correct: [token, loop] argmax == target.
+        sequence: [token] sequence id.
+        cfg: B, level, seed.
+
+    Returns:
+        :data:`AUC_SCHEMA` rows; NaN AUC where a class is empty (or an interval's resample lacks one).
+    """
+    from sklearn.metrics import roc_auc_score
+
+    rs = Resampler(sequence, cfg.n_boot, cfg.seed, cfg.level) if cfg.n_boot else None
+    rows = []
+    for failure, (label, inc) in failure_labels(np.asarray(correct, dtype=bool)).items():
+        y = label[inc]
+        for name, score in predictors.items():
+            x = np.asarray(score, dtype=np.float64)[inc]
+            ok = np.isfinite(x)
+            yy, xx = y[ok], x[ok]
+            n_pos, n_neg = int(yy.sum()), int((~yy).sum())
+            auc = lo = hi = float("nan")
+            if n_pos and n_neg:
+                auc = float(roc_auc_score(yy, xx))
+                if rs is not None:
+                    w_all = rs.token_weights()[:, inc][:, ok]
+                    samples = np.array([roc_auc_score(yy, xx, sample_weight=w) if (w[yy] > 0).any()
+                                        and (w[~yy] > 0).any() else np.nan for w in w_all])
+                    lo, hi = (float(v[0]) for v in rs.interval(samples[:, None]))
+            rows.append({"failure": failure, "predictor": name, "auc": auc, "auc_lo": lo, "auc_hi": hi,
+                         "n_pos": n_pos, "n_neg": n_neg})
+    return pl.DataFrame(rows, schema=AUC_SCHEMA)
+
+
+def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
+    """Every loop-map diagnosis of one split's store (read whole: a test split of the toy models fits).
+
+    Args:
+        store: an open trajectory store dumped with ``dump.contraction``.
+        cfg: the diagnoses' parameters.
+
+    Returns:
+        ``regime`` (:func:`regime`), ``frontier`` (:func:`certified_frontier`), ``auc`` (:func:`failure_auc`) and
+        ``words``: the summary sentences (regime; how often ρ_t < 1 so the rule can fire; the best predictor).
+
+    Raises:
+        InputError: the store has no ``contraction`` arrays (names the option that writes them).
+    """
+    if "contraction" not in store or "ftle" not in store:
+        raise InputError(f"store {getattr(store, 'label', '')!s}: no 'contraction'/'ftle' arrays; dump it with "
+                         "dump.contraction: {power_iters: 4} (docs/dump.md)")
+    rho = store.read("contraction").astype(np.float64)
+    ftle = store.read("ftle").astype(np.float64)
+    rel = step_metrics(store.read("hidden"), store.read("hidden_init"))["rel_step"].astype(np.float64)
+    correct = store.read("argmax") == store.read("target")[:, None]
+    seq = store.read("sequence")
+    bound = certified_bound(rho, rel)
+    reg = regime(ftle[:, -1], rho, seq, cfg)
+    frontier = certified_frontier(bound, correct, cfg.eps)
+    preds = {"ftle": ftle[:, -1], "contraction": rho.mean(axis=1), "rel_step": rel[:, -1],
+             "entropy": store.read("entropy")[:, -1].astype(np.float64)}
+    auc = failure_auc(preds, correct, seq, cfg)
+    words = [reg["words"]]
+    fired = float((bound <= max(cfg.eps)).any(axis=1).mean())
+    if reg["share_rho_below_1"] < 0.5:
+        words.append(f"The certified fixed-point exit needs ρ_t < 1, which holds on only "
+                     f"{100 * reg['share_rho_below_1']:.0f} % of (token, loop) pairs: at ε = {max(cfg.eps):g} it "
+                     f"certifies {100 * fired:.0f} % of tokens; the rest run all loops (not censored silently).")
+    else:
+        words.append(f"The certified fixed-point exit certifies {100 * fired:.0f} % of tokens at ε = "
+                     f"{max(cfg.eps):g} (ρ_t < 1 on {100 * reg['share_rho_below_1']:.0f} % of pairs).")
+    for failure in FAILURES:
+        sub = auc.filter((pl.col("failure") == failure) & pl.col("auc").is_not_nan())
+        if sub.height:
+            best = sub.sort("auc", descending=True).row(0, named=True)
+            words.append(f"Best predictor of {failure} failures: {best['predictor']} (AUC {best['auc']:.2f} "
+                         f"[{best['auc_lo']:.2f}, {best['auc_hi']:.2f}], {best['n_pos']} failures).")
+        else:
+            words.append(f"No AUC for {failure} failures: one class is empty.")
+    return {"regime": reg, "frontier": frontier, "auc": auc, "words": words}
+
+
+__all__ = ["AUC_SCHEMA", "FAILURES", "FRONTIER_SCHEMA", "LoopMapConfig", "PREDICTORS", "certified_bound",
+           "certified_exit", "certified_frontier", "failure_auc", "failure_labels", "loopmap_report", "regime"]
