@@ -157,10 +157,10 @@ def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: L
 
 def failure_labels(correct: np.ndarray) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """failure -> (label [token] bool, included [token] bool) for :data:`FAILURES` (module docstring)."""
-    any_right = correct.any(axis=1)
-    at_T = correct[:, -1]
-    return {"trajectory": (~any_right, np.ones_like(any_right)),
-            "readout": (any_right & ~at_T, any_right)}  # readout failures vs tokens right at T
+    any_right = np.asarray(correct.any(axis=1), dtype=bool)
+    at_T = np.asarray(correct[:, -1], dtype=bool)
+    return {"trajectory": (np.logical_not(any_right), np.ones_like(any_right)),
+            "readout": (np.logical_and(any_right, np.logical_not(at_T)), any_right)}  # readout failures vs tokens right at T
 
 
 def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, sequence: np.ndarray,
