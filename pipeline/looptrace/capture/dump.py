@@ -50,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looptrace.capture import contraction as _contraction
+from looptrace.capture import layers as _layers
 from looptrace.capture.contraction import ContractionConfig
 from looptrace.capture.encode import encode_states_counted
 from looptrace.config import BaseConfig, ConfigError, InputError, to_dict
@@ -105,6 +106,9 @@ class DumpConfig:
         contraction: also store the loop map's local contraction and FTLE per (token, loop) (SPEC §2b,
             :mod:`looptrace.capture.contraction`; JVPs through the model's loop step, several times the cost of a
             plain dump: docs/dump.md); null (default) = off.
+        layers: also store the outputs of these layers of the looped block at every loop, ``layer_hidden``
+            [token, loop, layer, d_model] in the states' dtype (:mod:`looptrace.capture.layers`; its size is
+            printed before writing); empty (default) = none.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -121,6 +125,7 @@ class DumpConfig:
     claim_lease_s: float = LEASE_S
     allow_prefix_overlap: bool = False
     contraction: ContractionConfig | None = None
+    layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
@@ -157,6 +162,8 @@ def _params_attr(cfg: DumpConfig) -> dict[str, Any]:
     params = to_dict(cfg)
     if cfg.contraction is None:
         params.pop("contraction")
+    if not cfg.layers:
+        params.pop("layers")
     return params
 
 
@@ -174,7 +181,8 @@ def _data_hash(data: TaskBatch) -> str:
 VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
                  "looptrace.signals.names", "looptrace.io.precision", "looptrace.io.store.schema",
                  "looptrace.io.store.writer",
-                 "looptrace.models.interface", "looptrace.models.looped", "looptrace.capture.contraction")
+                 "looptrace.models.interface", "looptrace.models.looped", "looptrace.capture.contraction",
+                 "looptrace.capture.layers")
 
 
 def _code_hash(*extra_modules: str) -> str:
@@ -333,6 +341,10 @@ def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tupl
     if cfg.contraction is not None:  # opt-in: a default store has none of these arrays
         _contraction.check_adapter(adapter)
         specs.update({c: ArraySpec((n_tokens, T), DTYPES[c]) for c in _contraction.CONTRACTION_ARRAYS})
+    if cfg.layers:  # opt-in: the size is said before the store is created
+        _layers.check_layers(adapter, cfg.layers)
+        specs[_layers.LAYER_ARRAY] = ArraySpec((n_tokens, T, len(cfg.layers), D), sdt)
+        _say(_layers.size_line(info.name, n_tokens, T, cfg.layers, D, sdt))
     return specs, k
 
 
@@ -343,8 +355,8 @@ def state_dtype(adapter: LoopedModelAdapter, cfg: DumpConfig) -> str:
 
 @torch.inference_mode()
 def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
-             k: int | None, hidden_dtype: str, contraction: ContractionConfig | None = None
-             ) -> dict[str, np.ndarray]:
+             k: int | None, hidden_dtype: str, contraction: ContractionConfig | None = None,
+             layers: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
     """Every token-axis array of one batch of sequences: name -> [n_scored, ...] numpy."""
     info = adapter.info
     T = info.n_loops
@@ -368,6 +380,10 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
         out[name] = enc if all_scored else enc[keep.reshape(-1)]  # hidden [n, T, D], hidden_init [n, D]
         if bad is not None:
             nonfinite += bad if all_scored else bad[keep.reshape(-1)]
+    if layers:
+        out[_layers.LAYER_ARRAY], bad = _layers.capture_layer_states(adapter, ids, layers, sel, hidden_dtype, where)
+        if bad is not None:
+            nonfinite += bad
     out[NONFINITE] = nonfinite
     if info.has_gate:
         if st.gate_logits is None:
@@ -685,7 +701,7 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
                 if all(done[c] for c in chunks):  # nothing left to write in this batch
                     asm.pos = hi
                 else:
-                    asm.add(_capture(adapter, data, mask, rows, k_top, hidden_dtype, cfg.contraction))
+                    asm.add(_capture(adapter, data, mask, rows, k_top, hidden_dtype, cfg.contraction, cfg.layers))
                 bar.update(hi - lo)
         except BaseException:
             # let the writer finish the chunks already queued (their markers keep them), then stop

@@ -14,6 +14,7 @@ import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -92,6 +93,12 @@ class LoopedModelAdapter(ABC):
         raise NotImplementedError(f"adapter '{self.info.name}' ({type(self).__name__}) exposes no loop step; "
                                   "dump.contraction needs one: set dump.contraction: null")
 
+    def loop_layers(self, group: int) -> list[torch.nn.Module]:
+        """The layers of looped group ``group``'s block, in order (each runs once per loop of the group; its
+        forward's output is that layer's state, ``dump.layers``, :mod:`looptrace.capture.layers`)."""
+        raise NotImplementedError(f"adapter '{self.info.name}' ({type(self).__name__}) exposes no loop layers; "
+                                  "dump.layers needs them: set dump.layers: []")
+
 
 def file_sha256(path: Path | str, chunk: int = 1 << 20) -> str:
     """sha256 hex digest of a file (checkpoint hash recorded in store attributes)."""
@@ -143,3 +150,6 @@ class LoopedTransformerAdapter(LoopedModelAdapter):
 
     def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
         return self.model.step(h, h0, self.info.loop_group[loop])
+
+    def loop_layers(self, group: int) -> list[torch.nn.Module]:
+        return list(cast(torch.nn.ModuleList, self.model.blocks[group]))

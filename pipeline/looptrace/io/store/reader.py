@@ -348,7 +348,8 @@ def _validate_arrays(st: TrajectoryStore) -> None:
         raise StoreError(f"store {label}: 'topk_ids' and 'topk_logits' must come together; {_RERUN}")
     n, T, D, V = st.n_tokens, st.n_loops, st.d_model, st.vocab_size
     k = arrays["topk_ids"].shape[-1] if "topk_ids" in arrays else None
-    size = {"token": n, "loop": T, "d_model": D, "vocab": V, "k": k}
+    size = {"token": n, "loop": T, "d_model": D, "vocab": V, "k": k,
+            "layer": arrays["layer_hidden"].shape[2] if "layer_hidden" in arrays else None}
     for name, arr in arrays.items():
         dims = DIMS.get(name)
         if dims is None:

@@ -29,6 +29,7 @@ CONTRACTION_NAMES = ("contraction", "ftle", "ftle_share")
 DIMS: dict[str, tuple[str, ...]] = {
     "hidden": ("token", "loop", "d_model"),
     "hidden_init": ("token", "d_model"),
+    "layer_hidden": ("token", "loop", "layer", "d_model"),  # opt-in dump.layers (looptrace.capture.layers)
     "logits": ("token", "loop", "vocab"),
     "topk_ids": ("token", "loop", "k"),
     "topk_logits": ("token", "loop", "k"),
@@ -50,7 +51,7 @@ DTYPES: dict[str, str] = {
     "chunk_digest": "uint32",
 }
 
-HIDDEN_NAMES = ("hidden", "hidden_init")
+HIDDEN_NAMES = ("hidden", "hidden_init", "layer_hidden")
 
 #: Stored dtypes of the states; bfloat16 is kept as its uint16 bit pattern (looptrace.io.precision).
 HIDDEN_DTYPES = ("float16", "float32", "bfloat16")
