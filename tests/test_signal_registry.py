@@ -46,8 +46,10 @@ def test_store_schema_agrees():
 
     assert store.STAT_NAMES == select("logits", stored=True)
     stored = select(stored=True)
-    per_loop = {k for k, d in store.DIMS.items() if d == ("token", "loop")}
-    assert per_loop == set(stored)  # every per-(token, loop) array of the store is a registered stored signal
+    # every per-(token, loop) array of the store is a registered stored signal, but the opt-in loop-map statistics
+    # (dump.contraction, SPEC §2b): absent from default stores, read by looptrace.diagnose.loopmap, not by rules/gates
+    per_loop = {k for k, d in store.DIMS.items() if d == ("token", "loop")} - set(store.CONTRACTION_NAMES)
+    assert per_loop == set(stored)
     for n in stored:
         assert store.DTYPES[n] == SIGNALS[n].dtype, n
     assert set(store.REQUIRED) >= set(select("logits", stored=True))
