@@ -19,6 +19,9 @@ import polars as pl
 
 from looptrace.signals.steps import step_metrics
 
+#: The SPEC §2 step metrics taken across loops for each layer (the columns this module chooses to compute).
+stats = ("step_norm", "rel_step", "step_cos")
+
 #: Long format: one row per (layer, loop, metric), median and mean over tokens (finite values).
 LAYER_GEOMETRY_SCHEMA = {"layer": pl.Int64, "loop": pl.Int64, "metric": pl.String, "median": pl.Float64,
                          "mean": pl.Float64, "count": pl.Int64}
@@ -36,7 +39,7 @@ def layer_metrics(layer_hidden: np.ndarray, hidden_init: np.ndarray) -> dict[str
     out: dict[str, np.ndarray] = {}
     for j in range(L):
         for name, v in step_metrics(x[:, :, j], hidden_init).items():
-            if name in ("step_norm", "rel_step", "step_cos"):
+            if name in stats:
                 out.setdefault(name, np.full((n, T, L), np.nan, np.float32))[:, :, j] = v
     wn = np.full((n, T, L), np.nan, np.float32)
     wc = np.full((n, T, L), np.nan, np.float32)
