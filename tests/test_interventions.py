@@ -5,7 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.capture.interventions import InterventionConfig, adapter_intervention, intervene, window_summary
+from looptrace.capture.interventions import (
+    InterventionConfig,
+    adapter_intervention,
+    intervene,
+    window_summary,
+)
 from looptrace.config import ConfigError
 from tests.builders import tiny_adapter_and_data
 

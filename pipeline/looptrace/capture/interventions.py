@@ -109,8 +109,8 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
         state, linear, kl = [], [], []
         for t in range(k, T):
             h_p = step(h_p, t)
-            h_next, tangent = torch.func.jvp(lambda x, t=t: step(x, t), (h_ref,), (tangent,))
-            h_ref = h_next
+            pushed = torch.func.jvp(lambda x, t=t: step(x, t), (h_ref,), (tangent,))
+            h_ref, tangent = pushed[0], pushed[1]
             state.append(((h_p - h_ref).norm(dim=-1, keepdim=True) / denom)[..., 0])
             linear.append((tangent.norm(dim=-1, keepdim=True) / denom)[..., 0])
             if readout is not None:
