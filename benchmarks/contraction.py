@@ -1,4 +1,5 @@
-"""Benchmark of ``dump.contraction``: a dump with the loop map's contraction and FTLE (SPEC §2b) vs a plain dump.
+"""Benchmark of ``dump.contraction`` and ``dump.layers``: the loop-map statistics (SPEC §2b) and per-layer states vs a
+plain dump.
 
 Same random-init LoopedTransformer and batches for every run (default: the default pipeline's toy size — d_model
 64, one layer × 6 loops, 12 positions, vocab 2 — 512 sequences, i.e. one val split). Runs, in an interleaved order
@@ -11,6 +12,9 @@ Printed: seconds of the plain dump, then per power-iteration count the ratio wal
 dump) and the marginal cost of one more iteration in plain dumps; and the seconds a default-sized run adds (the
 default pipeline dumps 2048 sequences per model: fit 1024, val 512, test 512). No target is enforced: the
 numbers decide whether the option may be on by default (docs/dump.md).
+
+Then ``dump.layers``: a model whose loop block has two layers (otherwise the same), dumped to on-disk stores plainly
+and with ``layers: [0, 1]``; printed: the store bytes and wall time of the per-layer dump as ratios to the plain one.
 
     python benchmarks/contraction.py [--sequences 512] [--seq-len 12] [--d-model 64] [--loops 6] [--iters 1 2 4]
                                      [--threads 2] [--reps 3] [--device cpu] [--smoke]
@@ -102,6 +106,29 @@ def main() -> int:
         print(f"  power_iters={n}: contraction dump / plain dump = {r:.2f}x (adds ~{extra:.1f} s per default-sized "
               f"model, {DEFAULT_SEQUENCES} sequences){step}")
         prev = (n, r)
+
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    cfg2 = ModelConfig(vocab_size=4, block_size=args.seq_len, d_model=args.d_model, n_head=cfg.n_head,
+                       groups=(GroupConfig(2, args.loops),))
+    ad2 = LoopedTransformerAdapter(LoopedTransformer(cfg2), "bench2", device=args.device)
+    tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-layers-"))
+    try:
+        res = {}
+        for name, layers in (("plain", ()), ("layers", (0, 1))):
+            path = tmp / f"{name}.zarr"
+            t0 = time.perf_counter()
+            dump_split(ad2, data, path, DumpConfig(batch_size=args.batch, chunk_tokens=4096, layers=layers),
+                       progress=False)
+            res[name] = (time.perf_counter() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        (tp, bp), (tl, bl) = res["plain"], res["layers"]
+        print(f"dump.layers [0, 1] of a 2-layer block: store {bl / 2**20:.2f} MiB vs plain {bp / 2**20:.2f} MiB = "
+              f"{bl / bp:.2f}x bytes, {tl / tp:.2f}x wall ({tl:.2f} s vs {tp:.2f} s, one run each)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
