@@ -8,8 +8,8 @@ import torch
 from looptrace.capture.dump import DumpConfig, dump_split
 from looptrace.capture.layers import layer_states
 from looptrace.config import ConfigError
+from looptrace.diagnose.layer_geometry import layer_geometry, layer_metrics
 from looptrace.io.store.location import memory_store
-from looptrace.layer_geometry import layer_geometry, layer_metrics
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.tasks import IGNORE
