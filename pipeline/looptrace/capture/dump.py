@@ -104,8 +104,8 @@ class DumpConfig:
             false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
             store's ``prefix_overlap`` attribute either way.
         contraction: also store the loop map's local contraction and FTLE per (token, loop) (SPEC §2b,
-            :mod:`looptrace.capture.contraction`; JVPs through the model's loop step, several times the cost of a
-            plain dump: docs/dump.md); null (default) = off.
+            :mod:`looptrace.capture.contraction`; JVPs through the model's loop step, 25–100× the cost of a plain
+            dump on the toy models: docs/dump.md); null (default) = off.
         layers: also store the outputs of these layers of the looped block at every loop, ``layer_hidden``
             [token, loop, layer, d_model] in the states' dtype (:mod:`looptrace.capture.layers`; its size is
             printed before writing); empty (default) = none.
@@ -157,8 +157,8 @@ _NOT_FINGERPRINTED = ("writer_queue", "sequences", "claim_lease_s")
 
 
 def _params_attr(cfg: DumpConfig) -> dict[str, Any]:
-    """The ``params`` store attribute: the resolved section, without the opt-in ``contraction`` while it is off
-    (so a default store's attributes are those it had before the option existed)."""
+    """The ``params`` store attribute: the resolved section, without the opt-in ``contraction`` / ``layers`` while
+    they are off (so a default store's attributes are those it had before the options existed)."""
     params = to_dict(cfg)
     if cfg.contraction is None:
         params.pop("contraction")
