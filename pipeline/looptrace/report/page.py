@@ -119,11 +119,13 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
              "<code>summary.md</code> beside this page.</p>"]
     if groups is not None and groups.height:
         parts += ["<h2>Headline per task × regime (across seeds)</h2>",
-                  "<p>Mean over training seeds with the Student-t 95 % interval; one seed: its bootstrap "
-                  "interval.</p>",
+                  "<p>Mean over training seeds with the Student-t 95 % interval on the logit scale of the "
+                  "figure's range (accuracy within [0, 100] %, depths within [1, T]); one seed: its bootstrap "
+                  "interval. A verdict is decided only when the paired per-seed comparisons decide it, else "
+                  "<em>undecided</em>, with the per-seed verdicts and the seeds that would decide.</p>",
                   _table(groups, [("group", "task × regime", None), ("regime_kind", "regime", None),
                                   ("n_seeds", "seeds", None), ("best_posthoc_rules", "best post-hoc rule(s)", None),
-                                  *figs, ("verdict", "verdict", None)])]
+                                  *figs, ("verdict_text", "verdict", None)])]
     parts += ["<h2>Headline per model</h2>",
               "<p>95 % bootstrap intervals over test sequences.</p>",
               _table(head, [("model", "model", None), ("regime_kind", "regime", None),
