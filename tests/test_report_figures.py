@@ -75,11 +75,13 @@ def test_pareto_highlights_are_the_curves_the_text_names():
     assert len({c for _, c in hl.values()}) == len(hl)  # every highlighted curve has its own colour
 
 
-def test_mean_front_averages_the_same_quantile_over_seeds():
-    p = pl.DataFrame({"model": ["a"] * 3 + ["b"] * 3, "threshold": [0.1, 0.2, 0.3, 5.0, 6.0, 7.0],
-                      "mean_depth": [3.0, 2.0, 1.0, 2.0, 1.0, 1.0], "accuracy": [0.9, 0.8, 0.5, 0.7, 0.6, 0.5]})
+def test_mean_front_averages_the_seeds_fronts_as_step_functions():
+    """Seed a: (1, 50), (2, 80), (3, 90) %; seed b: (1.5, 60), (3, 70) %. From depth 1.5 (both defined) on the union
+    of depths: at 1.5 a = 50, b = 60; at 2 a = 80, b = 60; at 3 a = 90, b = 70."""
+    p = pl.DataFrame({"model": ["a"] * 3 + ["b"] * 2, "mean_depth": [1.0, 2.0, 3.0, 1.5, 3.0],
+                      "accuracy": [0.5, 0.8, 0.9, 0.6, 0.7]})
     x, y = mean_front(p, ["a", "b"])
-    assert list(x) == [1.0, 1.5, 2.5] and list(y) == pytest.approx([50.0, 70.0, 80.0])
+    assert list(x) == [1.5, 2.0, 3.0] and list(y) == pytest.approx([55.0, 70.0, 80.0])
 
 
 def test_legends_are_deduplicated(tmp_path):

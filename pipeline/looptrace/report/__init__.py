@@ -75,5 +75,5 @@ def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, c
         metrics = _jsonable({**report_metrics(head, inp, cfg, figs, groups), "machine": mach,
                              **(meta or {})})  # NaN -> null
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-        write_dvc_plots(inp, groups, tmp)  # plots/*.csv and headline.json for dvc plots diff / dvc exp show
+        write_dvc_plots(inp, groups, tmp)  # plots/*.json and headline.json for dvc plots diff / dvc exp show
     return metrics

@@ -307,25 +307,30 @@ def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dic
 
 
 def mean_front(p: pl.DataFrame, models: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """A rule's operating points averaged over seeds: the k-th threshold of every seed (thresholds are val
-    quantiles, so the k-th is the same quantile in every seed) → mean depth and mean accuracy (%), sorted by depth.
+    """A rule's Pareto front averaged over seeds, vertically: each seed's front as a step function of depth,
+    A_s(d) = the best test accuracy among its points with mean depth ≤ d, averaged over the seeds at every depth of
+    the union of their points where every seed has one (d ≥ the largest of the seeds' smallest depths).
 
     Args:
-        p: the rule's test points of the group's models (model, threshold, mean_depth, accuracy).
+        p: the rule's test points of the group's models (model, mean_depth, accuracy).
         models: the group's models (seeds).
+
+    Returns:
+        (depth [loops], mean accuracy [%]), sorted by depth; empty when no seed has a point.
     """
-    rows = []
+    fronts = []
     for m in models:
-        d = p.filter(pl.col("model") == m).sort("threshold")
+        d = p.filter(pl.col("model") == m).sort("mean_depth")
         if d.height:
-            rows.append((d["mean_depth"].to_numpy(), 100 * d["accuracy"].to_numpy()))
-    if not rows:
+            x = d["mean_depth"].to_numpy().astype(np.float64)
+            fronts.append((x, np.maximum.accumulate(100 * d["accuracy"].to_numpy().astype(np.float64))))
+    if not fronts:
         return np.zeros(0), np.zeros(0)
-    k = min(len(r[0]) for r in rows)
-    depth = np.mean([r[0][:k] for r in rows], axis=0)
-    acc = np.mean([r[1][:k] for r in rows], axis=0)
-    order = np.argsort(depth, kind="stable")
-    return depth[order], acc[order]
+    start = max(f[0][0] for f in fronts)
+    grid = np.unique(np.concatenate([f[0] for f in fronts]))
+    grid = grid[grid >= start]
+    acc = np.mean([f[1][np.searchsorted(f[0], grid, side="right") - 1] for f in fronts], axis=0)
+    return grid, acc
 
 
 def _chosen_means(c: pl.DataFrame, T: float) -> tuple[float, float, tuple[float, float], tuple[float, float]]:
