@@ -114,3 +114,40 @@ def test_legends_are_deduplicated(tmp_path):
         F._save = real_save
         plt.close("all")
     assert legends == [["uniform (3 seeds)", "joint (3 seeds)"]]
+
+
+def test_interactive_pareto_view_hover_toggles_and_offline(tmp_path):
+    """One Plotly view per task: hover text with rule, threshold, depth and accuracy with intervals; a legend group
+    per rule (one click toggles it in every panel and seed); a seed menu; the bundle beside the page; same bytes
+    twice."""
+    from looptrace.report.inputs import load_inputs
+    from looptrace.report.interactive import PLOTLY_JS, interactive_html, pareto_figure
+
+    root = tmp_path / "artifacts"
+    models = [f"ta-{r}-s{s}" for r in ("uniform", "joint") for s in range(2)]
+    for i, m in enumerate(models):
+        _model_outputs(root, m, "ta", m.split("-")[1], m.split("-")[1], 0.01 * i)
+    pq = root / "readouts" / "ta-uniform-s0" / "pareto.parquet"
+    p = pl.read_parquet(pq)
+    _write(pq, p.with_columns(mean_depth_lo=pl.col("mean_depth") - 0.1, mean_depth_hi=pl.col("mean_depth") + 0.1,
+                              accuracy_lo=pl.col("accuracy") - 0.01, accuracy_hi=pl.col("accuracy") + 0.01))
+    inp = load_inputs(models, root, ReportConfig())
+    fig = pareto_figure(inp, "ta")
+    ent = [t for t in fig.data if t.name == "entropy"]
+    assert len(ent) == 4 and {t.legendgroup for t in ent} == {"entropy"}  # 2 regimes × 2 seeds, one group
+    assert sum(bool(t.showlegend) for t in fig.data if t.name == "entropy") == 1  # one legend entry per rule
+    # ta-uniform-s0's entropy points: 1.2 loops / 80 % with the intervals written above
+    assert ("<b>entropy</b> (best post-hoc (val))<br>ta-uniform-s0<br>threshold 0<br>depth 1.20 [1.10, 1.30] loops"
+            "<br>accuracy 80.00 [79.00, 81.00] %") in ent[0].hovertext
+    top1 = [t for t in fig.data if t.name == "top1"]
+    assert all(t.visible == "legendonly" for t in top1)  # a rule the text does not name: grey, hidden until clicked
+    (menu,) = fig.layout.updatemenus
+    assert [b.label for b in menu.buttons] == ["all seeds", "seed 0", "seed 1"]
+    assert menu.buttons[1].args[0]["opacity"] == [1.0 if "s0" in _trace_model(t) else 0.0 for t in fig.data]
+    a = interactive_html(inp, tmp_path)
+    assert a == interactive_html(inp, tmp_path) and a.count("Plotly.newPlot") == 1
+    assert (tmp_path / PLOTLY_JS).stat().st_size > 1_000_000  # the bundle, offline
+
+
+def _trace_model(t) -> str:
+    return t.hovertext[0].split("<br>")[1]
