@@ -146,7 +146,9 @@ def test_report_end_to_end(artifacts, tmp_path):
     for s in srcs:  # relative, inside the report, existing PNGs
         assert not s.startswith(("/", "http", "file:")) and (out / s).is_file()
         assert (out / s).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "<script" not in page and "http://" not in page and "https://" not in page
+    # offline: the only script file is the Plotly bundle beside the page (issue 25's interactive view); no URL
+    assert set(re.findall(r"<script([^>]*)>", page)) == {" src='plotly.min.js'", ""}
+    assert (out / "plotly.min.js").is_file() and "http://" not in page and "https://" not in page
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(f"{w}.png" for w in want)
     # Headline numbers, hand-derived from the constructed dx tables (D@95 = min depth with accuracy ≥ 0.95).
     m = metrics["models"]
