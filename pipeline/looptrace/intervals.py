@@ -576,7 +576,8 @@ def difference(a: Interval, b: Interval) -> Difference:
 def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Difference | None:
     """The mean per-seed difference mean(a_s − b_s) with its Student-t interval over the S pairs (pairs with a
     non-finite side are left out); None with fewer than two pairs."""
-    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf (unreachable on both sides): NaN, left out below
+        d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
     d = d[np.isfinite(d)]
     if d.size < 2:
         return None
