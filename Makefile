@@ -14,12 +14,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # dvc.yaml commands call `python`: put the venv first on PATH. `dvc repro` without a target runs ./dvc.yaml only;
-# profiles run with `dvc repro profiles/<name>/dvc.yaml` (README, "Profiles").
+# profiles run with `dvc repro profiles/<name>/dvc.yaml` (docs/pipeline.md "Profiles").
 repro: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro
 
 # The study profile: the full matrix (both tasks × uniform, geometric, joint × three seeds = 18 models, dynamics and
-# generate on every seed), outputs under artifacts/study/ (README "Profiles", docs/train.md "Time budget").
+# generate on every seed), outputs under artifacts/study/ (docs/pipeline.md "Profiles", docs/train.md "Time budget").
 study: $(STAMP)
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro profiles/study/dvc.yaml
 

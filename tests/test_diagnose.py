@@ -152,15 +152,18 @@ def test_spearman_headline_with_intervals_in_summary_and_metrics():
     assert (m0["iv"].estimate, m0["iv"].lo, m0["iv"].hi, m0["n"]) == (0.62, 0.55, 0.69, 12)
     assert _rho_basis(m0) == "n = 12 difficulty levels, bootstrap over 200 test sequences, B = 1000"
     g = groups["t-joint"]["iv"]
-    half = 12.706204736174707 * np.std([0.62, 0.70], ddof=1) / math.sqrt(2)
+    # across seeds: Fisher's z (issue 25: ρ stays in [−1, 1]): tanh(mean atanh ρ ± t_{0.975, 1} · sd / √2)
+    zs = np.arctanh([0.62, 0.70])
+    hz = 12.706204736174707 * np.std(zs, ddof=1) / math.sqrt(2)
+    lo_r, hi_r = math.tanh(zs.mean() - hz), math.tanh(zs.mean() + hz)
     assert (g.estimate, g.n_seeds) == (pytest.approx(0.66), 2)
-    assert (g.lo, g.hi) == (pytest.approx(0.66 - half), pytest.approx(0.66 + half))
+    assert (g.lo, g.hi) == (pytest.approx(lo_r), pytest.approx(hi_r)) and -1 <= g.lo < g.hi <= 1
     v = pl.DataFrame([{"model": f"t-joint-s{s}", "regime_kind": "joint", "verdict": "at-ceiling", "best_rule": None,
                        "evidence": "e"} for s in (0, 1)])
     md = summary_markdown(v, [], sp, DiagnoseConfig(), groups=pl.DataFrame())
     assert ("- t-joint-s0 (joint): ρ = 0.62 [0.55, 0.69] (n = 12 difficulty levels, bootstrap over 200 test "
             "sequences, B = 1000).") in md
-    assert f"- t-joint: ρ = 0.66 [{0.66 - half:.2f}, {0.66 + half:.2f}] (2 seeds; n = 12, 11 difficulty levels)." in md
+    assert f"- t-joint: ρ = 0.66 [{lo_r:.2f}, {hi_r:.2f}] (2 seeds; n = 12, 11 difficulty levels)." in md
 
 
 def _iv3(v):
@@ -205,29 +208,38 @@ FIX = (4.0, 3.9, 4.1)
 
 
 @pytest.mark.parametrize("case,expect,phrases", [
-    # best overlaps fixed: no early exit beyond noise, oracle far below
-    (dict(fixed=FIX, posthoc=(3.6, 3.3, 3.95), oracle=(1.5, 1.4, 1.6)), ("trajectory-limited", "no_early_exit"),
+    # best overlaps fixed and a gain of up to 0.8 loops is possible: undecided (issue 25), oracle far below
+    (dict(fixed=FIX, posthoc=(3.6, 3.3, 3.95), oracle=(1.5, 1.4, 1.6)), ("undecided", "undecided_early_exit"),
      ["best entropy at 3.60 [3.30, 3.95] is within noise of fixed depth 4.00 [3.90, 4.10]",
+      "their difference is -0.40 [-0.80, 0.05] loops (intervals)", "the oracle ceiling 1.50 [1.40, 1.60]"]),
+    # best overlaps fixed but the interval rules out a gain of gap_tol: trajectory-limited
+    (dict(fixed=FIX, posthoc=(3.9, 3.7, 4.1), oracle=(1.5, 1.4, 1.6)), ("trajectory-limited", "no_early_exit"),
+     ["best entropy at 3.90 [3.70, 4.10] is within tolerance of fixed depth 4.00 [3.90, 4.10]",
+      "difference -0.10 [-0.40, 0.20] loops, intervals: a gain of 0.5 loops or more is ruled out",
       "the oracle ceiling 1.50 [1.40, 1.60] is lower", "no refit gates were run"]),
     # disjoint but closer than gap_tol (0.5 loops)
     (dict(fixed=FIX, posthoc=(3.7, 3.6, 3.8), oracle=(1.5, 1.4, 1.6)), ("trajectory-limited", "no_early_exit"),
      ["is within tolerance of fixed depth 4.00 [3.90, 4.10]"]),
     # even the oracle is at fixed depth: answers arrive only at full depth
     (dict(fixed=FIX, posthoc=(3.95, 3.8, 4.1), oracle=(3.9, 3.8, 4.0)), ("trajectory-limited", "no_headroom"),
-     ["even the oracle ceiling 3.90 [3.80, 4.00] is within noise of fixed depth"]),
+     ["even the oracle ceiling 3.90 [3.80, 4.00] is within tolerance of fixed depth"]),
     # the native gate lags the post-hoc readout beyond noise
     (dict(fixed=FIX, posthoc=(2.0, 1.8, 2.2), native=(3.5, 3.3, 3.7), oracle=(1.9, 1.7, 2.1)),
      ("readout-limited", "native_gate"), ["the native gate at 3.50 [3.30, 3.70] is higher than it"]),
-    # native within noise of best: not readout-limited by the native gate; best is at the ceiling
+    # native within noise of best but possibly 0.7 loops worse: undecided between native_gate and at_ceiling
     (dict(fixed=FIX, posthoc=(2.0, 1.8, 2.2), native=(2.3, 2.1, 2.5), oracle=(1.9, 1.7, 2.1)),
-     ("at-ceiling", "at_ceiling"), ["and within noise of the oracle ceiling 1.90 [1.70, 2.10]"]),
+     ("undecided", "undecided_native"), ["whether the native gate at 2.30 [2.10, 2.50] is worse"]),
+    # native within gap_tol of best for sure: best is at the ceiling
+    (dict(fixed=FIX, posthoc=(2.0, 1.8, 2.2), native=(2.1, 2.0, 2.2), oracle=(1.9, 1.7, 2.1)),
+     ("at-ceiling", "at_ceiling"), ["and within tolerance of the oracle ceiling 1.90 [1.70, 2.10]"]),
     # best above the oracle beyond noise and gap_tol
     (dict(fixed=FIX, posthoc=(2.0, 1.9, 2.1), oracle=(1.2, 1.1, 1.3)), ("readout-limited", "below_ceiling"),
      ["entropy at 2.00 [1.90, 2.10] is lower than fixed depth 4.00 [3.90, 4.10] but higher than the oracle "
       "ceiling 1.20 [1.10, 1.30]"]),
-    # the same gap of 0.8 loops, but the oracle's interval reaches best's: within noise -> at the ceiling
-    (dict(fixed=FIX, posthoc=(2.0, 1.9, 2.1), oracle=(1.2, 1.1, 1.95)), ("at-ceiling", "at_ceiling"),
-     ["within noise of the oracle ceiling 1.20 [1.10, 1.95]"]),
+    # the same gap of 0.8 loops, but the oracle's interval reaches best's: neither below nor at the ceiling is
+    # supported (the gap may be 1.0 loop or none) -> undecided (issue 25; was at_ceiling)
+    (dict(fixed=FIX, posthoc=(2.0, 1.9, 2.1), oracle=(1.2, 1.1, 1.95)), ("undecided", "undecided_ceiling"),
+     ["cannot tell whether it is at or above the oracle ceiling 1.20 [1.10, 1.95]"]),
     # issue 12's running_parity-uniform: at the ceiling with every error a readout failure (0 trajectory)
     (dict(fixed=FIX, posthoc=(1.9, 1.8, 2.0), oracle=(1.8, 1.7, 1.9), fails=(100, 80, 0)), ("at-ceiling", "at_ceiling"),
      ["errors at its chosen point: 20 of 100 test tokens, of which 0 (0 %) trajectory failures (no loop right) and "
@@ -298,7 +310,8 @@ def test_verdicts_never_contradict_their_numbers_on_random_tables():
 
 
 def test_group_verdict_across_seeds_by_hand():
-    """Three seeds: best 2.0/2.2/2.4, fixed 4/4/4, oracle 1.5/1.6/1.7 -> Student-t intervals (t_{0.975, 2})."""
+    """Three seeds: best 2.0/2.2/2.4, fixed 4/4/4, oracle 1.5/1.6/1.7. Figures: Student-t intervals on the logit
+    scale of [1, T] (t_{0.975, 2}); comparisons: paired per-seed differences (issue 25)."""
     t2 = 4.302652729911275
     rows = []
     for s, (b, o) in enumerate(((2.0, 1.5), (2.2, 1.6), (2.4, 1.7))):
@@ -309,16 +322,24 @@ def test_group_verdict_across_seeds_by_hand():
     # seed-level: best [b ± 0.1] vs oracle [o ± 0.05]: gaps 0.5, 0.6, 0.7 with disjoint intervals -> below ceiling
     assert [r["reason"] for r in rows] == ["below_ceiling"] * 3
     g = group_verdicts(pl.DataFrame(rows), DiagnoseConfig()).row(0, named=True)
-    half_b, half_o = t2 * 0.2 / math.sqrt(3), t2 * 0.1 / math.sqrt(3)
-    assert g["group"] == "t-uniform" and g["n_seeds"] == 3 and g["seeds"] == "0, 1, 2"
-    assert g["best_depth"] == pytest.approx(2.2) and g["best_depth_lo"] == pytest.approx(2.2 - half_b)
-    assert g["oracle_depth_hi"] == pytest.approx(1.6 + half_o) and g["fixed_depth_lo"] == pytest.approx(4.0)
+    # best: logit of (d - 1) / 5 -> t-interval -> back (no value near a bound: no clamping)
+    z = [math.log(p / (1 - p)) for p in (0.2, 0.24, 0.28)]
+    zm, zs = float(np.mean(z)), float(np.std(z, ddof=1))
+    lo_b = 1 + 5 / (1 + math.exp(-(zm - t2 * zs / math.sqrt(3))))
+    hi_b = 1 + 5 / (1 + math.exp(-(zm + t2 * zs / math.sqrt(3))))
+    assert g["group"] == "t-uniform" and g["n_seeds"] == 3 and g["seeds"] == "0, 1, 2" and g["n_loops"] == 6
+    assert g["best_depth"] == pytest.approx(2.2)
+    assert (g["best_depth_lo"], g["best_depth_hi"]) == (pytest.approx(lo_b), pytest.approx(hi_b))
+    assert g["fixed_depth_lo"] == pytest.approx(4.0) and g["fixed_depth_hi"] == pytest.approx(4.0)
     assert g["dx_best_posthoc"] == pytest.approx(1.6)
-    # across seeds, best [1.70, 2.70] overlaps oracle [1.35, 1.85]: within noise -> at the ceiling
-    assert (g["verdict"], g["reason"]) == ("at-ceiling", "at_ceiling")
-    assert g["seed_verdicts"] == "3 × readout-limited"
-    assert f"entropy at 2.20 [{2.2 - half_b:.2f}, {2.2 + half_b:.2f}] is lower than fixed depth 4.00 [4.00, 4.00]" \
-        in g["evidence"]
+    # paired: best - oracle = 0.5, 0.6, 0.7 -> 0.6 ± t2 · 0.1 / √3 = [0.35, 0.85]: higher by ≥ gap_tol -> below the
+    # ceiling, as every seed says (the unpaired intervals overlapped, which read "at-ceiling" before issue 25)
+    half = t2 * 0.1 / math.sqrt(3)
+    assert g["diff_best_vs_oracle_lo"] == pytest.approx(0.6 - half) and g["diff_best_vs_oracle_method"] == \
+        "paired t over seeds"
+    assert (g["verdict"], g["reason"]) == ("readout-limited", "below_ceiling")
+    assert g["seed_verdicts"] == "3 × readout-limited" and g["seeds_needed"] is None
+    assert f"entropy at 2.20 [{lo_b:.2f}, {hi_b:.2f}] is lower than fixed depth 4.00 [4.00, 4.00]" in g["evidence"]
     assert "(3 seeds; per-seed verdicts: 3 × readout-limited)" in g["evidence"]
     assert check_verdict(g) == []
 
@@ -419,9 +440,12 @@ def test_ad_claims_across_seeds():
     assert a["result"] == "holds" and claims["a"]["status"] == "holds"
     (b,) = claims["b"]["details"]
     assert [p["fixed_prior_model"] for p in b["per_seed"]] == ["t-uniform-s0", "t-uniform-s1"]
-    # native 2.1 ± 1.27 vs post-hoc 1.2 ± 1.27: overlap -> within noise
-    assert b["comparison"] == "within noise" and claims["b"]["status"] == "within noise"
+    # native 2.1 ± 1.27 vs post-hoc 1.2 ± 1.27 overlap, but paired by seed the differences are 0.9 and 0.9:
+    # higher with a zero-width paired interval -> holds (issue 25: the seed-to-seed variation cancels)
+    assert b["comparison"] == "higher" and claims["b"]["status"] == "holds"
+    assert b["paired_difference"]["estimate"] == pytest.approx(0.9) and b["paired_difference"]["lo"] == pytest.approx(0.9)
     assert "t-joint (2 seeds): native Q-exit D@95 = 2.10 [" in claims["b"]["sentences"][1]
+    assert "paired over seeds, the difference is 0.90 [0.90, 0.90]" in claims["b"]["sentences"][1]
 
 
 def test_summary_markdown_from_numbers():
@@ -456,8 +480,12 @@ def test_summary_markdown_from_numbers():
                        schema_overrides={"loop": pl.Int64})
     v2 = pl.DataFrame([{**v, "model": f"t-joint-s{s}", "group": "t-joint", "seed": s} for s in (0, 1)])
     md2 = summary_markdown(v2, claims, sp2, DiagnoseConfig())
-    half = 12.706204736174707 * np.std([0.8, 0.9], ddof=1) / math.sqrt(2)
-    assert f"- t-joint: ρ = 0.85 [{0.85 - half:.2f}, {0.85 + half:.2f}] (2 seeds; n = 4, 4 difficulty levels)." in md2
+    # Fisher's z keeps ρ within [−1, 1] (the plain t-interval read [0.21, 1.49]); the upper bound is within the
+    # default resolution (1e-3 of the range) of 1, so it is 1
+    zs = np.arctanh([0.8, 0.9])
+    hz = 12.706204736174707 * np.std(zs, ddof=1) / math.sqrt(2)
+    assert 1 - (math.tanh(zs.mean() + hz) + 1) / 2 < 1e-3
+    assert f"- t-joint: ρ = 0.85 [{math.tanh(zs.mean() - hz):.2f}, 1.00] (2 seeds; n = 4, 4 difficulty levels)." in md2
 
 
 def test_config_validation():

@@ -4,6 +4,7 @@ exist (relative, offline), and headline numbers equal hand-computed ones."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -145,7 +146,9 @@ def test_report_end_to_end(artifacts, tmp_path):
     for s in srcs:  # relative, inside the report, existing PNGs
         assert not s.startswith(("/", "http", "file:")) and (out / s).is_file()
         assert (out / s).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "<script" not in page and "http://" not in page and "https://" not in page
+    # offline: the only script file is the Plotly bundle beside the page (issue 25's interactive view); no URL
+    assert set(re.findall(r"<script([^>]*)>", page)) == {" src='plotly.min.js'", ""}
+    assert (out / "plotly.min.js").is_file() and "http://" not in page and "https://" not in page
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(f"{w}.png" for w in want)
     # Headline numbers, hand-derived from the constructed dx tables (D@95 = min depth with accuracy ≥ 0.95).
     m = metrics["models"]
@@ -294,11 +297,15 @@ def test_report_intervals_seeds_and_summary(artifacts, tmp_path, monkeypatch):
     assert metrics["models"]["tc-joint-s1"]["intervals"]["dx_native"]["text"] == "not reached"
     assert metrics["models"]["tc-joint-s1"]["d95_native"] is None
     # across seeds: D@95 best post-hoc 1.6, 1.8 -> 1.70 ± t_{0.975, 1} · sd / √2 = 1.70 ± 12.706 · 0.1
+    # across seeds: D@95 best post-hoc 1.6, 1.8 in [1, T]: the t-interval (t_{0.975, 1} = 12.706) on the logit
+    # scale of (d - 1) / (T - 1), mapped back (issue 25; the plain 1.70 ± 1.27 would leave [1, T])
     g = metrics["groups"]["tc-joint"]
-    half = 12.706204736174707 * np.std([1.6, 1.8], ddof=1) / np.sqrt(2)
+    z = np.array([math.log(p / (1 - p)) for p in (0.6 / (T - 1), 0.8 / (T - 1))])
+    hz = 12.706204736174707 * np.std(z, ddof=1) / np.sqrt(2)
+    lo_d, hi_d = (1 + (T - 1) / (1 + math.exp(-(z.mean() + k * hz))) for k in (-1, 1))
     assert g["n_seeds"] == 2 and g["intervals"]["dx_best_posthoc"]["estimate"] == pytest.approx(1.7)
-    assert g["intervals"]["dx_best_posthoc"]["lo"] == pytest.approx(1.7 - half)
-    text = f"1.70 [{1.7 - half:.2f}, {1.7 + half:.2f}]"
+    assert g["intervals"]["dx_best_posthoc"]["lo"] == pytest.approx(lo_d) and 1 <= lo_d < hi_d <= T
+    text = f"1.70 [{lo_d:.2f}, {hi_d:.2f}]"
     assert g["intervals"]["dx_best_posthoc"]["text"] == text
     assert g["intervals"]["dx_native"]["text"] == "not reached in 1 of 2 seeds"
     assert g["intervals"]["dx_fixed"]["text"] == "3.00 [3.00, 3.00]"

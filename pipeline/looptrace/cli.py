@@ -79,7 +79,7 @@ def vocabulary(*blocks: str) -> str:
             out.append("Exit rules (readouts.rules, latency.rules, generate.rules), built in:")
             out += [f"  {rule_line(r)}" for r in (*builtin_rules().values(), *OURO_Q_EXIT_RULES.values())]
             out.append(f"Your own rule: 'package.module:function' (decorated with looptrace.rules.exit_rule) or an "
-                       f"entry point in the '{ENTRY_POINT_GROUP}' group; README 'Your own exit rule'.")
+                       f"entry point in the '{ENTRY_POINT_GROUP}' group; docs/pipeline.md 'Your own exit rule'.")
         elif b == "adapters":
             out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(adapter_kinds())
                        + ".")

@@ -12,7 +12,7 @@ import polars as pl
 from looptrace.diagnose.config import AD_REFERENCE, FIXED_PRIOR_KINDS, DiagnoseConfig
 from looptrace.diagnose.stats import _f, _group_ci, dx_best, with_val_columns
 from looptrace.diagnose.words import _CMP_WORDS, _dx_ci, _seed_pairs, _seeds_word
-from looptrace.intervals import compare
+from looptrace.intervals import Interval, compare, paired_difference, seeds_needed
 from looptrace.project import split_seed
 from looptrace.rules.builtin import CONFIDENCE_RULES
 
@@ -35,6 +35,37 @@ def _overall(results: list[str]) -> str:
         return tested[0]
     return "partly (" + ", ".join(f"{r} in {tested.count(r)}" for r in ("holds", "within noise", "does not hold")
                                  if r in tested) + f" of {len(tested)})"
+
+
+def _judge(a: Sequence[Interval | None], b: Sequence[Interval | None], ga: Interval, gb: Interval, level: float,
+           tol: float = 0.0) -> tuple[str, dict | None, int | None]:
+    """How a group's figure a stands to b: on the paired per-seed differences a_s − b_s when two or more seeds
+    have both finite (:func:`looptrace.intervals.paired_difference`: the seeds' shared variation cancels), else
+    on the two across-seed intervals (:func:`looptrace.intervals.compare`).
+
+    Returns:
+        (comparison word, the paired difference as a dict or None, seeds that would decide a ``within noise``
+        paired comparison at the observed spread or None).
+    """
+    pa = [i.estimate if i is not None else math.nan for i in a]
+    pb = [i.estimate if i is not None else math.nan for i in b]
+    d = paired_difference(pa, pb, level)
+    if d is None or d.n_seeds < sum(1 for x, y in zip(pa, pb, strict=True) if not (math.isnan(x) or math.isnan(y))):
+        return compare(ga, gb, tol), None, None  # a seed unreachable on one side: the intervals decide
+    w = d.word(tol)
+    need = seeds_needed(d.estimate, d.sd, [abs(d.estimate)] if abs(d.estimate) >= tol else [], level) \
+        if w == "within noise" else None
+    return w, d.to_dict(), need
+
+
+def _paired_words(diff: dict | None, need: int | None) -> str:
+    """`` — paired over seeds: difference -1.20 [-1.95, -0.45]`` (and the seeds that would decide)."""
+    if diff is None:
+        return ""
+    out = f"; paired over seeds, the difference is {diff['estimate']:.2f} [{diff['lo']:.2f}, {diff['hi']:.2f}]"
+    if need is not None:
+        out += f" (about {need} seeds would decide at this spread)"
+    return out
 
 
 def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_present: bool,
@@ -80,6 +111,7 @@ class _Groups:
     members: dict[str, list[str]]  # group -> its models
     fixed_prior: list[str]  # groups with a fixed depth prior
     joint: list[str]  # jointly trained groups
+    bounds: dict[str, tuple[float, float] | None]  # group -> the range of its depths [1, T] (None: T unknown)
 
     def best(self, model: str, kinds: Sequence[str], rules: Sequence[str] | None = None):
         return dx_best(self.dxx.filter(pl.col("model") == model), kinds, rules)
@@ -97,7 +129,11 @@ def _groups(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig) -> _Group
     members = {g: meta.filter(pl.col("group") == g)["model"].to_list() for g in groups}
     fixed_prior = [g for g in groups if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS]
     joint = [g for g in groups if ginfo[g]["regime_kind"] == "joint"]
-    return _Groups(xs, dxx, meta, ginfo, members, fixed_prior, joint)
+    bounds: dict[str, tuple[float, float] | None] = {}
+    for g in groups:
+        T = ginfo[g].get("n_loops")
+        bounds[g] = (1.0, float(T)) if T is not None and float(T) > 1 else None
+    return _Groups(xs, dxx, meta, ginfo, members, fixed_prior, joint, bounds)
 
 
 def _claim_a(ctx: _Groups, level: float) -> dict:
@@ -106,19 +142,20 @@ def _claim_a(ctx: _Groups, level: float) -> dict:
     res, sent, det = [], [], []
     for g in fixed_prior:
         per = [(m, *best(m, ["posthoc"], CONFIDENCE_RULES), best(m, ["fixed"])[0]) for m in members[g]]
-        conf = _group_ci([p[1] for p in per], level)
-        fix = _group_ci([p[3] for p in per], level)
-        c = compare(conf, fix)
+        conf = _group_ci([p[1] for p in per], level, ctx.bounds[g])
+        fix = _group_ci([p[3] for p in per], level, ctx.bounds[g])
+        c, diff, need = _judge([p[1] for p in per], [p[3] for p in per], conf, fix, level)
         st = _status(c, "lower", "higher")
         res.append(st)
         rules = ", ".join(dict.fromkeys(p[2] or "none" for p in per))
         det.append({"group": g, "n_seeds": len(per), "confidence_rules": rules, "confidence_dx": conf.to_dict(),
-                    "fixed_dx": fix.to_dict(), "comparison": c, "result": st,
+                    "fixed_dx": fix.to_dict(), "comparison": c, "result": st, "paired_difference": diff,
+                    "seeds_needed": need,
                     "per_seed": [{"model": m, "rule": r, "confidence_dx": _f(i.estimate) if i else math.nan,
                                   "fixed_dx": _f(f.estimate) if f else math.nan} for m, i, r, f in per]})
         sent.append(f"{g} ({_seeds_word(len(per))}): best confidence readout ({rules}, chosen on val) {xs} = "
-                    f"{_dx_ci(conf)}, {_CMP_WORDS[c]} fixed depth {xs} = {_dx_ci(fix)}: {st}"
-                    + (f" (per seed, confidence vs fixed: {_seed_pairs([(m, i, f) for m, i, _, f in per])})"
+                    f"{_dx_ci(conf)}, {_CMP_WORDS[c]} fixed depth {xs} = {_dx_ci(fix)}{_paired_words(diff, need)}: "
+                    f"{st}" + (f" (per seed, confidence vs fixed: {_seed_pairs([(m, i, f) for m, i, _, f in per])})"
                        if len(per) > 1 else "") + ".")
     status = _overall(res) if res else "untestable"
     head = (f"(a) [AD]: fixed-prior trajectories with confidence readouts reach a lower {xs} than fixed depth "
@@ -153,19 +190,21 @@ def _claim_b(ctx: _Groups, level: float) -> dict:
             sent.append(f"{g}: no fixed-prior model of task {task} to compare with.")
             det.append({"group": g, "result": "untestable"})
             continue
-        nat = _group_ci([p[1] for p in per], level)
-        post = _group_ci([p[2] for p in per], level)
-        c = compare(nat, post)
+        nat = _group_ci([p[1] for p in per], level, ctx.bounds[g])
+        post = _group_ci([p[2] for p in per], level, ctx.bounds[g])
+        # paired by seed index: joint seed s against the fixed-prior models of seed s
+        c, diff, need = _judge([p[1] for p in per], [p[2] for p in per], nat, post, level)
         st = _status(c, "higher", "lower")
         res.append(st)
         peers_s = ", ".join(f"{p[3]} on {p[4]}" if p[3] else f"none on {', '.join(p[5])}" for p in per)
         det.append({"group": g, "n_seeds": len(per), "native_dx": nat.to_dict(), "fixed_prior_posthoc_dx": post.to_dict(),
-                    "comparison": c, "result": st,
+                    "comparison": c, "result": st, "paired_difference": diff, "seeds_needed": need,
                     "per_seed": [{"model": m, "native_dx": _f(n.estimate) if n else math.nan,
                                   "fixed_prior_posthoc_dx": _f(q.estimate) if q else math.nan, "fixed_prior_rule": r,
                                   "fixed_prior_model": pm} for m, n, q, r, pm, _ in per]})
         sent.append(f"{g} ({_seeds_word(len(per))}): native Q-exit {xs} = {_dx_ci(nat)}, {_CMP_WORDS[c]} the best "
-                    f"post-hoc readout on a fixed-prior trajectory of the same seed ({peers_s}): {_dx_ci(post)}: {st}"
+                    f"post-hoc readout on a fixed-prior trajectory of the same seed ({peers_s}): {_dx_ci(post)}"
+                    f"{_paired_words(diff, need)}: {st}"
                     + (f" (per seed, native vs post-hoc: {_seed_pairs([(p[0], p[1], p[2]) for p in per])})"
                        if len(per) > 1 else "") + ".")
     status = _overall(res) if res else "untestable"
@@ -187,9 +226,10 @@ def _claim_c(ctx: _Groups, cfg: DiagnoseConfig, gates_present: bool, level: floa
             if not per:
                 sent.append(f"{g}: no refit gate outputs.")
                 continue
-            gate = _group_ci([p[1] for p in per], level)
-            fix = _group_ci([p[3] for p in per], level)
-            c = compare(gate, fix, cfg.gap_tol)
+            gate = _group_ci([p[1] for p in per], level, ctx.bounds[g])
+            fix = _group_ci([p[3] for p in per], level, ctx.bounds[g])
+            c, diff, need = _judge([p[1] for p in per], [p[3] for p in per], gate, fix, level, cfg.gap_tol)
+            # weak needs the interval to rule out a gain of gap_tol (or a gate that cannot reach X at all)
             strength = {"lower": "strong", "higher": "weak", "within tolerance": "weak",
                         "untestable": "weak"}.get(c, "within noise")  # untestable: neither reaches X
             expect = "strong" if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS else "weak"
@@ -198,9 +238,9 @@ def _claim_c(ctx: _Groups, cfg: DiagnoseConfig, gates_present: bool, level: floa
             rules = ", ".join(dict.fromkeys(p[2] for p in per))
             det.append({"group": g, "n_seeds": len(per), "regime_kind": ginfo[g]["regime_kind"], "gate_rules": rules,
                         "gate_dx": gate.to_dict(), "fixed_dx": fix.to_dict(), "comparison": c, "strength": strength,
-                        "expected": expect, "result": st})
+                        "expected": expect, "result": st, "paired_difference": diff, "seeds_needed": need})
             sent.append(f"{g} ({ginfo[g]['regime_kind']}, {_seeds_word(len(per))}): best refit gate ({rules}) {xs} = "
-                        f"{_dx_ci(gate)} vs fixed {_dx_ci(fix)} — {strength} (strong = lower by at least "
+                        f"{_dx_ci(gate)} vs fixed {_dx_ci(fix)}{_paired_words(diff, need)} — {strength} (strong = lower by at least "
                         f"{cfg.gap_tol:g} loops with disjoint intervals); [AD] expects {expect}: {st}"
                         + (f" (per seed, gate vs fixed: {_seed_pairs([(p[0], p[1], p[3]) for p in per])})"
                            if len(per) > 1 else "") + ".")

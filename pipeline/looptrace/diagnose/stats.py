@@ -14,10 +14,11 @@ import polars as pl
 
 from looptrace.diagnose.config import CLASSES, DiagnoseConfig
 from looptrace.intervals import (
+    Difference,
     Interval,
     Resampler,
     across_seeds,
-    compare,
+    difference,
     from_row,
     spearman_level_samples,
     spearman_token_samples,
@@ -148,13 +149,22 @@ def _rho_interval(rs: Resampler | None, with_interval: Callable | None, signal: 
     return {"rho_lo": float(lo), "rho_hi": float(hi), "n_boot": rs.n_boot, "n_sequences": rs.n_units}
 
 
-#: The three verdicts (module docstring) and their reasons.
-VERDICTS = ("trajectory-limited", "readout-limited", "at-ceiling")
+#: The three verdicts (module docstring) and their reasons; ``undecided`` when the intervals support none.
+VERDICTS = ("trajectory-limited", "readout-limited", "at-ceiling", "undecided")
 
 #: (keyed ``str | None`` so a row's missing reason looks up as absent)
 REASONS: dict[str | None, str] = {
     "no_early_exit": "trajectory-limited", "no_headroom": "trajectory-limited",
-    "native_gate": "readout-limited", "below_ceiling": "readout-limited", "at_ceiling": "at-ceiling"}
+    "native_gate": "readout-limited", "below_ceiling": "readout-limited", "at_ceiling": "at-ceiling",
+    "undecided_early_exit": "undecided", "undecided_ceiling": "undecided", "undecided_native": "undecided"}
+
+#: The comparisons a verdict rests on: key -> (a, b) of the difference a − b.
+COMPARISONS = {"best_vs_fixed": ("best", "fixed"), "oracle_vs_fixed": ("oracle", "fixed"),
+               "native_vs_best": ("native", "best"), "best_vs_oracle": ("best", "oracle")}
+
+#: The comparison an undecided verdict waits on.
+BLOCKING = {"undecided_early_exit": "best_vs_fixed", "undecided_ceiling": "best_vs_oracle",
+            "undecided_native": "native_vs_best"}
 
 
 def _f(v) -> float:
@@ -180,12 +190,21 @@ def _chosen_interval(row: dict | None) -> Interval | None:
     return None if row is None else from_row(row, "test_depth")
 
 
+def _present(i: Interval | None) -> bool:
+    return i is not None and i.present
+
+
 def decide(best: Interval | None, fixed: Interval, oracle: Interval, native: Interval | None,
-           tol: float) -> dict:
+           tol: float, diffs: dict[str, Difference | None] | None = None) -> dict:
     """The verdict from four depth figures (loops; each with its interval), as the module docstring states.
 
-    A gap counts only when the two intervals are disjoint *and* the estimates differ by at least ``tol``
-    (:func:`looptrace.intervals.compare`); otherwise the figures are "within noise" / "within tolerance".
+    Every comparison is the difference a − b with an interval (:class:`looptrace.intervals.Difference`): by
+    default from the two figures' own intervals ([a.lo − b.hi, a.hi − b.lo]: disjoint intervals ⇔ it excludes
+    0); ``diffs`` overrides it per comparison (the paired per-seed differences of a task × regime). A gap
+    counts only when the interval excludes 0 *and* the estimate is at least ``tol`` loops; the *absence* of a
+    gap counts only when the interval rules out one of ``tol`` or more. A verdict is one of the three outcomes
+    only when the comparisons it rests on are decided that way; otherwise **undecided** (reason
+    ``undecided_early_exit`` / ``undecided_ceiling`` / ``undecided_native``: the comparison it waits on).
 
     Args:
         best: the val-chosen best post-hoc readout or refit gate's test depth (None: no such rule).
@@ -193,26 +212,50 @@ def decide(best: Interval | None, fixed: Interval, oracle: Interval, native: Int
         oracle: the oracle earliest-correct ceiling's mean test depth.
         native: the native gate's test depth (None: no native gate).
         tol: ``diagnose.gap_tol`` (loops).
+        diffs: comparison key (:data:`COMPARISONS`) -> its difference, replacing the one from the intervals.
 
     Returns:
-        dict: verdict, reason, and the comparisons it rests on: ``best_vs_fixed``, ``oracle_vs_fixed``,
-        ``native_vs_best``, ``best_vs_oracle`` (compare outcomes; None when a side is absent).
+        dict: verdict, reason, the comparisons' words ``best_vs_fixed``, ``oracle_vs_fixed``, ``native_vs_best``,
+        ``best_vs_oracle`` (:meth:`Difference.word`; None when a side is absent), ``diff_<key>`` (the
+        :class:`Difference` or None) and ``blocking`` (the comparison an undecided verdict waits on, else None).
     """
-    bf = compare(best, fixed, tol) if best is not None and best.present else None
-    of = compare(oracle, fixed, tol) if oracle.present and fixed.present else None
-    nb = (compare(native, best, tol) if native is not None and native.present and best is not None and best.present
-          else None)
-    bo = compare(best, oracle, tol) if best is not None and best.present and oracle.present else None
-    if bf != "lower":
-        reason = "no_headroom" if of != "lower" else "no_early_exit"
-    elif nb == "higher":
+    figs = {"best": best, "fixed": fixed, "oracle": oracle, "native": native}
+    dd: dict[str, Difference | None] = {}
+    for key, (a, b) in COMPARISONS.items():
+        fa, fb = figs[a], figs[b]
+        over = (diffs or {}).get(key)
+        dd[key] = (over if over is not None else difference(cast(Interval, fa), cast(Interval, fb))) \
+            if _present(fa) and _present(fb) else None
+    bf, of, nb, bo = (dd[k] for k in COMPARISONS)
+    if bf is None or bf.not_lower(tol) and not bf.lower(tol):
+        reason = "no_headroom" if of is None or not of.lower(tol) else "no_early_exit"
+    elif not bf.lower(tol):
+        reason = "undecided_early_exit"
+    elif nb is not None and nb.higher(tol):
         reason = "native_gate"
-    elif bo == "higher":
+    elif bo is not None and bo.higher(tol):
         reason = "below_ceiling"
+    elif bo is not None and not bo.not_higher(tol):
+        reason = "undecided_ceiling"
+    elif nb is not None and not nb.not_higher(tol):
+        reason = "undecided_native"
     else:
         reason = "at_ceiling"
-    return {"verdict": REASONS[reason], "reason": reason, "best_vs_fixed": bf, "oracle_vs_fixed": of,
-            "native_vs_best": nb, "best_vs_oracle": bo}
+    out: dict[str, Any] = {"verdict": REASONS[reason], "reason": reason, "blocking": BLOCKING.get(reason)}
+    for key, d in dd.items():
+        out[key] = d.word(tol) if d is not None else None
+        out[f"diff_{key}"] = d
+    return out
+
+
+def decide_margins(d: Difference, key: str, tol: float) -> list[float]:
+    """The largest half-widths at which the comparison ``key`` would be decided at its observed mean: one to
+    exclude 0 (when |mean| ≥ tol) and one to rule out a gap of ``tol`` in the direction the verdict needs
+    (:func:`looptrace.intervals.seeds_needed`)."""
+    m = d.estimate
+    out = [abs(m)] if abs(m) >= tol else []
+    out.append(m + tol if key == "best_vs_fixed" else tol - m)  # not lower / not higher by tol
+    return out
 
 
 def _cols(name: str, i: Interval | None) -> dict:
@@ -257,8 +300,10 @@ def dx_best(dx: pl.DataFrame, kinds: Sequence[str], rules: Sequence[str] | None 
     return from_row(r, "d_at"), r["rule"]
 
 
-def _group_ci(items: Sequence[Interval | None], level: float = 0.95) -> Interval:
-    return across_seeds([i for i in items if i is not None], level)
+def _group_ci(items: Sequence[Interval | None], level: float = 0.95,
+              bounds: tuple[float, float] | None = None) -> Interval:
+    """Across-seed figure of per-seed intervals (None = absent), within ``bounds`` when given."""
+    return across_seeds([i for i in items if i is not None], level, bounds)
 
 
 def _headline_rho(spearman: pl.DataFrame, cfg: DiagnoseConfig) -> pl.DataFrame:
@@ -272,7 +317,7 @@ def spearman_headlines(spearman: pl.DataFrame, cfg: DiagnoseConfig) -> tuple[dic
 
     Returns:
         (groups, models): name -> {``iv`` (:class:`Interval`: a model's bootstrap interval; a group's mean
-        with the Student-t interval over seeds), ``n`` (points ρ is over; a list for groups), ``unit``,
+        with the Student-t interval over seeds on Fisher's z scale, within [−1, 1]), ``n`` (points ρ is over; a list for groups), ``unit``,
         ``n_boot``, ``n_sequences``}.
     """
     unit = "difficulty levels" if cfg.spearman_aggregation == "difficulty_mean" else "tokens"
@@ -286,7 +331,7 @@ def spearman_headlines(spearman: pl.DataFrame, cfg: DiagnoseConfig) -> tuple[dic
         models[r["model"]] = {"iv": iv, "n": int(r["n"]), "unit": unit, "n_boot": nb,
                               "n_sequences": int(r.get("n_sequences") or 0)}
         by_group.setdefault(split_seed(r["model"])[0], []).append(r["model"])
-    groups = {g: {"iv": across_seeds([models[m]["iv"] for m in ms]), "n": [models[m]["n"] for m in ms],
+    groups = {g: {"iv": across_seeds([models[m]["iv"] for m in ms], bounds=(-1.0, 1.0)), "n": [models[m]["n"] for m in ms],
                   "unit": unit, "n_boot": models[ms[0]]["n_boot"], "n_sequences": models[ms[0]]["n_sequences"]}
               for g, ms in by_group.items()}
     return groups, models

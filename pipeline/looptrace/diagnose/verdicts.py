@@ -9,6 +9,7 @@ import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.stats import (
+    COMPARISONS,
     VERDICTS,
     _chosen_interval,
     _cols,
@@ -17,11 +18,12 @@ from looptrace.diagnose.stats import (
     _iv,
     _row_iv,
     decide,
+    decide_margins,
     dx_best,
     with_val_columns,
 )
 from looptrace.diagnose.words import _pct, _seeds_word, _verdict_sentence, check_verdict
-from looptrace.intervals import Interval
+from looptrace.intervals import MAX_SEEDS, Difference, Interval, paired_difference, seeds_needed
 from looptrace.project import split_seed
 from looptrace.rules.scoring import best_chosen
 
@@ -95,6 +97,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
         "error_trajectory_share": n_traj / n_err if n_err else math.nan,
         "error_readout_share": n_read / n_err if n_err else math.nan,
         "gap_tol": tol, "n_boot": fixed.n_boot, "n_sequences": fixed.n_sequences,
+        "n_loops": int(_f(model.get("n_loops"))) if math.isfinite(_f(model.get("n_loops"))) else None,
     }
     problems = check_verdict(row)
     if problems:  # a bug in decide / the sentence, never a property of the data
@@ -106,13 +109,20 @@ def group_verdicts(verdicts: pl.DataFrame, cfg: DiagnoseConfig, level: float = 0
     """One verdict per task × regime over its training seeds.
 
     Each depth figure of :func:`verdict` (best, fixed, oracle, native; D@X) becomes its across-seed mean with
-    the Student-t interval (:func:`looptrace.intervals.across_seeds`; one seed: that model's bootstrap
-    interval), and :func:`decide` is applied to those intervals. The per-seed verdicts are counted beside it.
+    the Student-t interval on the logit scale of [1, T] (:func:`looptrace.intervals.across_seeds`; one seed:
+    that model's bootstrap interval). The comparisons :func:`decide` rests on are *paired* by seed: all four
+    figures of a seed come from one model, so each comparison is the mean per-seed difference with its
+    Student-t interval (:func:`looptrace.intervals.paired_difference`); with one seed, the model's own
+    comparison. The group verdict is one of the three outcomes only when those intervals decide it, else
+    ``undecided`` — with the per-seed verdicts beside it and ``seeds_needed``: the smallest number of seeds at
+    which, at the observed mean and spread of the blocking difference, the interval would decide
+    (:func:`looptrace.intervals.seeds_needed`; null with one seed: no spread observed).
 
     Returns:
-        DataFrame: group, task, regime, regime_kind, n_seeds, seeds, verdict, reason, seed_verdicts,
-        best_rules, evidence, and ``<figure>``, ``<figure>_lo``, ``<figure>_hi`` for fixed_depth, best_depth,
-        native_depth, oracle_depth, dx_fixed, dx_best_posthoc, dx_best_gate, dx_native.
+        DataFrame: group, task, regime, regime_kind, n_seeds, seeds, n_loops, verdict, reason, seed_verdicts,
+        best_rules, evidence, blocking, seeds_needed, ``diff_<comparison>`` (``_lo``, ``_hi``, ``_method``) and
+        ``<figure>``, ``<figure>_lo``, ``<figure>_hi`` for fixed_depth, best_depth, native_depth, oracle_depth,
+        dx_fixed, dx_best_posthoc, dx_best_gate, dx_native.
     """
     rows = []
     if not verdicts.height:
@@ -122,30 +132,75 @@ def group_verdicts(verdicts: pl.DataFrame, cfg: DiagnoseConfig, level: float = 0
     for g in dict.fromkeys(vs["group"].to_list()):
         sub = vs.filter(pl.col("group") == g)
         rs = list(sub.iter_rows(named=True))
+        T = max((_f(r.get("n_loops")) for r in rs), default=math.nan)
+        bounds = (1.0, T) if math.isfinite(T) and T > 1 else None
         figs = {}
         for name in ("fixed_depth", "best_depth", "native_depth", "oracle_depth", "dx_fixed", "dx_best_posthoc",
                      "dx_best_gate", "dx_native"):
-            figs[name] = _group_ci([_row_iv(r, name) for r in rs], level)
+            figs[name] = _group_ci([_seed_iv(r, name) for r in rs], level, bounds)
         native = figs["native_depth"] if figs["native_depth"].present else None
         best = figs["best_depth"] if figs["best_depth"].present else None
-        d = decide(best, figs["fixed_depth"], figs["oracle_depth"], native, cfg.gap_tol)
+        paired: dict[str, Difference | None] = {}
+        for key, (a, b) in COMPARISONS.items():
+            paired[key] = paired_difference([_f(r.get(f"{a}_depth")) for r in rs],
+                                            [_f(r.get(f"{b}_depth")) for r in rs], level)
+        if len(rs) == 1:  # one seed: the model's own comparisons, on its bootstrap intervals
+            d = decide(_row_iv(rs[0], "best_depth"), _row_iv(rs[0], "fixed_depth") or Interval(math.nan),
+                       _row_iv(rs[0], "oracle_depth") or Interval(math.nan), _row_iv(rs[0], "native_depth"),
+                       cfg.gap_tol)
+        else:
+            d = decide(best, figs["fixed_depth"], figs["oracle_depth"], native, cfg.gap_tol, paired)
         n = len(rs)
         counts = {v: sum(r["verdict"] == v for r in rs) for v in VERDICTS}
         seed_v = ", ".join(f"{k} × {v}" for v, k in counts.items() if k)
         rules = ", ".join(dict.fromkeys(r["best_rule"] or "none" for r in rs))
         gates_run = any(r.get("best_gate_rule") for r in rs)
-        why = _verdict_sentence(d, rules, best, figs["fixed_depth"], figs["oracle_depth"], native, cfg.gap_tol,
-                                gates_run, seeds=f"{_seeds_word(n)}; per-seed verdicts: {seed_v}")
+        need = None
+        if d["blocking"] is not None and n > 1:
+            diff = d[f"diff_{d['blocking']}"]
+            if diff is not None and diff.method.startswith("paired"):
+                need = seeds_needed(diff.estimate, diff.sd, decide_margins(diff, d["blocking"], cfg.gap_tol), level)
+        extra = ""
+        if d["verdict"] == "undecided":
+            extra = ("; one seed: more seeds would show the spread" if n == 1 else
+                     f"; at the observed spread about {need} seeds would decide" if need is not None else
+                     f"; at the observed mean difference no number of seeds up to {MAX_SEEDS} would decide")
+        why = _verdict_sentence(d, rules if n > 1 else (rs[0]["best_rule"] or None), best if n > 1 else
+                                _row_iv(rs[0], "best_depth"), figs["fixed_depth"] if n > 1 else
+                                (_row_iv(rs[0], "fixed_depth") or Interval(math.nan)),
+                                figs["oracle_depth"] if n > 1 else (_row_iv(rs[0], "oracle_depth") or Interval(math.nan)),
+                                native if n > 1 else _row_iv(rs[0], "native_depth"), cfg.gap_tol,
+                                gates_run, seeds=f"{_seeds_word(n)}; per-seed verdicts: {seed_v}{extra}")
         row = {"group": g, "task": rs[0].get("task"), "regime": rs[0].get("regime"),
                "regime_kind": rs[0].get("regime_kind"), "n_seeds": n,
                "seeds": ", ".join(str(r["seed"]) for r in rs if r.get("seed") is not None),
+               "n_loops": int(T) if math.isfinite(T) else None,
                "verdict": d["verdict"], "reason": d["reason"], "seed_verdicts": seed_v, "best_rules": rules,
                "evidence": f"{g}: {d['verdict']} — {why}.", "gap_tol": cfg.gap_tol,
-               **{f"cmp_{k}": d[k] for k in ("best_vs_fixed", "oracle_vs_fixed", "native_vs_best", "best_vs_oracle")}}
+               "blocking": d["blocking"], "seeds_needed": need,
+               **{f"cmp_{k}": d[k] for k in COMPARISONS}}
+        for key in COMPARISONS:
+            diff = d[f"diff_{key}"]
+            row.update({f"diff_{key}": diff.estimate if diff else math.nan, f"diff_{key}_lo": diff.lo if diff else math.nan,
+                        f"diff_{key}_hi": diff.hi if diff else math.nan,
+                        f"diff_{key}_method": diff.method if diff else None})
         for name, i in figs.items():
             row.update(_cols(name, i if i.present else None))
+        if n == 1:  # the figures the one-seed verdict rests on: the model's own (same values; keeps check_verdict exact)
+            for name in ("fixed_depth", "best_depth", "native_depth", "oracle_depth"):
+                row.update(_cols(name, _row_iv(rs[0], name)))
         problems = check_verdict(row)
         if problems:
             raise AssertionError(f"verdict of {g} contradicts its numbers: {'; '.join(problems)}")
         rows.append(row)
     return pl.DataFrame(rows, infer_schema_length=None)
+
+
+def _seed_iv(row: dict, name: str) -> Interval | None:
+    """A seed's figure with its bootstrap interval and test-sequence count (the resolution of a bounded interval);
+    a D@X NaN with bounds is not reached (+inf)."""
+    i = _row_iv(row, name)
+    if i is None:
+        return None
+    return Interval(i.estimate, i.lo, i.hi, n_boot=int(row.get("n_boot") or 0),
+                    n_sequences=int(row.get("n_sequences") or 0))

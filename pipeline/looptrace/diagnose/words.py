@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 
 from looptrace.diagnose.stats import REASONS, _f, _row_iv, decide
-from looptrace.intervals import Interval
+from looptrace.intervals import Difference, Interval, fmt_ci
 from looptrace.project import split_seed
 
 #: What each outcome of :func:`looptrace.intervals.compare` reads as in a sentence ("a is ... b").
@@ -41,6 +41,10 @@ def _verdict_sentence(d: dict, best_rule: str | None, best: Interval | None, fix
     if r in ("no_early_exit", "no_headroom"):
         s = (f"no post-hoc readout{' or refit gate' if gates_run else ''} exits earlier than fixed depth beyond noise "
              f"(tolerance {tol:g} loops): best {b} is {w.get(d['best_vs_fixed'], 'not comparable with')} {fx}")
+        bf = d.get("diff_best_vs_fixed")
+        if bf is not None:
+            s += (f" (difference {fmt_ci(bf.estimate, bf.lo, bf.hi)} loops, {bf.method}: a gain of {tol:g} loops or "
+                  "more is ruled out)")
         if r == "no_headroom":
             s += f"; even {orc} is {w.get(d['oracle_vs_fixed'], 'not comparable with')} fixed depth"
         else:
@@ -52,10 +56,40 @@ def _verdict_sentence(d: dict, best_rule: str | None, best: Interval | None, fix
     elif r == "below_ceiling":
         s = (f"{b} is lower than {fx} but higher than {orc}: right answers come earlier than any readout finds them "
              "(on binary tasks the oracle also counts chance hits, so this ceiling is optimistic)")
+    elif r == "undecided_early_exit":
+        s = (f"the intervals cannot tell whether a rule exits earlier than fixed depth: best {b} is "
+             f"{w.get(d['best_vs_fixed'], 'not comparable with')} {fx}{_diff_words(d, 'best_vs_fixed', tol)}; {orc}")
+    elif r == "undecided_ceiling":
+        s = (f"{b} is lower than {fx}, but the intervals cannot tell whether it is at or above {orc}"
+             f"{_diff_words(d, 'best_vs_oracle', tol)}")
+    elif r == "undecided_native":
+        s = (f"{b} is lower than {fx} and at {orc}, but the intervals cannot tell whether the native gate at "
+             f"{_ci(native)} is worse{_diff_words(d, 'native_vs_best', tol)}")
     else:
         s = (f"{b} is lower than {fx} and {w.get(d['best_vs_oracle'], 'not comparable with')} {orc}: the readout "
              "already exits where the trajectory first gets the answer right")
     return s + (f" ({seeds})" if seeds else "")
+
+
+def _diff_words(d: dict, key: str, tol: float) -> str:
+    """``; the difference is -0.40 [-0.90, 0.10] loops (paired t over seeds), neither excluding 0 nor a gap of 0.5``."""
+    diff = d.get(f"diff_{key}")
+    if diff is None:
+        return ""
+    return (f"; their difference is {fmt_ci(diff.estimate, diff.lo, diff.hi)} loops ({diff.method}), which neither "
+            f"excludes 0 with a gap of at least {tol:g} nor rules such a gap out")
+
+
+def row_diffs(row: dict) -> dict[str, Difference | None]:
+    """The paired differences a verdict row records (``diff_<comparison>``, ``_lo``, ``_hi``, ``_method``), by
+    comparison key; a comparison without them is judged on the figures' own intervals."""
+    out: dict[str, Difference | None] = {}
+    for key in ("best_vs_fixed", "oracle_vs_fixed", "native_vs_best", "best_vs_oracle"):
+        e = _f(row.get(f"diff_{key}"))
+        if not math.isnan(e) and row.get(f"diff_{key}_method"):
+            out[key] = Difference(e, _f(row.get(f"diff_{key}_lo")), _f(row.get(f"diff_{key}_hi")),
+                                  str(row[f"diff_{key}_method"]))
+    return out
 
 
 def _pct(k: int, n: int) -> str:
@@ -74,7 +108,7 @@ def check_verdict(row: dict) -> list[str]:
     tol = 0.0 if math.isnan(tol) else tol
     fixed = _row_iv(row, "fixed_depth") or Interval(math.nan)
     d = decide(_row_iv(row, "best_depth"), fixed, _row_iv(row, "oracle_depth") or Interval(math.nan),
-               _row_iv(row, "native_depth"), tol)
+               _row_iv(row, "native_depth"), tol, row_diffs(row))
     if (row.get("verdict"), row.get("reason")) != (d["verdict"], d["reason"]):
         out.append(f"the numbers give {d['verdict']} ({d['reason']}), the row says {row.get('verdict')} "
                    f"({row.get('reason')})")

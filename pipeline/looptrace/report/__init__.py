@@ -32,6 +32,7 @@ from pathlib import Path
 from looptrace.io.artifacts import atomic_dir
 from looptrace.io.artifacts import jsonable as _jsonable
 from looptrace.project import machine, versions
+from looptrace.report.dvcplots import write_dvc_plots
 from looptrace.report.figures import make_figures
 from looptrace.report.findings import run_summary_markdown
 from looptrace.report.headline import group_headline, headline, report_metrics
@@ -74,4 +75,5 @@ def build_report(models: Sequence[str], root: Path | str, out_dir: Path | str, c
         metrics = _jsonable({**report_metrics(head, inp, cfg, figs, groups), "machine": mach,
                              **(meta or {})})  # NaN -> null
         (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        write_dvc_plots(inp, groups, tmp)  # plots/*.json and headline.json for dvc plots diff / dvc exp show
     return metrics

@@ -11,7 +11,10 @@ from typing import cast
 import numpy as np
 import polars as pl
 
+from looptrace.diagnose.stats import with_val_columns
+from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.report.inputs import Inputs, ReportConfig
+from looptrace.rules.scoring import best_chosen
 
 #: Figure file names (``figures/<name>.png``); Pareto fronts add one per task: ``pareto_<task>.png``.
 FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes", "cross_regime", "latency")
@@ -21,14 +24,25 @@ FAILURE_CLASSES = (("correct", "#4c9f50"), ("trajectory", "#7f7f7f"), ("readout_
 _REGIME_COLOURS = {"final": "#7f7f7f", "uniform": "#1f77b4", "geometric": "#2ca02c", "joint": "#d62728"}
 
 
+#: Figure width in inches: at the default ``report.dpi`` (110) 1155 px, inside the page's 1180 px column, so a
+#: figure is shown 1:1 and its 10 pt text stays 10 pt (issue 25: ≤ 1400 px wide at the page's scale).
+FIG_W = 10.5
+#: Smallest font size on any figure (points).
+MIN_PT = 10
+#: Grey of the curves a Pareto figure's text does not talk about.
+_GREY = "#b8b8b8"
+
+
 def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 10, "axes.titlesize": 11, "axes.labelsize": 10, "legend.fontsize": 9,
-                         "figure.dpi": 100, "axes.grid": True, "grid.alpha": 0.3})
+    plt.rcParams.update({"font.size": MIN_PT, "axes.titlesize": 11, "axes.labelsize": MIN_PT,
+                         "legend.fontsize": MIN_PT, "legend.title_fontsize": MIN_PT, "xtick.labelsize": MIN_PT,
+                         "ytick.labelsize": MIN_PT, "figure.titlesize": 12, "figure.dpi": 100, "axes.grid": True,
+                         "grid.alpha": 0.3})
     return plt
 
 
@@ -55,187 +69,391 @@ def _models_of(meta: pl.DataFrame, task: str) -> list[dict]:
     return list(meta.filter(pl.col("task") == task).iter_rows(named=True))
 
 
-def fig_accuracy_per_loop(inp: Inputs, out: Path, dpi: int) -> Path | None:
-    """Test accuracy of the readout at every loop t, one panel per task, one line per regime."""
+def _groups_of(meta: pl.DataFrame, task: str) -> list[tuple[str, list[dict]]]:
+    """The task × regime groups of ``task`` (models that differ only by training seed), in meta order:
+    [(regime, [model meta rows])]."""
+    out: dict[str, list[dict]] = {}
+    for m in _models_of(meta, task):
+        out.setdefault(m["regime"], []).append(m)
+    return list(out.items())
+
+
+def _legend_below(fig, handles: dict[str, object], ncol: int = 4) -> None:
+    """One de-duplicated legend for the whole figure, below the panels (constrained layout keeps it off the data)."""
+    if handles:
+        fig.legend(list(handles.values()), list(handles.keys()), loc="outside lower center",
+                   ncol=min(ncol, len(handles)), frameon=False)
+
+
+def seed_band(values: np.ndarray, bounds: tuple[float, float] | None = None, log: bool = False
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean over seeds with the across-seed 95 % interval, per column (the report's one protocol,
+    :func:`looptrace.intervals.across_seeds`: Student-t, on the logit scale of ``bounds`` when given).
+
+    Args:
+        values: [seed, point] float (NaN = absent in that seed).
+        bounds: the quantity's range (the band never leaves it).
+        log: a positive quantity (a norm): the geometric mean with the t-interval of its logarithm.
+
+    Returns:
+        (mean, lo, hi), each [point]; lo = hi = NaN with fewer than two seeds.
+    """
+    v = np.asarray(values, dtype=np.float64)
+    mean, lo, hi = (np.full(v.shape[1], np.nan) for _ in range(3))
+    for j in range(v.shape[1]):
+        col = v[:, j][np.isfinite(v[:, j])]
+        if log:
+            col = np.log(col[col > 0])
+        if not col.size:
+            continue
+        iv = across_seeds([Interval(float(x)) for x in col], bounds=bounds if col.size > 1 else None)
+        e, a, b = (iv.estimate, iv.lo, iv.hi) if col.size > 1 else (float(col[0]), math.nan, math.nan)
+        mean[j], lo[j], hi[j] = (math.exp(e), math.exp(a), math.exp(b)) if log else (e, a, b)
+    return mean, lo, hi
+
+
+def _band(ax, x, values: np.ndarray, colour, label: str, bounds=None, log: bool = False, seed_lines: bool = False,
+          **kw):
+    """A mean line over seeds with its interval band (and, on request, each seed as a thin line)."""
+    mean, lo, hi = seed_band(values, bounds, log)
+    (h,) = ax.plot(x, mean, color=colour, label=label, **{"marker": "o", "ms": 4, **kw})
+    if np.isfinite(lo).any():
+        ax.fill_between(x, lo, hi, color=colour, alpha=0.18, lw=0)
+    if seed_lines:
+        for row in values:
+            ax.plot(x, row, color=colour, lw=0.6, alpha=0.5)
+    return h
+
+
+def _seeds_label(n: int) -> str:
+    return f"{n} seed{'s' if n != 1 else ''}"
+
+
+def fig_accuracy_per_loop(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False) -> Path | None:
+    """Test accuracy of the readout at every loop t: one panel per task, one line per regime (mean over its seeds
+    with the across-seed 95 % interval band, within [0, 100] %)."""
     if inp.acc_per_loop is None:
         return None
     plt = _plt()
     tasks = _tasks(inp.meta)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.2 * len(tasks), 3.8), squeeze=False, layout="constrained")
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for i, m in enumerate(_models_of(inp.meta, task)):
-            d = inp.acc_per_loop.filter(pl.col("model") == m["model"]).sort("loop")
-            ax.plot(d["loop"], 100 * d["accuracy"], marker="o", color=_regime_colour(m["regime_kind"], i),
-                    label=m["regime"])
-        ax.set(title=f"{task}: accuracy of each loop's readout", xlabel="loop t", ylabel="test accuracy (%)")
+    ncol = min(3, len(tasks))
+    nrow = math.ceil(len(tasks) / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(FIG_W, 3.4 * nrow + 0.7), squeeze=False, layout="constrained")
+    handles: dict[str, object] = {}
+    for k, task in enumerate(tasks):
+        ax = axes[k // ncol, k % ncol]
+        for i, (regime, models) in enumerate(_groups_of(inp.meta, task)):
+            T = max(int(m["n_loops"]) for m in models)
+            vals = np.full((len(models), T), np.nan)
+            for s, m in enumerate(models):
+                d = inp.acc_per_loop.filter(pl.col("model") == m["model"]).sort("loop")
+                vals[s, d["loop"].to_numpy() - 1] = 100 * d["accuracy"].to_numpy()
+            h = _band(ax, np.arange(1, T + 1), vals, _regime_colour(models[0]["regime_kind"], i), regime,
+                      bounds=(0.0, 100.0), seed_lines=seed_lines)
+            handles.setdefault(f"{regime} ({_seeds_label(len(models))})", h)
+        ax.set(title=task, xlabel="loop t", ylabel="test accuracy (%)")
         ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.legend(title="regime", loc="lower right")
+    for k in range(len(tasks), nrow * ncol):
+        axes[k // ncol, k % ncol].set_visible(False)
+    _legend_below(fig, handles)
+    fig.suptitle("Accuracy of each loop's readout (mean over seeds, 95 % band)")
     return _save(fig, out / "accuracy_per_loop.png", dpi)
 
 
-def fig_step_geometry(inp: Inputs, out: Path, dpi: int) -> Path | None:
-    """Median step norm ‖Δ_t‖ and consecutive-step cosine cos(Δ_t, Δ_{t−1}) by loop ([TS]), IQR bands."""
+def fig_step_geometry(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False) -> Path | None:
+    """Median step norm ‖Δ_t‖ and consecutive-step cosine cos(Δ_t, Δ_{t−1}) by loop ([TS]): rows = the two
+    metrics, columns = tasks, one line per regime — over seeds the geometric mean of the per-seed medians (norm)
+    or their mean (cosine, within [−1, 1]) with the across-seed 95 % band."""
     if inp.loop_summary is None:
         return None
     plt = _plt()
     tasks = _tasks(inp.meta)
-    metrics = (("step_norm", r"step norm $\|\Delta_t\|_2$ (state units)"),
-               ("step_cos", r"step cosine $\cos(\Delta_t, \Delta_{t-1})$"))
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.8), squeeze=False, layout="constrained")
+    metrics = (("step_norm", r"step norm $\|\Delta_t\|_2$"), ("step_cos", r"$\cos(\Delta_t, \Delta_{t-1})$"))
+    ncol = min(3, len(tasks))
+    blocks = math.ceil(len(tasks) / ncol)
+    fig, axes = plt.subplots(2 * blocks, ncol, figsize=(FIG_W, 5.6 * blocks + 0.8), squeeze=False, layout="constrained")
+    handles: dict[str, object] = {}
+    ls = inp.loop_summary.filter((pl.col("group_by") == "all") & (pl.col("count") > 0))
+    for k in range(len(tasks), blocks * ncol):
+        axes[2 * (k // ncol), k % ncol].set_visible(False)
+        axes[2 * (k // ncol) + 1, k % ncol].set_visible(False)
     for j, task in enumerate(tasks):
         for r, (metric, label) in enumerate(metrics):
-            ax = axes[r, j]
-            for i, m in enumerate(_models_of(inp.meta, task)):
-                d = (inp.loop_summary.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "all")
-                                             & (pl.col("metric") == metric)).sort("loop")
-                     .filter(pl.col("count") > 0))
-                if not d.height:
+            ax = axes[2 * (j // ncol) + r, j % ncol]
+            for i, (regime, models) in enumerate(_groups_of(inp.meta, task)):
+                T = max(int(m["n_loops"]) for m in models)
+                vals = np.full((len(models), T), np.nan)
+                for s, m in enumerate(models):
+                    d = ls.filter((pl.col("model") == m["model"]) & (pl.col("metric") == metric))
+                    if d.height:
+                        vals[s, d["loop"].to_numpy() - 1] = d["median"].to_numpy()
+                if not np.isfinite(vals).any():
                     continue
-                c = _regime_colour(m["regime_kind"], i)
-                ax.plot(d["loop"], d["median"], marker="o", color=c, label=m["regime"])
-                ax.fill_between(d["loop"].to_numpy(), d["q25"].to_numpy(), d["q75"].to_numpy(), color=c, alpha=0.15)
-            ax.set(title=f"{task}: {metric.replace('_', ' ')} (median, IQR)", xlabel="loop t", ylabel=label)
+                h = _band(ax, np.arange(1, T + 1), vals, _regime_colour(models[0]["regime_kind"], i), regime,
+                          bounds=(-1.0, 1.0) if metric == "step_cos" else None, log=metric == "step_norm",
+                          seed_lines=seed_lines)
+                handles.setdefault(f"{regime} ({_seeds_label(len(models))})", h)
+            ax.set(title=task if r == 0 else None, xlabel="loop t" if r == 1 else None, ylabel=label)
             ax.xaxis.get_major_locator().set_params(integer=True)
             if metric == "step_norm":
                 ax.set_yscale("log")
-            if ax.get_legend_handles_labels()[0]:
-                ax.legend(title="regime", fontsize=8)
+    _legend_below(fig, handles)
+    fig.suptitle("Step geometry by loop (median over tokens; mean over seeds, 95 % band)")
     return _save(fig, out / "step_geometry.png", dpi)
 
 
 def fig_convergence(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Path | None:
-    """Mean convergence depth by difficulty (lines) and by token type (bars), per task and regime."""
+    """Mean convergence depth by difficulty (lines, mean over seeds with the 95 % band within [1, T + 1]) and by
+    token type (bars, mean over seeds), per task and regime."""
     if inp.convergence is None:
         return None
     plt = _plt()
     tasks = _tasks(inp.meta)
-    fig, axes = plt.subplots(2, len(tasks), figsize=(5.2 * len(tasks), 6.8), squeeze=False, layout="constrained")
+    ncol = min(3, len(tasks))
+    blocks = math.ceil(len(tasks) / ncol)
+    fig, axes = plt.subplots(2 * blocks, ncol, figsize=(FIG_W, 5.8 * blocks + 0.8), squeeze=False, layout="constrained")
     sig = f"{cfg.convergence_signal} < {cfg.convergence_eps:g} ({cfg.convergence_kind})"
+    handles: dict[str, object] = {}
+    conv = inp.convergence
+    for k in range(len(tasks), blocks * ncol):
+        axes[2 * (k // ncol), k % ncol].set_visible(False)
+        axes[2 * (k // ncol) + 1, k % ncol].set_visible(False)
     for j, task in enumerate(tasks):
-        models = _models_of(inp.meta, task)
-        T = max(int(m["n_loops"]) for m in models)
-        ax = axes[0, j]
-        for i, m in enumerate(models):
-            d = inp.convergence.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "difficulty")).sort("order")
-            ax.plot(d["order"], d["mean_depth"], marker="o", color=_regime_colour(m["regime_kind"], i),
-                    label=m["regime"])
-        ax.axhline(T + 1, color="k", lw=0.8, ls=":", label=f"censored (T + 1 = {T + 1})")
-        ax.set(title=f"{task}: convergence depth by difficulty", xlabel="difficulty", ylabel=f"mean depth (loops)\n{sig}")
-        ax.legend(fontsize=8)
-        ax = axes[1, j]
-        groups = list(dict.fromkeys(inp.convergence.filter(
-            pl.col("model").is_in([m["model"] for m in models]) & (pl.col("group_by") == "token_type"))
-            .sort("order")["group_value"].to_list()))
-        width = 0.8 / max(1, len(models))
-        for i, m in enumerate(models):
-            d = inp.convergence.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "token_type"))
-            val = dict(zip(d["group_value"].to_list(), d["mean_depth"].to_list(), strict=True))
-            xs = np.arange(len(groups)) + (i - (len(models) - 1) / 2) * width
-            ax.bar(xs, [val.get(g, np.nan) for g in groups], width=width, color=_regime_colour(m["regime_kind"], i),
-                   label=m["regime"])
-        ax.set_xticks(np.arange(len(groups)), groups)
+        groups = _groups_of(inp.meta, task)
+        T = max(int(m["n_loops"]) for _, ms in groups for m in ms)
+        ax = axes[2 * (j // ncol), j % ncol]
+        names = [m["model"] for _, ms in groups for m in ms]
+        levels = sorted(conv.filter(pl.col("model").is_in(names) & (pl.col("group_by") == "difficulty"))
+                        ["order"].unique().to_list())
+        for i, (regime, models) in enumerate(groups):
+            vals = np.full((len(models), len(levels)), np.nan)
+            for s, m in enumerate(models):
+                d = conv.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "difficulty"))
+                for o, v in zip(d["order"].to_list(), d["mean_depth"].to_list(), strict=True):
+                    vals[s, levels.index(o)] = np.nan if v is None else v
+            h = _band(ax, np.asarray(levels, dtype=float), vals, _regime_colour(models[0]["regime_kind"], i), regime,
+                      bounds=(1.0, T + 1.0))
+            handles.setdefault(f"{regime} ({_seeds_label(len(models))})", h)
+        hc = ax.axhline(T + 1, color="k", lw=0.8, ls=":")
+        handles.setdefault(f"censored (T + 1 = {T + 1})", hc)
+        ax.set(title=task, xlabel="difficulty", ylabel="mean convergence depth")
+        ax = axes[2 * (j // ncol) + 1, j % ncol]
+        types = list(dict.fromkeys(conv.filter(pl.col("model").is_in(names) & (pl.col("group_by") == "token_type"))
+                                   .sort("order")["group_value"].to_list()))
+        width = 0.8 / max(1, len(groups))
+        for i, (_regime, models) in enumerate(groups):
+            vals = np.full((len(models), len(types)), np.nan)
+            for s, m in enumerate(models):
+                d = conv.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "token_type"))
+                for g, v in zip(d["group_value"].to_list(), d["mean_depth"].to_list(), strict=True):
+                    if g in types:
+                        vals[s, types.index(g)] = np.nan if v is None else v
+            mean, lo, hi = seed_band(vals, (1.0, T + 1.0))
+            xs = np.arange(len(types)) + (i - (len(groups) - 1) / 2) * width
+            err = None if not np.isfinite(lo).any() else np.vstack([mean - lo, hi - mean])
+            ax.bar(xs, mean, width=width, color=_regime_colour(models[0]["regime_kind"], i), yerr=err, capsize=3)
+        ax.set_xticks(np.arange(len(types)), types)
         ax.axhline(T + 1, color="k", lw=0.8, ls=":")
-        ax.set(title=f"{task}: convergence depth by token type", xlabel="token type", ylabel="mean depth (loops)")
-        ax.legend(title="regime", fontsize=8)
+        ax.set(xlabel="token type", ylabel="mean convergence depth")
+    _legend_below(fig, handles)
+    fig.suptitle(f"Convergence depth ({sig}; mean over seeds, 95 % band)")
     return _save(fig, out / "convergence.png", dpi)
 
 
-#: Colours of post-hoc rules: tab20 without its reds (native gate) and greys (fixed depth, oracle edge).
-_POSTHOC_COLOURS = [i for i in range(20) if i not in (6, 7, 14, 15)]
-#: Legend / drawing order of rule kinds on the Pareto figure.
-_KIND_ORDER = {"fixed": 0, "native": 1, "gate": 2, "posthoc": 3, "oracle": 4}
+#: Colours of the highlighted Pareto curves (everything else is grey).
+_HIGHLIGHT = {"fixed": "black", "oracle": "#e6b800", "native": "#d62728"}
+_BEST_COLOURS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b")
+_GATE_COLOURS = ("#2ca02c", "#bcbd22", "#e377c2")
+_USER_COLOURS = ("#ff7f0e", "#7f3fbf")
 
 
-def _rule_style(rule: str, kind: str, i: int):
-    import matplotlib
+def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """The handful of Pareto curves the report's text talks about, each with its role and colour: fixed depth,
+    the oracle, the native gate, the val-chosen best post-hoc rule of every seed
+    (:func:`looptrace.rules.scoring.best_chosen`), the best refit gate of every seed, and every user rule
+    (``module:function`` post-hoc rules). Everything else is drawn grey.
 
-    if kind == "fixed":
-        return {"color": "black", "marker": "s", "ls": "-", "lw": 1.6}
-    if kind == "native":
-        return {"color": "#d62728", "marker": "D", "ls": "-", "lw": 1.8}
-    if kind == "oracle":
-        return {"color": "gold", "marker": "*", "ls": "none", "ms": 14, "mec": "k"}
-    if kind == "gate":
-        return {"color": matplotlib.colormaps["Dark2"](i % 8), "marker": "v", "ls": "--", "lw": 1.4}
-    return {"color": matplotlib.colormaps["tab20"](_POSTHOC_COLOURS[i % len(_POSTHOC_COLOURS)]), "marker": "o",
-            "ls": "-", "lw": 1.0, "ms": 3.5}
+    Args:
+        chosen: the chosen points of the group's models (model, rule, kind, val_depth, ...), or None.
+        kinds: rule -> kind of every rule on the figure.
+
+    Returns:
+        rule -> (role, colour), in legend order.
+    """
+    out: dict[str, tuple[str, str]] = {}
+    for rule, kind in kinds.items():
+        if kind in ("fixed", "oracle", "native"):
+            out[rule] = ({"fixed": "fixed depth", "oracle": "oracle ceiling", "native": "native gate"}[kind],
+                         _HIGHLIGHT[kind])
+    best: list[str] = []
+    gates: list[str] = []
+    if chosen is not None and chosen.height:
+        c = with_val_columns(chosen)
+        for model in dict.fromkeys(c["model"].to_list()):
+            cm = c.filter(pl.col("model") == model)
+            b, g = best_chosen(cm, ["posthoc"]), best_chosen(cm, ["gate"])
+            if b is not None and b["rule"] in kinds and b["rule"] not in best:
+                best.append(b["rule"])
+            if g is not None and g["rule"] in kinds and g["rule"] not in gates:
+                gates.append(g["rule"])
+    for i, r in enumerate(best):
+        out.setdefault(r, ("best post-hoc (val)", _BEST_COLOURS[i % len(_BEST_COLOURS)]))
+    for i, r in enumerate(gates):
+        out.setdefault(r, ("best refit gate (val)", _GATE_COLOURS[i % len(_GATE_COLOURS)]))
+    users = [r for r, k in kinds.items() if k == "posthoc" and ":" in r]
+    for i, r in enumerate(users):
+        out.setdefault(r, ("user rule", _USER_COLOURS[i % len(_USER_COLOURS)]))
+    return out
 
 
-def fig_pareto(inp: Inputs, task: str, out: Path, dpi: int) -> Path | None:
-    """Test operating points on each rule's own Pareto front (accuracy vs mean exit depth), one panel per
-    regime of ``task``: every post-hoc rule, fixed depth, the native gate, refit gates and the oracle."""
+def mean_front(p: pl.DataFrame, models: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A rule's Pareto front averaged over seeds, vertically: each seed's front as a step function of depth,
+    A_s(d) = the best test accuracy among its points with mean depth ≤ d, averaged over the seeds at every depth of
+    the union of their points where every seed has one (d ≥ the largest of the seeds' smallest depths).
+
+    Args:
+        p: the rule's test points of the group's models (model, mean_depth, accuracy).
+        models: the group's models (seeds).
+
+    Returns:
+        (depth [loops], mean accuracy [%]), sorted by depth; empty when no seed has a point.
+    """
+    fronts = []
+    for m in models:
+        d = p.filter(pl.col("model") == m).sort("mean_depth")
+        if d.height:
+            x = d["mean_depth"].to_numpy().astype(np.float64)
+            fronts.append((x, np.maximum.accumulate(100 * d["accuracy"].to_numpy().astype(np.float64))))
+    if not fronts:
+        return np.zeros(0), np.zeros(0)
+    start = max(f[0][0] for f in fronts)
+    grid = np.unique(np.concatenate([f[0] for f in fronts]))
+    grid = grid[grid >= start]
+    acc = np.mean([f[1][np.searchsorted(f[0], grid, side="right") - 1] for f in fronts], axis=0)
+    return grid, acc
+
+
+def _chosen_means(c: pl.DataFrame, T: float) -> tuple[float, float, tuple[float, float], tuple[float, float]]:
+    """A rule's chosen point over seeds: mean test depth and accuracy (%) with their 95 % intervals (one seed:
+    its bootstrap interval; several: the across-seed interval within [1, T] and [0, 100] %)."""
+    def iv(col: str, scale: float, bounds: tuple[float, float]) -> tuple[float, tuple[float, float]]:
+        items = [from_row(r, col) for r in c.iter_rows(named=True)]
+        i = across_seeds(items, bounds=bounds)
+        return scale * i.estimate, (scale * i.lo, scale * i.hi)
+
+    d, dci = iv("test_depth", 1.0, (1.0, T))
+    a, aci = iv("test_accuracy", 100.0, (0.0, 1.0))
+    return d, a, dci, aci
+
+
+def fig_pareto(inp: Inputs, task: str, out: Path, dpi: int, seed_lines: bool = False) -> Path | None:
+    """Accuracy vs mean exit depth on test, one panel per regime of ``task`` with its seeds averaged
+    (:func:`mean_front`): the curves the text talks about in colour (:func:`pareto_highlights`), every other rule
+    in grey, the highlighted rules' val-chosen points marked with their 95 % intervals as error bars."""
     if inp.pareto is None:
         return None
     plt = _plt()
-    models = _models_of(inp.meta, task)
-    n = len(models)
-    fig, axes = plt.subplots(1, n, figsize=(4.6 * n + 2.6, 5.0), squeeze=False, layout="constrained")
+    groups = _groups_of(inp.meta, task)
+    n = len(groups)
+    ncol = min(3, n)
+    nrow = math.ceil(n / ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(FIG_W, 4.1 * nrow + 1.3), squeeze=False, layout="constrained")
     handles: dict[str, object] = {}
-    sub = inp.pareto.filter(pl.col("model").is_in([m["model"] for m in models]))
+    names = [m["model"] for _, ms in groups for m in ms]
+    sub = inp.pareto.filter(pl.col("model").is_in(names))
     kinds = dict(zip(sub["rule"].to_list(), sub["kind"].to_list(), strict=True))
-    rules = sorted(kinds, key=lambda r: (_KIND_ORDER.get(kinds[r], 5), r))
-    colour_index: dict[str, int] = {}
-    for r in rules:  # one colour per rule across panels, counted within its kind
-        colour_index[r] = sum(1 for q in colour_index if kinds[q] == kinds[r])
-    for ax, m in zip(axes[0], models, strict=True):
-        p = sub.filter(pl.col("model") == m["model"])
-        for rule in rules:
-            d = p.filter(pl.col("rule") == rule).sort("mean_depth")
-            if not d.height:
+    ch = inp.chosen.filter(pl.col("model").is_in(names)) if inp.chosen is not None else None
+    hl = pareto_highlights(ch, kinds)
+    grey = [r for r in sorted(kinds) if r not in hl]
+    for k, (regime, models) in enumerate(groups):
+        ax = axes[k // ncol, k % ncol]
+        ms = [m["model"] for m in models]
+        T = float(max(int(m["n_loops"]) for m in models))
+        p = sub.filter(pl.col("model").is_in(ms))
+        for rule in grey:
+            x, y = mean_front(p.filter(pl.col("rule") == rule), ms)
+            if x.size:
+                (h,) = ax.plot(x, y, color=_GREY, lw=0.9, zorder=1)
+                handles.setdefault(f"other rules ({len(grey)})", h)
+        for rule, (role, colour) in hl.items():
+            pr = p.filter(pl.col("rule") == rule)
+            x, y = mean_front(pr, ms)
+            if not x.size:
                 continue
-            (h,) = ax.plot(d["mean_depth"], 100 * d["accuracy"], label=rule,
-                           **_rule_style(rule, kinds[rule], colour_index[rule]))
-            handles.setdefault(rule, h)
-        if inp.chosen is not None:
-            c = inp.chosen.filter(pl.col("model") == m["model"])
-            if c.height:
-                h = ax.scatter(c["test_depth"], 100 * c["test_accuracy"], s=60, facecolors="none", edgecolors="k",
-                               linewidths=1.0, zorder=5, label="chosen point (val within δ)")
-                handles.setdefault("chosen point (val within δ)", h)
+            style = ({"marker": "*", "ms": 14, "mec": "k", "ls": "none"} if kinds[rule] == "oracle" else
+                     {"marker": "s", "ms": 4, "lw": 1.8} if kinds[rule] == "fixed" else {"marker": "o", "ms": 3.5,
+                                                                                          "lw": 1.8})
+            (h,) = ax.plot(x, y, color=colour, zorder=3, **style)
+            handles.setdefault(f"{rule} — {role}", h)
+            if seed_lines and kinds[rule] != "oracle":
+                for m in ms:
+                    d = pr.filter(pl.col("model") == m).sort("mean_depth")
+                    ax.plot(d["mean_depth"], 100 * d["accuracy"], color=colour, lw=0.6, alpha=0.45, zorder=2)
+            if ch is not None and kinds[rule] != "oracle":
+                c = ch.filter(pl.col("model").is_in(ms) & (pl.col("rule") == rule))
+                if c.height:
+                    cd, ca, dci, aci = _chosen_means(c, T)
+                    xe = None if math.isnan(dci[0]) else [[cd - dci[0]], [dci[1] - cd]]
+                    ye = None if math.isnan(aci[0]) else [[ca - aci[0]], [aci[1] - ca]]
+                    ax.errorbar([cd], [ca], xerr=xe, yerr=ye, fmt="o", ms=9, mfc="none", mec=colour, ecolor=colour,
+                                mew=1.6, capsize=3, zorder=5)
+                    if "chosen point (val), 95 % interval" not in handles:
+                        from matplotlib.lines import Line2D
+
+                        handles["chosen point (val), 95 % interval"] = Line2D(
+                            [], [], marker="o", ms=9, mfc="none", mec="k", mew=1.6, ls="none")
         lo = 100 * float(cast(float, p["accuracy"].min())) if p.height else 0.0
-        ax.set(title=f"{m['regime']}", xlabel="mean exit depth (loops)", ylabel="test accuracy (%)",
-               xlim=(0.8, m["n_loops"] + 0.2), ylim=(max(0.0, lo - 0.05 * (100 - lo) - 0.5), 100.3))
+        ax.set(title=f"{regime} ({_seeds_label(len(ms))})", xlabel="mean exit depth (loops)",
+               ylabel="test accuracy (%)", xlim=(0.8, T + 0.2), ylim=(max(0.0, lo - 0.05 * (100 - lo) - 0.5), 100.5))
         ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.suptitle(f"{task}: Pareto fronts of every exit rule (test split)")
-    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8, frameon=False)
+    for k in range(n, nrow * ncol):
+        axes[k // ncol, k % ncol].set_visible(False)
+    _legend_below(fig, handles, ncol=3)
+    fig.suptitle(f"{task}: Pareto fronts on test (mean over seeds)")
     return _save(fig, out / f"pareto_{_slug(task)}.png", dpi)
 
 
 def fig_failures(inp: Inputs, out: Path, dpi: int) -> Path | None:
-    """Failure classes (SPEC §7) of every rule at its chosen point, share of test tokens, per model."""
+    """Failure classes (SPEC §7) of every rule at its chosen point: share of test tokens, per task × regime (mean
+    over its seeds), one panel per group."""
     if inp.failures is None or not inp.failures.height:
         return None
     plt = _plt()
     f = inp.failures.filter(pl.col("group") == "all")
-    models = [m for m in inp.meta["model"].to_list() if m in set(f["model"].to_list())]
-    if not models:
+    present = set(f["model"].to_list())
+    groups = [(f"{task} · {regime}", [m["model"] for m in ms if m["model"] in present])
+              for task in _tasks(inp.meta) for regime, ms in _groups_of(inp.meta, task)]
+    groups = [(g, ms) for g, ms in groups if ms]
+    if not groups:
         return None
-    ncol = min(3, len(models))
-    nrow = math.ceil(len(models) / ncol)
-    n_rules = max(f.filter(pl.col("model") == m).height for m in models)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5.0 * ncol, 0.28 * n_rules * nrow + 1.6 * nrow + 0.6),
-                             squeeze=False, layout="constrained")
-    for k, model in enumerate(models):
+    ncol = min(3, len(groups))
+    nrow = math.ceil(len(groups) / ncol)
+    # one rule axis shared by every panel (labels once, on the left column)
+    labels = (f.select("source", "rule").unique().sort("source", "rule", descending=True)["rule"].to_list())
+    labels = list(dict.fromkeys(labels))
+    fig, axes = plt.subplots(nrow, ncol, figsize=(FIG_W, (0.2 * len(labels) + 1.1) * nrow + 0.9), squeeze=False,
+                             sharey=True, layout="constrained")
+    cols = [f"frac_{c}" for c, _ in FAILURE_CLASSES[1:]]
+    for k, (name, ms) in enumerate(groups):
         ax = axes[k // ncol, k % ncol]
-        d = f.filter(pl.col("model") == model).sort("source", "rule", descending=True)
-        labels = d["rule"].to_list()
+        d = (f.filter(pl.col("model").is_in(ms)).group_by("rule", maintain_order=True)
+             .agg([pl.col(c).mean() for c in cols]))
+        at = {r: i for i, r in enumerate(labels)}
+        y = np.array([at[r] for r in d["rule"].to_list()])
         # Errors only (the correct share is 100 − the bar): near-perfect models stay readable.
         left = np.zeros(d.height)
-        for cls, colour in FAILURE_CLASSES[1:]:
-            v = 100 * d[f"frac_{cls}"].to_numpy()
-            ax.barh(np.arange(d.height), v, left=left, color=colour, label=cls.replace("_", " "))
+        for (cls, colour), c in zip(FAILURE_CLASSES[1:], cols, strict=True):
+            v = 100 * d[c].to_numpy()
+            ax.barh(y, v, left=left, color=colour, label=cls.replace("_", " "))
             left += v
         top = max(float(left.max()), 0.1)
-        for y, tot in enumerate(left):
-            ax.text(tot + 0.01 * top, y, f"{tot:.2f}" if top < 5 else f"{tot:.1f}", va="center", fontsize=7)
-        ax.set_yticks(np.arange(d.height), labels, fontsize=8)
-        ax.set(title=model, xlabel="wrong test tokens (% of all)", xlim=(0, top * 1.18))
-    for k in range(len(models), nrow * ncol):
+        ax.set_yticks(np.arange(len(labels)), labels)
+        ax.set(title=f"{name} ({_seeds_label(len(ms))})", xlabel="wrong test tokens (%)", xlim=(0, top * 1.05))
+    for k in range(len(groups), nrow * ncol):
         axes[k // ncol, k % ncol].set_visible(False)
     h, lab = axes[0, 0].get_legend_handles_labels()
-    fig.legend(h, lab, loc="outside lower center", ncol=4, frameon=False)
-    fig.suptitle("Failure classes (SPEC §7) at each rule's chosen operating point: share of test tokens the "
-                 "rule gets wrong, by cause")
+    fig.legend(h, lab, loc="outside lower center", ncol=3, frameon=False)
+    fig.suptitle("Failure classes at each rule's chosen point (mean over seeds)")
     return _save(fig, out / "failure_classes.png", dpi)
 
 
@@ -275,7 +493,7 @@ def fig_cross_regime(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Pat
     plt = _plt()
     ncol = min(3, len(facets))
     nrow = math.ceil(len(facets) / ncol)
-    fig, axes = plt.subplots(nrow, ncol, figsize=(5.4 * ncol, 4.6 * nrow), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(nrow, ncol, figsize=(FIG_W, 3.9 * nrow + 0.8), squeeze=False, layout="constrained")
     depth_like = v in ("d_at", "d95", "d_at_95", "test_depth", "mean_depth")
     unit = f"D@{cfg.x:g} (loops)" if depth_like else v.replace("_", " ")
     for k, facet in enumerate(facets):
@@ -294,10 +512,10 @@ def fig_cross_regime(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Pat
         for i in range(len(rows)):
             for j in range(len(colsv)):
                 ok = np.isfinite(mat[i, j])
-                ax.text(j, i, f"{mat[i, j]:.2f}" if ok else "n/a", ha="center", va="center", fontsize=9,
+                ax.text(j, i, f"{mat[i, j]:.2f}" if ok else "n/a", ha="center", va="center", fontsize=MIN_PT,
                         color=("w" if (mat[i, j] > mid) == depth_like else "k") if ok else "k")
-        ax.set_xticks(np.arange(len(colsv)), colsv, rotation=25, ha="right", fontsize=8)
-        ax.set_yticks(np.arange(len(rows)), rows, fontsize=8)
+        ax.set_xticks(np.arange(len(colsv)), colsv, rotation=25, ha="right")
+        ax.set_yticks(np.arange(len(rows)), rows)
         ax.set(xlabel="applied to (eval model)", ylabel="gate fit on (fit model)",
                title=" · ".join(str(x) for x in facet))
         ax.grid(False)
@@ -305,7 +523,7 @@ def fig_cross_regime(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Pat
     for k in range(len(facets), nrow * ncol):
         axes[k // ncol, k % ncol].set_visible(False)
     fig.suptitle("Cross-regime transfer of offline gates\n(fit on one model's frozen trajectories, applied to "
-                 "another's; n/a = unreachable)", fontsize=10)
+                 "another's; n/a = unreachable)")
     return _save(fig, out / "cross_regime.png", dpi)
 
 
@@ -322,8 +540,7 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
     markers = "osD^vP*Xh<>"
     ideals = (("ideal_speedup", "ideal speedup T / mean exit depth (×)"),
               ("ideal_speedup_work", "exact-causal ideal: full / minimal position-loops (×)"))
-    fig, axes = plt.subplots(2, len(sizes), figsize=(5.0 * len(sizes) + 2.6, 8.6), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(2, len(sizes), figsize=(FIG_W, 8.0), squeeze=False, layout="constrained")
     hi = float(max(cast(float, lat["ideal_speedup"].max()), cast(float, lat["realised_speedup"].max()))) * 1.08
     handles: dict[str, object] = {}
     for row, (col, xlabel) in enumerate(ideals):
@@ -338,7 +555,7 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
                 ax.scatter(r[col], r["realised_speedup"], color=_rule_colour(ci),
                            marker=markers[mi], s=42, edgecolors="k", linewidths=0.4, zorder=3)
             ax.set(title=f"batch size {bs}" + (" (compacted)" if bs > 1 else ""), xlabel=xlabel,
-                   ylabel="realised speedup:\nwall time full / early exit (×)", xlim=(0.9, hi), ylim=(0, hi))
+                   ylabel="realised speedup (×)", xlim=(0.9, hi), ylim=(0, hi))
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
                 handles.setdefault(lab, h)
     from matplotlib.lines import Line2D
@@ -347,7 +564,7 @@ def fig_latency(inp: Inputs, out: Path, dpi: int) -> Path | None:
         handles[f"rule: {rule}"] = Line2D([], [], color=_rule_colour(ci), marker="o", ls="none")
     for mi, model in enumerate(models):
         handles[f"model: {model}"] = Line2D([], [], color="grey", marker=markers[mi % len(markers)], ls="none")
-    fig.legend(list(handles.values()), list(handles.keys()), loc="outside right center", fontsize=8, frameon=False)
+    _legend_below(fig, handles, ncol=3)
     fig.suptitle("Real early exit: realised speedup vs the token-level ideal (top) and the exact-causal ideal (bottom)")
     return _save(fig, out / "latency.png", dpi)
 
@@ -368,12 +585,12 @@ def _slug(s: str) -> str:
 def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Path]:
     """Every figure whose inputs exist: name -> PNG path (inside ``fig_dir``)."""
     made: dict[str, Path | None] = {
-        "accuracy_per_loop": fig_accuracy_per_loop(inp, fig_dir, cfg.dpi),
-        "step_geometry": fig_step_geometry(inp, fig_dir, cfg.dpi),
+        "accuracy_per_loop": fig_accuracy_per_loop(inp, fig_dir, cfg.dpi, cfg.seed_lines),
+        "step_geometry": fig_step_geometry(inp, fig_dir, cfg.dpi, cfg.seed_lines),
         "convergence": fig_convergence(inp, cfg, fig_dir, cfg.dpi),
     }
     for task in _tasks(inp.meta):
-        made[f"pareto_{_slug(task)}"] = fig_pareto(inp, task, fig_dir, cfg.dpi)
+        made[f"pareto_{_slug(task)}"] = fig_pareto(inp, task, fig_dir, cfg.dpi, cfg.seed_lines)
     made["failure_classes"] = fig_failures(inp, fig_dir, cfg.dpi)
     made["cross_regime"] = fig_cross_regime(inp, cfg, fig_dir, cfg.dpi)
     made["latency"] = fig_latency(inp, fig_dir, cfg.dpi)

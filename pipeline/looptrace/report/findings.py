@@ -50,10 +50,11 @@ def run_summary_markdown(head: pl.DataFrame, groups: pl.DataFrame, inp: Inputs, 
              "labels (an oracle-threshold figure); \"not reached\" = no operating point reaches it. The best post-hoc "
              "rule and each D@X's rule are chosen on validation, never on test. Depths are loops; accuracies %.", "",
              "## Headline per task × regime (across seeds)", "",
-             "Mean over training seeds with the Student-t 95 % interval (mean ± t · sd / √n); with one seed, that "
-             "model's bootstrap interval.", ""]
+             "Mean over training seeds with the Student-t 95 % interval (mean ± t · sd / √n) on the logit scale of "
+             "the figure's range, so it stays within [0, 100] % or [1, T]; with one seed, that model's bootstrap "
+             "interval. Verdicts: docs/report.md \"Intervals and verdicts\".", ""]
     lines += _md_table(groups, [("group", "task × regime"), ("regime_kind", "regime"), ("n_seeds", "seeds"),
-                                ("best_posthoc_rules", "best post-hoc rule(s)"), *figs, ("verdict", "verdict")])
+                                ("best_posthoc_rules", "best post-hoc rule(s)"), *figs, ("verdict_text", "verdict")])
     lines += ["", f"## Headline per model ({boot})", ""]
     lines += _md_table(head, [("model", "model"), ("regime_kind", "regime"), ("best_posthoc_rule", "best post-hoc rule"),
                               *figs, ("verdict", "verdict")])

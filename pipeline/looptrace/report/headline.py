@@ -93,6 +93,7 @@ def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
         group, seed = split_seed(model)
         ref = next((i for i in figs.values() if i is not None and i.n_boot), None)
         row = {"model": model, "group": group, "seed": seed, "task": m["task"], "regime": m["regime"],
+               "n_loops": m.get("n_loops"),
                "regime_kind": m["regime_kind"], "best_posthoc_rule": best["rule"] if best else None,
                "dx_best_posthoc_rule": dx_rule, "best_gate_rule": gate["rule"] if gate else None,
                "verdict": verdict, "reason": reason, "n_boot": ref.n_boot if ref else 0,
@@ -101,7 +102,7 @@ def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
             row.update(_figure_cols(name, figs.get(name), kind))
         rows.append(row)
     schema = {"model": pl.String, "group": pl.String, "seed": pl.Int64, "task": pl.String, "regime": pl.String,
-              "regime_kind": pl.String, "best_posthoc_rule": pl.String, "dx_best_posthoc_rule": pl.String,
+              "n_loops": pl.Int64, "regime_kind": pl.String, "best_posthoc_rule": pl.String, "dx_best_posthoc_rule": pl.String,
               "best_gate_rule": pl.String, "verdict": pl.String, "reason": pl.String, "n_boot": pl.Int64,
               "n_sequences": pl.Int64}
     for name, _, _ in HEADLINE_FIGURES:
@@ -126,12 +127,23 @@ def _figure_cols(name: str, i: Interval | None, kind: str) -> dict:
 
 def _row_interval(row: dict, name: str) -> Interval | None:
     v = _num(row.get(name))
-    return None if math.isnan(v) else Interval(v, _num(row.get(f"{name}_lo")), _num(row.get(f"{name}_hi")))
+    return None if math.isnan(v) else Interval(v, _num(row.get(f"{name}_lo")), _num(row.get(f"{name}_hi")),
+                                               n_sequences=int(_num(row.get("n_sequences")) or 0)
+                                               if math.isfinite(_num(row.get("n_sequences"))) else 0)
+
+
+def figure_bounds(kind: str, n_loops: float) -> tuple[float, float] | None:
+    """The range of a headline figure of ``kind``: accuracy [0, 1] (a fraction), a depth or D@X [1, T]; None
+    when T is unknown (the plain t-interval over seeds)."""
+    if kind == "pct":
+        return (0.0, 1.0)
+    return (1.0, float(n_loops)) if math.isfinite(n_loops) and n_loops > 1 else None
 
 
 def group_headline(head: pl.DataFrame, inp: Inputs, level: float = 0.95) -> pl.DataFrame:
     """One row per task × regime (the models that differ only by training seed): every headline figure as the
-    across-seed mean with its Student-t 95 % interval (:func:`looptrace.intervals.across_seeds`; one seed: that
+    across-seed mean with its Student-t 95 % interval on the logit scale of the figure's range (accuracy
+    [0, 1], depths [1, T]: :func:`looptrace.intervals.across_seeds`, :func:`figure_bounds`; one seed: that
     model's bootstrap interval), the seed count, the rules chosen per seed, and diagnose's group verdict
     (``verdict_groups.parquet``) when present.
 
@@ -145,21 +157,43 @@ def group_headline(head: pl.DataFrame, inp: Inputs, level: float = 0.95) -> pl.D
         row = {"group": g, "task": sub[0]["task"], "regime": sub[0]["regime"], "regime_kind": sub[0]["regime_kind"],
                "n_seeds": len(sub), "best_posthoc_rules": ", ".join(dict.fromkeys(r["best_posthoc_rule"] or "none"
                                                                                    for r in sub)),
-               "verdict": None, "reason": None, "seed_verdicts": None}
+               "verdict": None, "reason": None, "seed_verdicts": None, "seeds_needed": None}
+        T = _num(sub[0].get("n_loops"))
         for name, _, kind in HEADLINE_FIGURES:
-            iv = across_seeds([i for i in (_row_interval(r, name) for r in sub) if i is not None], level)
+            iv = across_seeds([i for i in (_row_interval(r, name) for r in sub) if i is not None], level,
+                              figure_bounds(kind, T))
             row.update(_figure_cols(name, iv if iv.present else None, kind))
         if inp.verdict_groups is not None and "group" in inp.verdict_groups.columns:
             v = inp.verdict_groups.filter(pl.col("group") == g)
             if v.height:
-                row.update({k: v[k][0] for k in ("verdict", "reason", "seed_verdicts") if k in v.columns})
+                row.update({k: v[k][0] for k in ("verdict", "reason", "seed_verdicts", "seeds_needed")
+                            if k in v.columns})
+        row["verdict_text"] = verdict_text(row)
         rows.append(row)
     schema = {"group": pl.String, "task": pl.String, "regime": pl.String, "regime_kind": pl.String,
               "n_seeds": pl.Int64, "best_posthoc_rules": pl.String, "verdict": pl.String, "reason": pl.String,
-              "seed_verdicts": pl.String}
+              "seed_verdicts": pl.String, "seeds_needed": pl.Int64, "verdict_text": pl.String}
     for name, _, _ in HEADLINE_FIGURES:
         schema.update({name: pl.Float64, f"{name}_lo": pl.Float64, f"{name}_hi": pl.Float64, f"{name}_text": pl.String})
     return pl.DataFrame(rows, schema=schema)
+
+
+def verdict_text(g: dict) -> str | None:
+    """A group's verdict cell: the verdict, and when it is ``undecided`` or the seeds disagree the per-seed
+    verdicts and the seeds that would decide (``undecided — per seed: 1 × …, 2 × …; ~7 seeds would decide``)."""
+    v = g.get("verdict")
+    if not v:
+        return None
+    per = g.get("seed_verdicts")
+    if v != "undecided" and (not per or per.startswith(f"{g.get('n_seeds')} × {v}")):
+        return v
+    out = f"{v} — per seed: {per}" if per else v
+    if v == "undecided":
+        need = g.get("seeds_needed")
+        n = g.get("n_seeds") or 0
+        out += (f"; ~{need} seeds would decide" if need is not None else
+                "; more seeds would show the spread" if n <= 1 else "; not decidable at the observed mean")
+    return out
 
 
 def nonfinite_table(loop_summary: pl.DataFrame | None) -> pl.DataFrame | None:

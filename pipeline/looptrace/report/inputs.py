@@ -25,8 +25,10 @@ class ReportConfig:
         split: split the figures describe (the readouts/gates operating points are always test).
         convergence_signal, convergence_eps, convergence_kind: which convergence depth of
             ``convergence.parquet`` the convergence figure shows (SPEC §2: signal, ε, first|settled).
-        dpi: PNG resolution.
+        dpi: PNG resolution (figures are 10.5 in wide: 1155 px at the default 110, the page's column width).
         title: page title.
+        seed_lines: also draw every training seed as a thin line beside the mean over seeds (per-loop accuracy,
+            step geometry, the Pareto figures' highlighted curves).
     """
 
     x: float = 95.0
@@ -36,6 +38,7 @@ class ReportConfig:
     convergence_kind: str = "first"
     dpi: int = 110
     title: str = "looptrace report"
+    seed_lines: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:

@@ -22,6 +22,7 @@ from looptrace.report.headline import (
     nonfinite_table,
 )
 from looptrace.report.inputs import Inputs, ReportConfig
+from looptrace.report.interactive import PLOTLY_JS, interactive_html
 
 
 class _ShiftHeadings(Treeprocessor):
@@ -73,7 +74,8 @@ def _table(df: pl.DataFrame, cols: Sequence[tuple[str, str, str | None]]) -> str
                 txt = "—" if v is None else str(v)
             cells.append(f"<td>{html.escape(txt)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    # wrapped: a table wider than the column scrolls inside it, the page never does (issue 25)
+    return f"<div class='tw'><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
 _CSS = """
@@ -82,8 +84,10 @@ color:#222;line-height:1.45}
 h1{border-bottom:2px solid #444;padding-bottom:.2em}h2{margin-top:2em;border-bottom:1px solid #bbb}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}th,td{border:1px solid #ccc;padding:.25em .6em;
 text-align:left}th{background:#f0f0f0}tr:nth-child(even) td{background:#fafafa}
-figure{margin:1.5em 0}figure img{max-width:100%;border:1px solid #ddd}figcaption{font-size:.9em;color:#555}
+figure{margin:1.5em 0}figure img{max-width:100%;height:auto;border:1px solid #ddd}figcaption{font-size:.9em;color:#555}
 code{background:#f3f3f3;padding:0 .2em}.missing{color:#8a5a00}td:first-child{white-space:nowrap}
+table{width:100%;font-size:.85em}td,th{overflow-wrap:break-word}.tw{max-width:100%;overflow-x:auto}
+.live{max-width:100%;overflow:hidden}
 """
 
 _CAPTIONS = {
@@ -109,8 +113,10 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
     to ``out_dir``."""
     x = f"{cfg.x:g}"
     figs = [(f"{n}_text", h.format(x=x), None) for n, h, _ in HEADLINE_FIGURES]
+    live = interactive_html(inp, out_dir)  # writes plotly.min.js beside the page when there is a view
+    script = f"<script src='{PLOTLY_JS}'></script>" if live else ""
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(cfg.title)}</title>"
-             f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(cfg.title)}</h1>",
+             f"<meta name='viewport' content='width=device-width'><style>{_CSS}</style>{script}</head><body>", f"<h1>{html.escape(cfg.title)}</h1>",
              f"<p>{inp.meta.height} models; every number below is read from the pipeline's artifacts, as "
              f"<code>estimate [lo, hi]</code> (95 % interval; figures whose intervals overlap are within noise). "
              f"D@{x} = the smallest mean exit depth (loops) whose test accuracy ≥ {x} %, threshold picked on test "
@@ -119,11 +125,19 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
              "<code>summary.md</code> beside this page.</p>"]
     if groups is not None and groups.height:
         parts += ["<h2>Headline per task × regime (across seeds)</h2>",
-                  "<p>Mean over training seeds with the Student-t 95 % interval; one seed: its bootstrap "
-                  "interval.</p>",
+                  "<p>Mean over training seeds with the Student-t 95 % interval on the logit scale of the "
+                  "figure's range (accuracy within [0, 100] %, depths within [1, T]); one seed: its bootstrap "
+                  "interval. A verdict is decided only when the paired per-seed comparisons decide it, else "
+                  "<em>undecided</em>, with the per-seed verdicts and the seeds that would decide.</p>",
                   _table(groups, [("group", "task × regime", None), ("regime_kind", "regime", None),
                                   ("n_seeds", "seeds", None), ("best_posthoc_rules", "best post-hoc rule(s)", None),
-                                  *figs, ("verdict", "verdict", None)])]
+                                  *figs, ("verdict_text", "verdict", None)])]
+    if live:
+        parts += ["<h2>Pareto fronts, interactive</h2>",
+                  "<p>Every test operating point of every rule and seed: hover a point for its rule, threshold, mean "
+                  "depth and accuracy with their 95 % bootstrap intervals; click a rule in the legend to show or hide "
+                  "it (grey rules start hidden); the menu shows one seed or all. Drawn offline by Plotly; the PNG "
+                  "figures below are the same data for papers.</p>", f"<div class='live'>{live}</div>"]
     parts += ["<h2>Headline per model</h2>",
               "<p>95 % bootstrap intervals over test sequences.</p>",
               _table(head, [("model", "model", None), ("regime_kind", "regime", None),
@@ -167,9 +181,11 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
     parts.append("<h2>Figures</h2>")
     for name, path in figures.items():
         rel = os.path.relpath(path, out_dir).replace(os.sep, "/")
-        cap = _CAPTIONS.get(name) or (f"Pareto fronts of task {name[len('pareto_'):]}: test accuracy vs mean exit depth "
-                                      "of every rule's own front; hollow circles are the chosen points; fixed depth "
-                                      "black squares, native gate red diamonds, refit gates dashed, oracle star.")
+        cap = _CAPTIONS.get(name) or (f"Pareto fronts of task {name[len('pareto_'):]}, a panel per regime, seeds "
+                                      "averaged: test accuracy vs mean exit depth. In colour the rules the text names "
+                                      "(fixed depth, oracle star, native gate, each seed's val-chosen best post-hoc "
+                                      "rule and best refit gate, user rules), every other rule grey; hollow circles "
+                                      "are the coloured rules' chosen points with 95 % intervals as error bars.")
         parts.append(f"<figure><img src='{html.escape(rel, quote=True)}' alt='{html.escape(name, quote=True)}'>"
                      f"<figcaption>{html.escape(cap)}</figcaption></figure>")
     if inp.missing:
