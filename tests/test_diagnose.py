@@ -531,6 +531,14 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     got = allrows.filter((pl.col("model") == models[0]) & (pl.col("rule") == "entropy"))["correct"][0]
     assert got == round(acc * 240)
     assert metrics["gates_present"] and set(metrics["claims"]) == {"a", "b", "c"}
+    # SEWN's faithfulness test (SPEC §7a): one row per model × rule at its chosen point, fixed depth untestable
+    ft = frames["faithfulness"]
+    assert ft.select("model", "source", "rule").sort("model", "source", "rule").equals(
+        allrows.select("model", "source", "rule").sort("model", "source", "rule"))
+    assert set(ft.filter(pl.col("rule") == "fixed")["verdict"]) == {"untestable"}
+    assert (ft["n"] == 240).all() and (ft["n_resamples"].is_in([0, cfg.faithfulness_resamples])).all()
+    assert metrics["faithfulness"]["n_tests"] == ft.height
+    assert "## Counterfactual faithfulness of halting signals" in summary
     assert frames["verdicts"].height == 3 and "## Verdicts" in summary
     # the verdicts carry the readouts' bootstrap intervals: the oracle ceiling's from metrics.json, fixed depth's
     # from chosen.parquet (the same resamples)
@@ -548,8 +556,8 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
                                    "--out", str(tmp_path / "diagnose")])
     assert res.exit_code == 0, res.output
     out = tmp_path / "diagnose"
-    for n in ("failure_classes.parquet", "spearman.parquet", "verdicts.parquet", "verdict_groups.parquet", "summary.md",
-              "metrics.json"):
+    for n in ("failure_classes.parquet", "spearman.parquet", "verdicts.parquet", "verdict_groups.parquet",
+              "faithfulness.parquet", "summary.md", "metrics.json"):
         assert (out / n).is_file()
     for row in pl.read_parquet(out / "verdicts.parquet").iter_rows(named=True):
         assert row["verdict"] in VERDICTS and check_verdict(row) == []

@@ -122,3 +122,68 @@ def _rho_basis(d: dict) -> str:
     else:
         out += "; no interval"
     return out
+
+
+def _p_text(p: float) -> str:
+    """``p = 0.41`` / ``p = 3e-12`` / ``p < 1e-300``."""
+    if p <= 0 or not math.isfinite(p):
+        return "p < 1e-300"
+    return f"p = {p:.2g}" if p >= 1e-3 else f"p = {p:.0e}"
+
+
+def _saving_text(r: dict) -> str:
+    s = f"{r['saving']:+.3f}"
+    if r.get("n_boot"):
+        s += f" [{r['saving_lo']:+.3f}, {r['saving_hi']:+.3f}]"
+    return s
+
+
+def faithfulness_lines(frame, alpha: float) -> list[str]:
+    """summary.md's section on SEWN's counterfactual faithfulness test (SPEC §7a), from ``faithfulness.parquet``.
+
+    One table row per (source, rule): how many models' tests reached each verdict and the range of the saving;
+    then, in words, every signal that is *unfaithful* (no better than random tokens given the same exit depths)
+    or *anti-faithful* (worse than random), with its saving, interval, p and n.
+    """
+    import polars as pl
+
+    out = ["", "## Counterfactual faithfulness of halting signals (SEWN's test, SPEC §7a)", "",
+           "A rule or gate at its chosen point claims that exiting a token at its exit loop costs nothing. The store "
+           "holds the counterfactual loss ℓ_t of every loop, so the claim is tested at a matched budget: the "
+           "signal's exit depths on its own tokens against the *same* exit depths handed to random tokens (and to "
+           "its reverse ranking). Saving = random cost − signal cost, in nats of ℓ_exit − ℓ_T per test token "
+           "(interval: bootstrap over test sequences); p: one-sided paired permutation test (permuted pairing of "
+           f"depths with tokens). *faithful* = p < {alpha:g} and the saving's interval above 0; *unfaithful* = no "
+           "better than random ranking; *anti-faithful* = worse than random; *untestable* = every token exits at "
+           "one depth.", ""]
+    if frame is None or not frame.height:
+        return out + ["No rule was tested."]
+    from looptrace.diagnose.faithfulness import FAITH_VERDICTS
+
+    out += ["| source | rule | kind | " + " | ".join(FAITH_VERDICTS) + " | saving (min … max over models) |",
+            "|---|---|---|" + "---|" * len(FAITH_VERDICTS) + "---|"]
+    agg = (frame.group_by("source", "rule", maintain_order=True)
+           .agg(pl.col("kind").first(), *[(pl.col("verdict") == v).sum().alias(v) for v in FAITH_VERDICTS],
+                pl.col("saving").min().alias("lo"), pl.col("saving").max().alias("hi")))
+    for r in agg.iter_rows(named=True):
+        out.append(f"| {r['source']} | {r['rule']} | {r['kind'] or '?'} | "
+                   + " | ".join(str(r[v]) for v in FAITH_VERDICTS) + f" | {r['lo']:+.3f} … {r['hi']:+.3f} |")
+    tested = frame.filter(pl.col("verdict") != "untestable")
+    out.append("")
+    for verdict, what in (("unfaithful", "no better than random tokens given the same exit depths"),
+                          ("anti-faithful", "worse than random: they exit the tokens that most need depth")):
+        bad = tested.filter(pl.col("verdict") == verdict)
+        if not bad.height:
+            out.append(f"- No tested signal is {verdict}.")
+            continue
+        out.append(f"- {bad.height} of {tested.height} tested signals are **{verdict}** ({what}):")
+        for rule, sub in bad.group_by("rule", maintain_order=True):
+            items = "; ".join(f"{r['model']} saving {_saving_text(r)}, {_p_text(r['pvalue'])}, n = {r['n']}"
+                              for r in sub.iter_rows(named=True))
+            out.append(f"  - {rule[0]}: {items}.")
+    good = tested.filter(pl.col("verdict") == "faithful")
+    if good.height:
+        w = good.sort("pvalue", descending=True).row(0, named=True)
+        out.append(f"- {good.height} of {tested.height} tested signals are faithful; the weakest is {w['rule']} on "
+                   f"{w['model']} (saving {_saving_text(w)} nats/token, {_p_text(w['pvalue'])}, n = {w['n']}).")
+    return out
