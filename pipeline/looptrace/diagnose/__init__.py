@@ -63,6 +63,7 @@ from looptrace.config import InputError, MissingInputError
 from looptrace.diagnose.claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.faithfulness import faithfulness_metrics, faithfulness_test
+from looptrace.diagnose.router import router_comparisons, router_model_rows
 from looptrace.diagnose.stats import _row_iv, failure_codes, failure_rows, spearman_headlines, spearman_rows
 from looptrace.diagnose.summary import summary_markdown
 from looptrace.diagnose.verdicts import group_verdicts, verdict
@@ -142,7 +143,7 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
 
 
 #: The per-model rows :func:`model_rows` returns.
-_ROW_KEYS = ("fail_rows", "sp_rows", "verdict_rows", "meta_rows", "dx_all", "faith_rows")
+_ROW_KEYS = ("fail_rows", "sp_rows", "verdict_rows", "meta_rows", "dx_all", "faith_rows", "router_rows")
 
 #: Columns of chosen.parquet / dx.parquet diagnose reads (the interval and val columns when the stage wrote them).
 _CHOSEN_COLS = ("rule", "kind", "source", "val_depth", "val_accuracy", "test_depth", "test_accuracy", "within_delta",
@@ -163,7 +164,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
     whether it has gates outputs. The Spearman intervals resample the test split exactly as the readouts and
     gates stages do (same sequences, same B, same seed from ``base.seed`` and the model name)."""
     readouts_root, gates_root, geometry_root = Path(readouts_root), Path(gates_root), Path(geometry_root)
-    fail_rows, sp_rows, verdict_rows, meta_rows, dx_all, faith_rows = [], [], [], [], [], []
+    fail_rows, sp_rows, verdict_rows, meta_rows, dx_all, faith_rows, router_rows = [], [], [], [], [], [], []
     gates_present = False
     for model in models:
         mpath = readouts_root / model / "metrics.json"
@@ -212,6 +213,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
                                                                 _interval_rows(cfg))]
         ch, dx = pl.concat(chosen, how="diagonal_relaxed"), pl.concat(dxs, how="diagonal_relaxed")
         dx_all.append(dx.with_columns(model=pl.lit(model)))
+        router_rows += router_model_rows(info, ch, cfg.router_baselines)  # [FP]: convergence router vs stabilisation
         # the ceiling with its bootstrap interval as the readouts stage wrote it (same resamples as every rule
         # of the model); outputs without one fall back to the point value from the test split
         orc = (rm.get("rules") or {}).get("oracle", {}).get("ceiling") or {}
@@ -220,7 +222,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         mf = pl.DataFrame([r for r in fail_rows if r["model"] == model])
         verdict_rows.append(verdict(info, ch, dx, oracle, mf, cfg))
     return {"fail_rows": fail_rows, "sp_rows": sp_rows, "verdict_rows": verdict_rows, "meta_rows": meta_rows,
-            "dx_all": dx_all, "faith_rows": faith_rows, "gates_present": gates_present}
+            "dx_all": dx_all, "faith_rows": faith_rows, "router_rows": router_rows, "gates_present": gates_present}
 
 
 def _interval_rows(cfg: DiagnoseConfig) -> Callable[[str, int | None, str], bool] | None:
@@ -232,8 +234,8 @@ def _interval_rows(cfg: DiagnoseConfig) -> Callable[[str, int | None, str], bool
 
 
 def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: list, dx_all: list,
-               gates_present: bool, cfg: DiagnoseConfig, meta: dict | None, faith_rows: list | None = None
-               ) -> tuple[dict[str, pl.DataFrame], str, dict]:
+               gates_present: bool, cfg: DiagnoseConfig, meta: dict | None, faith_rows: list | None = None,
+               router_rows: list | None = None) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
                                               "regime_kind": pl.String})
@@ -249,8 +251,10 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
     faith = pl.DataFrame(faith_rows or [], infer_schema_length=None)
     if cfg.faithfulness_resamples:
         frames["faithfulness"] = faith
+    frames["convergence_router"] = router_comparisons(pl.DataFrame(router_rows or [], infer_schema_length=None), cfg)
     summary = summary_markdown(frames["verdicts"], claims, frames["spearman"], cfg, frames["failure_classes"],
-                               groups, faithfulness=faith if cfg.faithfulness_resamples else None)
+                               groups, faithfulness=faith if cfg.faithfulness_resamples else None,
+                               router=frames["convergence_router"])
     figs = ("best_depth", "fixed_depth", "native_depth", "oracle_depth", "dx_fixed", "dx_best_posthoc",
             "dx_best_gate", "dx_native")
 

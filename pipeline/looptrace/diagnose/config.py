@@ -37,6 +37,9 @@ class DiagnoseConfig:
         faithfulness_resamples: Monte-Carlo permutations B of the counterfactual faithfulness test of every
             rule, gate and native head at its chosen point (SPEC §7a, ``faithfulness.parquet``); 0 = no test.
         faithfulness_alpha: its level (a signal is ``faithful`` when p < α and its saving's interval is above 0).
+        router_baselines: the training-free stabilisation rules (readouts rules) that [FP]'s router on
+            convergence labels (refit gates ``*-converged``) is compared with, at their chosen points
+            (``convergence_router.parquet``).
     """
 
     x: float = 95.0
@@ -49,6 +52,7 @@ class DiagnoseConfig:
     spearman_intervals: str = "headline"
     faithfulness_resamples: int = 199
     faithfulness_alpha: float = 0.05
+    router_baselines: tuple[str, ...] = ("argmax_stable", "kl_prev")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
