@@ -109,3 +109,33 @@ def test_deterministic():
     d = _threshold_exits(exit_costs(loss), 0.1)
     a, b = faithfulness_test(loss, d, seed=5), faithfulness_test(loss, d, seed=5)
     assert a == b and math.isfinite(a.z)
+
+
+def test_monte_carlo_pvalue_agrees_with_scipy_permutation_test():
+    from scipy.stats import permutation_test
+
+    loss = _losses(400, 4, seed=6)
+    rng = np.random.default_rng(8)
+    # a weak signal: random depths, but 30 tokens that are done at loop 1 are exited there
+    d = rng.integers(1, 5, 400)
+    d[rng.choice(np.flatnonzero(exit_costs(loss)[:, 0] < 1e-9), 30, replace=False)] = 1
+    B = 4999
+    ours = faithfulness_test(loss, d, n_resamples=B, seed=1)
+    c = exit_costs(loss)
+    ref = permutation_test((d,), lambda x, axis=-1: c[np.arange(d.size), x - 1].mean(axis=-1), vectorized=True,
+                           permutation_type="pairings", n_resamples=B, alternative="less",
+                           random_state=np.random.default_rng(2)).pvalue
+    assert 0.005 < ref < 0.5  # a case where the p-value is resolved, not at a floor
+    se = math.sqrt(ref * (1 - ref) / B)
+    assert abs(ours.pvalue_mc - ref) < 5 * math.sqrt(2) * se
+    assert abs(ours.pvalue_normal - ref) < 0.05  # the combinatorial CLT's tail is close at n = 400
+
+
+def test_shared_permutations_give_the_same_result():
+    from looptrace.diagnose.faithfulness import null_permutations
+
+    loss = _losses(300, 4, seed=9)
+    d = _threshold_exits(exit_costs(loss), 0.1)
+    perms = null_permutations(300, 99, seed=3)
+    assert perms.shape == (99, 300) and (np.sort(perms, axis=1) == np.arange(300)).all()
+    assert faithfulness_test(loss, d, seed=3, perms=perms) == faithfulness_test(loss, d, n_resamples=99, seed=3)

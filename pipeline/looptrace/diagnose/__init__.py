@@ -62,7 +62,7 @@ import polars as pl
 from looptrace.config import InputError, MissingInputError
 from looptrace.diagnose.claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig
-from looptrace.diagnose.faithfulness import faithfulness_metrics, faithfulness_test
+from looptrace.diagnose.faithfulness import faithfulness_metrics, faithfulness_test, null_permutations
 from looptrace.diagnose.router import router_comparisons, router_model_rows
 from looptrace.diagnose.stats import _row_iv, failure_codes, failure_rows, spearman_headlines, spearman_rows
 from looptrace.diagnose.summary import summary_markdown
@@ -184,6 +184,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         assert test.token is not None  # load_token_loop always sets the store row ids
         correct = test.loop["correct"]
         rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
+        perms = None
         chosen, dxs = [], []
         for source, o in outs:
             chosen.append(o["chosen"].select(_present(o["chosen"], _CHOSEN_COLS)))
@@ -202,8 +203,11 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
                     fail_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind")},
                                       "source": source, "rule": rule, "kind": kinds.get(rule), **row})
                 if cfg.faithfulness_resamples:  # SEWN's counterfactual test at this rule's chosen point (SPEC §7a)
-                    ft = faithfulness_test(-test.loop["target_logprob"], depth, rs, cfg.faithfulness_resamples,
-                                           cfg.faithfulness_alpha, boot_seed(seed, model, source, rule, "faith"))
+                    if perms is None:  # the model's null draws, shared by its rules
+                        perms = null_permutations(test.n, cfg.faithfulness_resamples,
+                                                  boot_seed(seed, model, "faithfulness"))
+                    ft = faithfulness_test(-test.loop["target_logprob"], depth, rs, alpha=cfg.faithfulness_alpha,
+                                           seed=boot_seed(seed, model, source, rule, "faith"), perms=perms)
                     faith_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind")},
                                        "source": source, "rule": rule, "kind": kinds.get(rule), **ft.to_dict()})
         signals = {s: test.loop[s] for s in cfg.spearman_signals}

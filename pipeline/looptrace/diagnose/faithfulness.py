@@ -15,15 +15,17 @@ tokens for which they are cheap, **at a matched budget**: the null hands the *sa
   with a percentile bootstrap interval over test sequences (the project's interval protocol), the saving
   against the reverse ranking R − A likewise, and the standardised z = (A − E) / sd_π.
 
-**p-value.** A paired permutation test (scipy.stats.permutation_test, ``permutation_type='pairings'``: the
-pairing of exit depths with tokens is permuted, so each resample is a random assignment of the same depths),
-one-sided (the signal's cost is lower than random), Monte-Carlo with B resamples: p_MC = (1 + #{A_π ≤ A}) /
-(1 + B) ≥ 1/(1 + B). When no resample reaches A (p_MC at its floor), the tail is resolved by the normal
-approximation to the permutation distribution (Hoeffding 1951's combinatorial CLT) with its *exact* mean E
-and variance Var_π[Σ_i C_{iπ(i)}] = (1/(n−1)) Σ_ij (C_ij − C_i· − C_·j + C_··)², C_ij = c_i(d_j); the reported
-p is min(p_MC, p_normal) in that case and p_MC otherwise, so at every level ≥ 1/(1 + B) the test is exactly
-the Monte-Carlo permutation test. C is n × n but takes only T distinct columns, so the variance costs
-O(n T).
+**p-value.** A paired permutation test of the pairing of exit depths with tokens (each permutation is a random
+assignment of the same depths: scipy.stats.permutation_test's ``permutation_type='pairings'``), one-sided (the
+signal's cost is lower than random), Monte-Carlo with B permutations: p_MC = (1 + #{A_π ≤ A}) / (1 + B) ≥
+1/(1 + B). The B permutations of a model's test tokens are drawn once (:func:`null_permutations`, seeded) and
+shared by all its rules, so the null draws are paired across rules and the test costs one [B, n] gather per rule
+(tests/test_faithfulness.py checks p_MC against scipy.stats.permutation_test on the same case). When no
+permutation reaches A (p_MC at its floor), the tail is resolved by the normal approximation to the permutation
+distribution (Hoeffding 1951's combinatorial CLT) with its *exact* mean E and variance Var_π[Σ_i C_{iπ(i)}] =
+(1/(n−1)) Σ_ij (C_ij − C_i· − C_·j + C_··)², C_ij = c_i(d_j); the reported p is min(p_MC, p_normal) in that case
+and p_MC otherwise, so at every level ≥ 1/(1 + B) the test is exactly the Monte-Carlo permutation test. C is
+n × n but takes only T distinct columns, so the variance costs O(n T).
 
 **Verdict** (``verdict`` column, words of summary.md): ``faithful`` when p < α and the saving's interval
 lies above 0; ``anti-faithful`` when the interval lies below 0 (the signal exits the tokens that most need
@@ -116,22 +118,30 @@ def reverse_depths(depth: np.ndarray, seed: int) -> np.ndarray:
     return out
 
 
+def null_permutations(n: int, n_resamples: int, seed: int) -> np.ndarray:
+    """[B, n] int32: B independent uniform permutations of the n tokens (the Monte-Carlo null draws)."""
+    rng = np.random.default_rng(seed)
+    return rng.permuted(np.broadcast_to(np.arange(n, dtype=np.int32), (int(n_resamples), n)), axis=1)
+
+
 def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler | None = None,
-                      n_resamples: int = 199, alpha: float = 0.05, seed: int = 0) -> FaithfulnessResult:
+                      n_resamples: int = 199, alpha: float = 0.05, seed: int = 0,
+                      perms: np.ndarray | None = None) -> FaithfulnessResult:
     """SEWN's counterfactual faithfulness test of one signal's exits, at matched budget (module docstring).
 
     Args:
         loss: [token, loop] per-depth losses ℓ_t = −log p_t(y) (nats).
         depth: [token] the signal's 1-based exit depths at its operating point.
         resampler: bootstrap over test sequences of the saving's interval (None = no interval: NaN bounds).
-        n_resamples: Monte-Carlo permutations B of the p-value (≥ 1).
+        n_resamples: Monte-Carlo permutations B of the p-value (≥ 1; ignored when ``perms`` is given).
         alpha: level of the verdict.
-        seed: RNG seed of the permutations and of the reverse ranking's tie-break.
+        seed: RNG seed of the permutations (when ``perms`` is None) and of the reverse ranking's tie-break.
+        perms: [B, token] permutations of the tokens (:func:`null_permutations`), shared by a model's rules.
 
     Returns:
         :class:`FaithfulnessResult`.
     """
-    from scipy.stats import norm, permutation_test
+    from scipy.stats import norm
 
     c = exit_costs(loss)
     d = np.asarray(depth, dtype=np.int64)
@@ -154,17 +164,18 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
     else:
         z = (A - mean) / sd
         p_norm = float(norm.cdf(z))
-
-        def stat(x: np.ndarray, axis: int = -1) -> np.ndarray:
-            return flat[base + x].mean(axis=-1)
-
-        B = int(n_resamples)
-        res = permutation_test((d,), stat, permutation_type="pairings", vectorized=True, n_resamples=B,
-                               alternative="less", random_state=np.random.default_rng(seed),
-                               batch=max(1, 2_000_000 // max(n, 1)))
-        p_mc = float(res.pvalue)
-        # scipy counts ties with a relative tolerance: at the floor no resample reached A
-        p = min(p_mc, p_norm) if p_mc <= 1.0 / (B + 1) + 1e-15 else p_mc
+        pm = null_permutations(n, n_resamples, seed) if perms is None else perms
+        if pm.shape[1:] != (n,):
+            raise ValueError(f"perms must be [B, {n}] permutations of the tokens, got shape {pm.shape}")
+        B = int(pm.shape[0])
+        # cost of handing token i the depth of token π(i): [B, n] gathers, in row blocks of ≤ 2M entries
+        null = np.empty(B)
+        step = max(1, 2_000_000 // max(n, 1))
+        for i in range(0, B, step):
+            null[i:i + step] = np.take(flat, base[None, :] + d[pm[i:i + step]]).mean(axis=1)
+        hits = int((null <= A + 1e-12 * max(1.0, abs(A))).sum())  # ties count against the signal
+        p_mc = (1 + hits) / (1 + B)
+        p = min(p_mc, p_norm) if hits == 0 else p_mc
     lo = hi = rlo = rhi = math.nan
     nb = ns = 0
     if resampler is not None and resampler.n_boot:

@@ -131,10 +131,15 @@ def _p_text(p: float) -> str:
     return f"p = {p:.2g}" if p >= 1e-3 else f"p = {p:.0e}"
 
 
+def _nats(v: float) -> str:
+    """A saving in nats, three significant digits (savings range from 1e-4 to 1)."""
+    return "0" if v == 0 else f"{v:+.3g}"
+
+
 def _saving_text(r: dict) -> str:
-    s = f"{r['saving']:+.3f}"
+    s = _nats(r["saving"])
     if r.get("n_boot"):
-        s += f" [{r['saving_lo']:+.3f}, {r['saving_hi']:+.3f}]"
+        s += f" [{_nats(r['saving_lo'])}, {_nats(r['saving_hi'])}]"
     return s
 
 
@@ -167,7 +172,7 @@ def faithfulness_lines(frame, alpha: float) -> list[str]:
                 pl.col("saving").min().alias("lo"), pl.col("saving").max().alias("hi")))
     for r in agg.iter_rows(named=True):
         out.append(f"| {r['source']} | {r['rule']} | {r['kind'] or '?'} | "
-                   + " | ".join(str(r[v]) for v in FAITH_VERDICTS) + f" | {r['lo']:+.3f} … {r['hi']:+.3f} |")
+                   + " | ".join(str(r[v]) for v in FAITH_VERDICTS) + f" | {_nats(r['lo'])} … {_nats(r['hi'])} |")
     tested = frame.filter(pl.col("verdict") != "untestable")
     out.append("")
     for verdict, what in (("unfaithful", "no better than random tokens given the same exit depths"),
@@ -181,6 +186,12 @@ def faithfulness_lines(frame, alpha: float) -> list[str]:
             items = "; ".join(f"{r['model']} saving {_saving_text(r)}, {_p_text(r['pvalue'])}, n = {r['n']}"
                               for r in sub.iter_rows(named=True))
             out.append(f"  - {rule[0]}: {items}.")
+    kinds = {"native": "native halting heads", "gate": "refit gates", "posthoc": "post-hoc readouts"}
+    by_kind = [f"{int((sub['verdict'] == 'faithful').sum())} of {sub.height} {kinds[k]}"
+               for k in kinds if (sub := tested.filter(pl.col("kind") == k)).height]
+    if by_kind:
+        out.append(f"- Faithful by family: {'; '.join(by_kind)} ([SEWN]: a static prior fails the test, a contextual "
+                   "gate passes it).")
     good = tested.filter(pl.col("verdict") == "faithful")
     if good.height:
         w = good.sort("pvalue", descending=True).row(0, named=True)
