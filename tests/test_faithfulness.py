@@ -139,3 +139,13 @@ def test_shared_permutations_give_the_same_result():
     perms = null_permutations(300, 99, seed=3)
     assert perms.shape == (99, 300) and (np.sort(perms, axis=1) == np.arange(300)).all()
     assert faithfulness_test(loss, d, seed=3, perms=perms) == faithfulness_test(loss, d, n_resamples=99, seed=3)
+
+
+def test_config_errors():
+    from looptrace.config import ConfigError
+    from looptrace.diagnose.config import DiagnoseConfig
+
+    with pytest.raises(ConfigError, match="faithfulness_resamples must be ≥ 0"):
+        DiagnoseConfig(faithfulness_resamples=-1)
+    with pytest.raises(ConfigError, match="faithfulness_alpha must be in"):
+        DiagnoseConfig(faithfulness_alpha=1.0)
