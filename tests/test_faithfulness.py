@@ -149,3 +149,14 @@ def test_config_errors():
         DiagnoseConfig(faithfulness_resamples=-1)
     with pytest.raises(ConfigError, match="faithfulness_alpha must be in"):
         DiagnoseConfig(faithfulness_alpha=1.0)
+
+
+def test_empty_table_keeps_its_columns():
+    from looptrace.diagnose.faithfulness import faithfulness_frame
+
+    df = faithfulness_frame([])
+    assert df.height == 0 and {"model", "rule", "saving", "pvalue", "verdict"} <= set(df.columns)
+    r = faithfulness_test(_losses(50, 3, seed=1), np.r_[np.ones(25, int), np.full(25, 3)], n_resamples=19)
+    one = faithfulness_frame([{"model": "m", "task": "t", "regime": "r", "regime_kind": "k", "source": "readouts",
+                               "rule": "x", "kind": None, **r.to_dict()}])
+    assert one.columns == df.columns and one["pvalue"][0] == r.pvalue

@@ -62,7 +62,12 @@ import polars as pl
 from looptrace.config import InputError, MissingInputError
 from looptrace.diagnose.claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig
-from looptrace.diagnose.faithfulness import faithfulness_metrics, faithfulness_test, null_permutations
+from looptrace.diagnose.faithfulness import (
+    faithfulness_frame,
+    faithfulness_metrics,
+    faithfulness_test,
+    null_permutations,
+)
 from looptrace.diagnose.router import router_comparisons, router_model_rows
 from looptrace.diagnose.stats import _row_iv, failure_codes, failure_rows, spearman_headlines, spearman_rows
 from looptrace.diagnose.summary import summary_markdown
@@ -252,9 +257,8 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
     }
     groups = group_verdicts(frames["verdicts"], cfg)
     frames["verdict_groups"] = groups
-    faith = pl.DataFrame(faith_rows or [], infer_schema_length=None)
-    if cfg.faithfulness_resamples:
-        frames["faithfulness"] = faith
+    faith = faithfulness_frame(faith_rows or [])
+    frames["faithfulness"] = faith  # empty (same columns) when diagnose.faithfulness_resamples is 0
     frames["convergence_router"] = router_comparisons(pl.DataFrame(router_rows or [], infer_schema_length=None), cfg)
     summary = summary_markdown(frames["verdicts"], claims, frames["spearman"], cfg, frames["failure_classes"],
                                groups, faithfulness=faith if cfg.faithfulness_resamples else None,

@@ -36,9 +36,11 @@ depth, e.g. ``fixed``); ``unfaithful`` otherwise — no better than random ranki
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
+import polars as pl
 
 from looptrace.intervals import Resampler
 
@@ -197,6 +199,16 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
         cost_reverse=R, saving=saving, saving_lo=lo, saving_hi=hi, saving_vs_reverse=R - A,
         saving_vs_reverse_lo=rlo, saving_vs_reverse_hi=rhi, z=float(z), pvalue=float(p), pvalue_mc=float(p_mc),
         pvalue_normal=float(p_norm), n_resamples=B, n_boot=nb, n_sequences=ns, verdict=verdict)
+
+
+def faithfulness_frame(rows: list[dict]) -> pl.DataFrame:
+    """``faithfulness.parquet`` from its rows (model, task, regime, regime_kind, source, rule, kind, then the
+    :class:`FaithfulnessResult` fields); with no rows (the test off) the same columns, empty."""
+    schema: dict[str, Any] = {k: pl.String for k in ("model", "task", "regime", "regime_kind", "source", "rule",
+                                                      "kind")}
+    for f in fields(FaithfulnessResult):
+        schema[f.name] = {"int": pl.Int64, "float": pl.Float64}.get(str(f.type), pl.String)
+    return pl.DataFrame(rows, schema=schema) if rows else pl.DataFrame(schema=schema)
 
 
 def faithfulness_metrics(frame, cfg) -> dict:
