@@ -170,11 +170,12 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
         if pm.shape[1:] != (n,):
             raise ValueError(f"perms must be [B, {n}] permutations of the tokens, got shape {pm.shape}")
         B = int(pm.shape[0])
-        # cost of handing token i the depth of token π(i): [B, n] gathers, in row blocks of ≤ 2M entries
+        # a random assignment of the same depths: token π(j) gets depth d_j (π uniform, so π(j) ranges over a
+        # uniform permutation); [B, n] gathers of c in row blocks of ≤ 2M entries
         null = np.empty(B)
         step = max(1, 2_000_000 // max(n, 1))
         for i in range(0, B, step):
-            null[i:i + step] = np.take(flat, base[None, :] + d[pm[i:i + step]]).mean(axis=1)
+            null[i:i + step] = np.take(flat, pm[i:i + step].astype(np.int64) * T + (d - 1)[None, :]).mean(axis=1)
         hits = int((null <= A + 1e-12 * max(1.0, abs(A))).sum())  # ties count against the signal
         p_mc = (1 + hits) / (1 + B)
         p = min(p_mc, p_norm) if hits == 0 else p_mc
