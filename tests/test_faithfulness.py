@@ -78,7 +78,7 @@ def test_a_signal_that_is_the_loss_increase_is_faithful():
     assert r.cost_signal <= 0.02 + 1e-12  # it exits only where the increase is at most its threshold
     # its reverse ranking is worse than random: the same depths on the tokens that need depth most
     rev = faithfulness_test(loss, reverse_depths(d, 0), rs, n_resamples=199)
-    assert rev.verdict == "anti-faithful" and rev.saving_hi < 0
+    assert rev.verdict == "anti-faithful" and rev.saving_hi < 0 and rev.pvalue_worse < 1e-6 and rev.pvalue > 0.5
 
 
 def test_a_random_signal_rejects_at_the_nominal_rate():

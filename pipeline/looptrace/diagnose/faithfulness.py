@@ -28,8 +28,10 @@ and p_MC otherwise, so at every level ≥ 1/(1 + B) the test is exactly the Mont
 n × n but takes only T distinct columns, so the variance costs O(n T).
 
 **Verdict** (``verdict`` column, words of summary.md): ``faithful`` when p < α and the saving's interval
-lies above 0; ``anti-faithful`` when the interval lies below 0 (the signal exits the tokens that most need
-depth: worse than random); ``untestable`` when every assignment costs the same (all tokens exit at one
+lies above 0; ``anti-faithful`` when the other tail's p (``pvalue_worse``: the signal costs more than random,
+same permutations) is < α and the interval lies below 0 (the signal exits the tokens that most need depth: worse
+than random; both are required because a skewed null can put the mean and the median of the random costs on
+different sides of A); ``untestable`` when every assignment costs the same (all tokens exit at one
 depth, e.g. ``fixed``); ``unfaithful`` otherwise — no better than random ranking at this budget.
 """
 
@@ -68,6 +70,7 @@ class FaithfulnessResult:
     pvalue: float
     pvalue_mc: float
     pvalue_normal: float
+    pvalue_worse: float
     n_resamples: int
     n_boot: int
     n_sequences: int
@@ -162,7 +165,7 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
     # the permutation null is degenerate (every assignment costs the same, up to rounding)
     untestable = sd <= 1e-12 * max(1.0, float(np.abs(c).max(initial=0.0)))
     if untestable:
-        z, p_norm, p_mc, p, B = 0.0, 1.0, 1.0, 1.0, 0
+        z, p_norm, p_mc, p, p_worse, B = 0.0, 1.0, 1.0, 1.0, 1.0, 0
     else:
         z = (A - mean) / sd
         p_norm = float(norm.cdf(z))
@@ -176,9 +179,14 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
         step = max(1, 2_000_000 // max(n, 1))
         for i in range(0, B, step):
             null[i:i + step] = np.take(flat, pm[i:i + step].astype(np.int64) * T + (d - 1)[None, :]).mean(axis=1)
-        hits = int((null <= A + 1e-12 * max(1.0, abs(A))).sum())  # ties count against the signal
+        tol = 1e-12 * max(1.0, abs(A))
+        hits = int((null <= A + tol).sum())  # ties count against the signal
         p_mc = (1 + hits) / (1 + B)
         p = min(p_mc, p_norm) if hits == 0 else p_mc
+        # the other tail (the signal costs more than random), resolved the same way
+        worse = int((null >= A - tol).sum())
+        p_worse = (1 + worse) / (1 + B)
+        p_worse = min(p_worse, 1.0 - p_norm) if worse == 0 else p_worse
     lo = hi = rlo = rhi = math.nan
     nb = ns = 0
     if resampler is not None and resampler.n_boot:
@@ -191,7 +199,7 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
         verdict = "untestable"
     elif p < alpha and (lo > 0 if nb else True):
         verdict = "faithful"
-    elif (hi < 0) if nb else (p_norm > 1 - alpha):
+    elif p_worse < alpha and (hi < 0 if nb else True):
         verdict = "anti-faithful"
     else:
         verdict = "unfaithful"
@@ -199,7 +207,7 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
         n=n, n_exited=int((d < T).sum()), mean_depth=float(d.mean()), cost_signal=A, cost_random=E,
         cost_reverse=R, saving=saving, saving_lo=lo, saving_hi=hi, saving_vs_reverse=R - A,
         saving_vs_reverse_lo=rlo, saving_vs_reverse_hi=rhi, z=float(z), pvalue=float(p), pvalue_mc=float(p_mc),
-        pvalue_normal=float(p_norm), n_resamples=B, n_boot=nb, n_sequences=ns, verdict=verdict)
+        pvalue_normal=float(p_norm), pvalue_worse=float(p_worse), n_resamples=B, n_boot=nb, n_sequences=ns, verdict=verdict)
 
 
 def faithfulness_frame(rows: list[dict]) -> pl.DataFrame:

@@ -159,7 +159,7 @@ def faithfulness_lines(frame, alpha: float) -> list[str]:
            "its reverse ranking). Saving = random cost − signal cost, in nats of ℓ_exit − ℓ_T per test token "
            "(interval: bootstrap over test sequences); p: one-sided paired permutation test (permuted pairing of "
            f"depths with tokens). *faithful* = p < {alpha:g} and the saving's interval above 0; *unfaithful* = no "
-           "better than random ranking; *anti-faithful* = worse than random; *untestable* = every token exits at "
+           "better than random ranking; *anti-faithful* = worse than random (the other tail's p < α and the interval below 0); *untestable* = every token exits at "
            "one depth.", ""]
     if frame is None or not frame.height:
         return out + ["No rule was tested."]
@@ -182,8 +182,10 @@ def faithfulness_lines(frame, alpha: float) -> list[str]:
             out.append(f"- No tested signal is {verdict}.")
             continue
         out.append(f"- {bad.height} of {tested.height} tested signals are **{verdict}** ({what}):")
+        pcol = "pvalue_worse" if verdict == "anti-faithful" else "pvalue"  # the tail the verdict rests on
         for rule, sub in bad.group_by("rule", maintain_order=True):
-            items = "; ".join(f"{r['model']} saving {_saving_text(r)}, {_p_text(r['pvalue'])}, n = {r['n']}"
+            items = "; ".join(f"{r['model']} saving {_saving_text(r)}, {_p_text(r[pcol])}"
+                              + (" (worse than random)" if pcol == "pvalue_worse" else "") + f", n = {r['n']}"
                               for r in sub.iter_rows(named=True))
             out.append(f"  - {rule[0]}: {items}.")
     kinds = {"native": "native halting heads", "gate": "refit gates", "posthoc": "post-hoc readouts"}
