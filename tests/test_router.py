@@ -63,3 +63,13 @@ def test_comparison_across_seeds_by_hand():
 def test_no_rows_give_an_empty_table_with_columns():
     cr = router_comparisons(pl.DataFrame(), DiagnoseConfig())
     assert cr.height == 0 and "outcome" in cr.columns
+
+
+def test_a_point_not_within_delta_is_flagged():
+    cfg = DiagnoseConfig()
+    ch = _chosen(5.0, 2.0, 4.9).with_columns(within_delta=pl.col("rule") != "argmax_stable")
+    cr = router_comparisons(pl.DataFrame(router_model_rows(_info("rp-geometric-s0"), ch, cfg.router_baselines)), cfg)
+    g = cr.filter((pl.col("scope") == "group") & (pl.col("baseline") == "argmax_stable")).row(0, named=True)
+    assert g["router_within_delta"] and not g["baseline_within_delta"]
+    text = "\n".join(router_lines(cr, cfg.gap_tol))
+    assert "| 99.0 % | 99.0 % † |" in text and "† no threshold of this rule reaches" in text
