@@ -186,7 +186,7 @@ def faithfulness_test(loss: np.ndarray, depth: np.ndarray, resampler: Resampler 
         # the other tail (the signal costs more than random), resolved the same way
         worse = int((null >= A - tol).sum())
         p_worse = (1 + worse) / (1 + B)
-        p_worse = min(p_worse, 1.0 - p_norm) if worse == 0 else p_worse
+        p_worse = min(p_worse, float(norm.sf(z))) if worse == 0 else p_worse  # sf: no 1 − Φ cancellation
     lo = hi = rlo = rhi = math.nan
     nb = ns = 0
     if resampler is not None and resampler.n_boot:
