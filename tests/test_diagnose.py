@@ -509,7 +509,9 @@ def _gate_outputs(root, model, splits, seed):
     vd = SplitArrays(val["token"][:, 0], {"correct": val["correct"], "target_logprob": val["target_logprob"]})
     td = SplitArrays(test["token"][:, 0], {"correct": test["correct"], "target_logprob": test["target_logprob"]})
     r = evaluate_rule(f"gate:{model}-ponder", -val["entropy"], -test["entropy"], vd, td, "ge", kind="gate")
-    frames = result_frames([r])
+    # a stand-in for [FP]'s router on convergence labels (diagnose compares it with argmax_stable and kl_prev)
+    rc = evaluate_rule("gate:logreg-converged", val["max_prob"], test["max_prob"], vd, td, "ge", kind="gate")
+    frames = result_frames([r, rc])
     write_outputs(root / model, frames, {"model": model})
 
 
@@ -559,6 +561,26 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
     got = allrows.filter((pl.col("model") == models[0]) & (pl.col("rule") == "entropy"))["correct"][0]
     assert got == round(acc * 240)
     assert metrics["gates_present"] and set(metrics["claims"]) == {"a", "b", "c"}
+    # SEWN's faithfulness test (SPEC §7a): one row per model × rule at its chosen point, fixed depth untestable
+    ft = frames["faithfulness"]
+    assert ft.select("model", "source", "rule").sort("model", "source", "rule").equals(
+        allrows.select("model", "source", "rule").sort("model", "source", "rule"))
+    assert set(ft.filter(pl.col("rule") == "fixed")["verdict"]) == {"untestable"}
+    assert (ft["n"] == 240).all() and (ft["n_resamples"].is_in([0, cfg.faithfulness_resamples])).all()
+    assert metrics["faithfulness"]["n_tests"] == ft.height
+    assert "## Counterfactual faithfulness of halting signals" in summary
+    # [FP]: the router (two models have gates) against argmax_stable and kl_prev, per model and per group
+    cr = frames["convergence_router"]
+    assert set(cr.filter(pl.col("scope") == "model")["name"]) == set(models[:2])
+    assert set(cr["baseline"]) == {"argmax_stable", "kl_prev"} and set(cr["router"]) == {"gate:logreg-converged"}
+    r0 = cr.filter((pl.col("name") == models[0]) & (pl.col("baseline") == "kl_prev")).row(0, named=True)
+    ch0 = pl.read_parquet(tmp_path / "gates" / models[0] / "chosen.parquet").filter(
+        pl.col("rule") == "gate:logreg-converged").row(0, named=True)
+    kl0 = ch.filter(pl.col("rule") == "kl_prev").row(0, named=True)
+    assert (r0["router_depth"], r0["router_accuracy"]) == (ch0["test_depth"], ch0["test_accuracy"])
+    assert (r0["baseline_depth"], r0["baseline_depth_lo"], r0["baseline_depth_hi"]) == (
+        kl0["test_depth"], kl0["test_depth_lo"], kl0["test_depth_hi"])
+    assert "## [FP]: a router on convergence labels vs training-free stabilisation" in summary
     assert frames["verdicts"].height == 3 and "## Verdicts" in summary
     # the verdicts carry the readouts' bootstrap intervals: the oracle ceiling's from metrics.json, fixed depth's
     # from chosen.parquet (the same resamples)
@@ -576,8 +598,8 @@ def test_diagnose_end_to_end(tmp_path, repo_root):
                                    "--out", str(tmp_path / "diagnose")])
     assert res.exit_code == 0, res.output
     out = tmp_path / "diagnose"
-    for n in ("failure_classes.parquet", "spearman.parquet", "verdicts.parquet", "verdict_groups.parquet", "summary.md",
-              "metrics.json"):
+    for n in ("failure_classes.parquet", "spearman.parquet", "verdicts.parquet", "verdict_groups.parquet",
+              "faithfulness.parquet", "convergence_router.parquet", "summary.md", "metrics.json"):
         assert (out / n).is_file()
     for row in pl.read_parquet(out / "verdicts.parquet").iter_rows(named=True):
         assert row["verdict"] in VERDICTS and check_verdict(row) == []

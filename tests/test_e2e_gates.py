@@ -38,7 +38,7 @@ TINY = {
               "checkpoint_fractions": [0.5]},
     "dump": {"sequences": {"fit": 24, "val": 16, "test": 16}, "batch_size": 16, "chunk_tokens": 64},
     "dynamics": {"enabled": False},
-    "gates": {"gates": ["logreg-oracle", "ponder-linear"], "cross_gates": ["logreg-oracle"],
+    "gates": {"gates": ["logreg-oracle", "ponder-linear", "logreg-converged"], "cross_gates": ["logreg-oracle"],
               "pca_components": 4, "mlp_max_iter": 5, "ponder": {"epochs": 3}},
     "latency": {"batch_sizes": [8], "bs1_sequences": 2, "repeats": 1, "require_exact": False},
     "generate": {"batch_sizes": [1, 4], "prompts": 4, "prompt_len": 3, "new_tokens": 3, "repeats": 1},

@@ -212,7 +212,8 @@ def test_readouts_gates_diagnose_same_bytes(runner, tmp_path):
     for p in sorted(a.rglob("manifest.json")):
         if "gates" not in p.parts:
             assert p.read_bytes() == (b / p.relative_to(a)).read_bytes(), p
-    assert da == db and len(da) == 2 * 4 + 2 * 5 + 2 * 7 + 1 + 4 + 1  # geometry, readouts, gates, cross, diagnose (4 tables + summary)
+    # geometry, readouts, gates, cross, diagnose (6 tables, faithfulness and convergence_router among them, + summary)
+    assert da == db and len(da) == 2 * 4 + 2 * 5 + 2 * 7 + 1 + 6 + 1
     for p in sorted([*a.rglob("metrics.json"), *a.rglob("gates.json")]):
         q = b / p.relative_to(a)
         if "gates" in p.parts:  # the gates stage records fit times

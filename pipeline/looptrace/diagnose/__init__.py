@@ -70,6 +70,13 @@ import polars as pl
 from looptrace.config import InputError, MissingInputError
 from looptrace.diagnose.claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig
+from looptrace.diagnose.faithfulness import (
+    faithfulness_frame,
+    faithfulness_metrics,
+    faithfulness_test,
+    null_permutations,
+)
+from looptrace.diagnose.router import router_comparisons, router_model_rows
 from looptrace.diagnose.stats import _row_iv, failure_codes, failure_rows, spearman_headlines, spearman_rows
 from looptrace.diagnose.summary import summary_markdown
 from looptrace.diagnose.verdicts import group_verdicts, verdict
@@ -149,7 +156,7 @@ def diagnose_models(models: Sequence[str], readouts_root: Path | str, gates_root
 
 
 #: The per-model rows :func:`model_rows` returns.
-_ROW_KEYS = ("fail_rows", "sp_rows", "verdict_rows", "meta_rows", "dx_all")
+_ROW_KEYS = ("fail_rows", "sp_rows", "verdict_rows", "meta_rows", "dx_all", "faith_rows", "router_rows")
 
 #: Columns of chosen.parquet / dx.parquet diagnose reads (the interval and val columns when the stage wrote them).
 _CHOSEN_COLS = ("rule", "kind", "source", "val_depth", "val_accuracy", "test_depth", "test_accuracy", "within_delta",
@@ -170,7 +177,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
     whether it has gates outputs. The Spearman intervals resample the test split exactly as the readouts and
     gates stages do (same sequences, same B, same seed from ``base.seed`` and the model name)."""
     readouts_root, gates_root, geometry_root = Path(readouts_root), Path(gates_root), Path(geometry_root)
-    fail_rows, sp_rows, verdict_rows, meta_rows, dx_all = [], [], [], [], []
+    fail_rows, sp_rows, verdict_rows, meta_rows, dx_all, faith_rows, router_rows = [], [], [], [], [], [], []
     gates_present = False
     for model in models:
         mpath = readouts_root / model / "metrics.json"
@@ -186,9 +193,11 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
             gates_present = True
             outs.append(("gates", g))
         test: SplitArrays = load_token_loop(geometry_root / model / "token_loop.parquet", splits=("test",),
-                                           columns=("correct", *cfg.spearman_signals))["test"]
+                                           columns=("correct", "target_logprob", *cfg.spearman_signals))["test"]
         assert test.token is not None  # load_token_loop always sets the store row ids
         correct = test.loop["correct"]
+        rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
+        perms = None
         chosen, dxs = [], []
         for source, o in outs:
             chosen.append(o["chosen"].select(_present(o["chosen"], _CHOSEN_COLS)))
@@ -206,14 +215,22 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
                 for row in failure_rows(codes, depth, test.fields["difficulty"]):
                     fail_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind")},
                                       "source": source, "rule": rule, "kind": kinds.get(rule), **row})
+                if cfg.faithfulness_resamples:  # SEWN's counterfactual test at this rule's chosen point (SPEC §7a)
+                    if perms is None:  # the model's null draws, shared by its rules
+                        perms = null_permutations(test.n, cfg.faithfulness_resamples,
+                                                  boot_seed(seed, model, "faithfulness"))
+                    ft = faithfulness_test(-test.loop["target_logprob"], depth, rs, alpha=cfg.faithfulness_alpha,
+                                           seed=boot_seed(seed, model, source, rule, "faith"), perms=perms)
+                    faith_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind")},
+                                       "source": source, "rule": rule, "kind": kinds.get(rule), **ft.to_dict()})
         signals = {s: test.loop[s] for s in cfg.spearman_signals}
         c = correct
         signals["oracle_depth"] = np.where(c.any(1), c.argmax(1) + 1, c.shape[1]).astype(np.float64)
-        rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
         sp_rows += [{"model": model, **r} for r in spearman_rows(test.fields["difficulty"], signals, rs,
                                                                 _interval_rows(cfg))]
         ch, dx = pl.concat(chosen, how="diagonal_relaxed"), pl.concat(dxs, how="diagonal_relaxed")
         dx_all.append(dx.with_columns(model=pl.lit(model)))
+        router_rows += router_model_rows(info, ch, cfg.router_baselines)  # [FP]: convergence router vs stabilisation
         # the ceiling with its bootstrap interval as the readouts stage wrote it (same resamples as every rule
         # of the model); outputs without one fall back to the point value from the test split
         orc = (rm.get("rules") or {}).get("oracle", {}).get("ceiling") or {}
@@ -222,7 +239,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         mf = pl.DataFrame([r for r in fail_rows if r["model"] == model])
         verdict_rows.append(verdict(info, ch, dx, oracle, mf, cfg))
     return {"fail_rows": fail_rows, "sp_rows": sp_rows, "verdict_rows": verdict_rows, "meta_rows": meta_rows,
-            "dx_all": dx_all, "gates_present": gates_present}
+            "dx_all": dx_all, "faith_rows": faith_rows, "router_rows": router_rows, "gates_present": gates_present}
 
 
 def _interval_rows(cfg: DiagnoseConfig) -> Callable[[str, int | None, str], bool] | None:
@@ -234,8 +251,8 @@ def _interval_rows(cfg: DiagnoseConfig) -> Callable[[str, int | None, str], bool
 
 
 def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: list, dx_all: list,
-               gates_present: bool, cfg: DiagnoseConfig, meta: dict | None
-               ) -> tuple[dict[str, pl.DataFrame], str, dict]:
+               gates_present: bool, cfg: DiagnoseConfig, meta: dict | None, faith_rows: list | None = None,
+               router_rows: list | None = None) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
                                               "regime_kind": pl.String})
@@ -248,8 +265,12 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
     }
     groups = group_verdicts(frames["verdicts"], cfg)
     frames["verdict_groups"] = groups
+    faith = faithfulness_frame(faith_rows or [])
+    frames["faithfulness"] = faith  # empty (same columns) when diagnose.faithfulness_resamples is 0
+    frames["convergence_router"] = router_comparisons(pl.DataFrame(router_rows or [], infer_schema_length=None), cfg)
     summary = summary_markdown(frames["verdicts"], claims, frames["spearman"], cfg, frames["failure_classes"],
-                               groups)
+                               groups, faithfulness=faith if cfg.faithfulness_resamples else None,
+                               router=frames["convergence_router"])
     figs = ("best_depth", "fixed_depth", "native_depth", "oracle_depth", "dx_fixed", "dx_best_posthoc",
             "dx_best_gate", "dx_native")
 
@@ -274,6 +295,7 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
                             "models": {m: rho_entry(d) for m, d in m_rho.items()},
                             "groups": {g: rho_entry(d) for g, d in g_rho.items()}},
                "claims": {c["claim"]: c["status"] for c in claims},
+               **({"faithfulness": faithfulness_metrics(faith, cfg)} if cfg.faithfulness_resamples else {}),
                "models": {v["model"]: entry(v, 1) for v in verdict_rows},
                "groups": {g["group"]: {"n_seeds": g["n_seeds"], "seed_verdicts": g["seed_verdicts"],
                                        **entry(g, g["n_seeds"])} for g in groups.iter_rows(named=True)}}

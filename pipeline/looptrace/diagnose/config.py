@@ -34,6 +34,12 @@ class DiagnoseConfig:
             ``intervals`` section's B and level): ``headline`` (the headline signal × loop × aggregation of
             every model; the others have NaN bounds and n_boot 0) or ``all`` (every row; ≈ 0.8 s per
             token-aggregation row at 20 k tokens × B = 1000).
+        faithfulness_resamples: Monte-Carlo permutations B of the counterfactual faithfulness test of every
+            rule, gate and native head at its chosen point (SPEC §7a, ``faithfulness.parquet``); 0 = no test.
+        faithfulness_alpha: its level (a signal is ``faithful`` when p < α and its saving's interval is above 0).
+        router_baselines: the training-free stabilisation rules (readouts rules) that [FP]'s router on
+            convergence labels (refit gates ``*-converged``) is compared with, at their chosen points
+            (``convergence_router.parquet``).
     """
 
     x: float = 95.0
@@ -44,6 +50,9 @@ class DiagnoseConfig:
     spearman_loop: int | None = None
     spearman_aggregation: str = "difficulty_mean"
     spearman_intervals: str = "headline"
+    faithfulness_resamples: int = 199
+    faithfulness_alpha: float = 0.05
+    router_baselines: tuple[str, ...] = ("argmax_stable", "kl_prev")
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
@@ -59,5 +68,10 @@ class DiagnoseConfig:
         if self.spearman_headline not in (*self.spearman_signals, "oracle_depth"):
             raise ConfigError(f"diagnose.spearman_headline '{self.spearman_headline}' must be one of "
                               "diagnose.spearman_signals or 'oracle_depth'")
+        if self.faithfulness_resamples < 0:
+            raise ConfigError(f"diagnose.faithfulness_resamples must be ≥ 0 (0 = no faithfulness test), got "
+                              f"{self.faithfulness_resamples}")
+        if not 0.0 < self.faithfulness_alpha < 1.0:
+            raise ConfigError(f"diagnose.faithfulness_alpha must be in (0, 1), got {self.faithfulness_alpha}")
         if self.spearman_loop is not None and self.spearman_loop < 1:
             raise ConfigError(f"diagnose.spearman_loop must be ≥ 1 or null, got {self.spearman_loop}")

@@ -7,11 +7,12 @@ import polars as pl
 from looptrace.diagnose.config import CLASSES, DiagnoseConfig
 from looptrace.diagnose.stats import _dx_iv, _row_iv, spearman_headlines
 from looptrace.diagnose.verdicts import group_verdicts
-from looptrace.diagnose.words import _ci, _dx_ci, _rho_basis, _seeds_word
+from looptrace.diagnose.words import _ci, _dx_ci, _rho_basis, _seeds_word, faithfulness_lines, router_lines
 
 
 def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.DataFrame, cfg: DiagnoseConfig,
-                     failures: pl.DataFrame | None = None, groups: pl.DataFrame | None = None) -> str:
+                     failures: pl.DataFrame | None = None, groups: pl.DataFrame | None = None,
+                     faithfulness: pl.DataFrame | None = None, router: pl.DataFrame | None = None) -> str:
     """``summary.md``: every sentence generated from the tables (verdicts, claims, Spearman headline).
 
     Args:
@@ -21,6 +22,8 @@ def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.Da
         cfg: the ``diagnose`` section.
         failures: ``failure_classes.parquet`` rows (for the best-rule table), optional.
         groups: :func:`group_verdicts` rows (computed here when None).
+        faithfulness: ``faithfulness.parquet`` rows (SPEC §7a); None = no section.
+        router: ``convergence_router.parquet`` rows ([FP]); None or empty = no section.
     """
     if groups is None:
         groups = group_verdicts(verdicts, cfg)
@@ -95,4 +98,8 @@ def summary_markdown(verdicts: pl.DataFrame, claims: list[dict], spearman: pl.Da
         for grp, d in multi.items():
             lines.append(f"- {grp}: ρ = {_ci(d['iv'])} ({_seeds_word(d['iv'].n_seeds)}; n = "
                          f"{', '.join(str(n) for n in d['n'])} {d['unit']}).")
+    if router is not None and router.height:
+        lines += router_lines(router, cfg.gap_tol)
+    if faithfulness is not None:
+        lines += faithfulness_lines(faithfulness, cfg.faithfulness_alpha)
     return "\n".join(lines) + "\n"

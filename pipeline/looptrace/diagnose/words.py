@@ -156,3 +156,124 @@ def _rho_basis(d: dict) -> str:
     else:
         out += "; no interval"
     return out
+
+
+def _p_text(p: float) -> str:
+    """``p = 0.41`` / ``p = 3e-12`` / ``p < 1e-300``."""
+    if p <= 0 or not math.isfinite(p):
+        return "p < 1e-300"
+    return f"p = {p:.2g}" if p >= 1e-3 else f"p = {p:.0e}"
+
+
+def _nats(v: float) -> str:
+    """A saving in nats, three significant digits (savings range from 1e-4 to 1)."""
+    return "0" if v == 0 else f"{v:+.3g}"
+
+
+def _saving_text(r: dict) -> str:
+    s = _nats(r["saving"])
+    if r.get("n_boot"):
+        s += f" [{_nats(r['saving_lo'])}, {_nats(r['saving_hi'])}]"
+    return s
+
+
+def faithfulness_lines(frame, alpha: float) -> list[str]:
+    """summary.md's section on SEWN's counterfactual faithfulness test (SPEC §7a), from ``faithfulness.parquet``.
+
+    One table row per (source, rule): how many models' tests reached each verdict and the range of the saving;
+    then, in words, every signal that is *unfaithful* (no better than random tokens given the same exit depths)
+    or *anti-faithful* (worse than random), with its saving, interval, p and n.
+    """
+    import polars as pl
+
+    out = ["", "## Counterfactual faithfulness of halting signals (SEWN's test, SPEC §7a)", "",
+           "A rule or gate at its chosen point claims that exiting a token at its exit loop costs nothing. The store "
+           "holds the counterfactual loss ℓ_t of every loop, so the claim is tested at a matched budget: the "
+           "signal's exit depths on its own tokens against the *same* exit depths handed to random tokens (and to "
+           "its reverse ranking). Saving = random cost − signal cost, in nats of ℓ_exit − ℓ_T per test token "
+           "(interval: bootstrap over test sequences); p: one-sided paired permutation test (permuted pairing of "
+           f"depths with tokens). *faithful* = p < {alpha:g} and the saving's interval above 0; *unfaithful* = no "
+           "better than random ranking; *anti-faithful* = worse than random (the other tail's p < α and the interval below 0); *untestable* = every token exits at "
+           "one depth.", ""]
+    if frame is None or not frame.height:
+        return out + ["No rule was tested."]
+    from looptrace.diagnose.faithfulness import FAITH_VERDICTS
+
+    out += ["| source | rule | kind | " + " | ".join(FAITH_VERDICTS) + " | saving (min … max over models) |",
+            "|---|---|---|" + "---|" * len(FAITH_VERDICTS) + "---|"]
+    agg = (frame.group_by("source", "rule", maintain_order=True)
+           .agg(pl.col("kind").first(), *[(pl.col("verdict") == v).sum().alias(v) for v in FAITH_VERDICTS],
+                pl.col("saving").min().alias("lo"), pl.col("saving").max().alias("hi")))
+    for r in agg.iter_rows(named=True):
+        out.append(f"| {r['source']} | {r['rule']} | {r['kind'] or '?'} | "
+                   + " | ".join(str(r[v]) for v in FAITH_VERDICTS) + f" | {_nats(r['lo'])} … {_nats(r['hi'])} |")
+    tested = frame.filter(pl.col("verdict") != "untestable")
+    out.append("")
+    for verdict, what in (("unfaithful", "no better than random tokens given the same exit depths"),
+                          ("anti-faithful", "worse than random: they exit the tokens that most need depth")):
+        bad = tested.filter(pl.col("verdict") == verdict)
+        if not bad.height:
+            out.append(f"- No tested signal is {verdict}.")
+            continue
+        out.append(f"- {bad.height} of {tested.height} tested signals are **{verdict}** ({what}):")
+        pcol = "pvalue_worse" if verdict == "anti-faithful" else "pvalue"  # the tail the verdict rests on
+        for rule, sub in bad.group_by("rule", maintain_order=True):
+            items = "; ".join(f"{r['model']} saving {_saving_text(r)}, {_p_text(r[pcol])}"
+                              + (" (worse than random)" if pcol == "pvalue_worse" else "") + f", n = {r['n']}"
+                              for r in sub.iter_rows(named=True))
+            out.append(f"  - {rule[0]}: {items}.")
+    kinds = {"native": "native halting heads", "gate": "refit gates", "posthoc": "post-hoc readouts"}
+    by_kind = [f"{int((sub['verdict'] == 'faithful').sum())} of {sub.height} {kinds[k]}"
+               for k in kinds if (sub := tested.filter(pl.col("kind") == k)).height]
+    if by_kind:
+        out.append(f"- Faithful by family: {'; '.join(by_kind)} ([SEWN]: a static prior fails the test, a contextual "
+                   "gate passes it).")
+    good = tested.filter(pl.col("verdict") == "faithful")
+    if good.height:
+        w = good.sort("pvalue", descending=True).row(0, named=True)
+        out.append(f"- {good.height} of {tested.height} tested signals are faithful; the weakest is {w['rule']} on "
+                   f"{w['model']} (saving {_saving_text(w)} nats/token, {_p_text(w['pvalue'])}, n = {w['n']}).")
+    return out
+
+
+def router_lines(frame, tol: float) -> list[str]:
+    """summary.md's section on [FP]'s router on convergence labels vs the stabilisation rules, from
+    ``convergence_router.parquet`` (task × regime rows; :mod:`looptrace.diagnose.router`)."""
+    import polars as pl
+
+    g = frame.filter(pl.col("scope") == "group")
+    out = ["", "## [FP]: a router on convergence labels vs training-free stabilisation", "",
+           "[FP] found that halting a token once its output stabilises reaches uniform-depth quality at 4.94 of 8 "
+           "loops, while a linear router trained on the same model's convergence labels needs nearly full depth. "
+           "Router = refit gate on the `converged` labels (stop once the token has settled, SPEC §6); baselines = "
+           "the training-free stabilisation rules. Mean test exit depth (loops) at each rule's val-chosen point "
+           "(val accuracy within δ of full depth, so accuracy is matched); across seeds the Student-t interval. "
+           f"\"higher\" = the router needs more depth (intervals disjoint, gap ≥ {tol:g} loops).", "",
+           "| task × regime | seeds | router | baseline | router depth | baseline depth | router acc | baseline acc | "
+           "router is |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def iv(r: dict, w: str) -> str:
+        return _ci(Interval(r[f"{w}_depth"], r[f"{w}_depth_lo"], r[f"{w}_depth_hi"], int(r["n_seeds"])))
+
+    def acc(r: dict, w: str) -> str:
+        return f"{100 * r[f'{w}_accuracy']:.1f} %" + ("" if r.get(f"{w}_within_delta", True) is not False else " †")
+
+    for r in g.iter_rows(named=True):
+        out.append(f"| {r['name']} | {r['n_seeds']} | {r['router']} | {r['baseline']} | {iv(r, 'router')} | "
+                   f"{iv(r, 'baseline')} | {acc(r, 'router')} | {acc(r, 'baseline')} | "
+                   f"{_CMP_WORDS.get(r['outcome'], r['outcome']).removesuffix(' than').removesuffix(' of')} |")
+    out.append("")
+    if any(r.get(f"{w}_within_delta") is False for r in g.iter_rows(named=True) for w in ("router", "baseline")):
+        out += ["† no threshold of this rule reaches val accuracy within δ of full depth: its point is its most accurate "
+                "one, so the depths are not at matched accuracy there.", ""]
+    for base in dict.fromkeys(g["baseline"].to_list()):
+        sub = g.filter(pl.col("baseline") == base)
+        n = sub.height
+        cnt = {o: int((sub["outcome"] == o).sum()) for o in ("higher", "lower")}
+        rest = n - cnt["higher"] - cnt["lower"]
+        verdict = ("as [FP] found, the router needs more depth" if cnt["higher"] > n / 2 else
+                   "unlike [FP], the router needs less depth" if cnt["lower"] > n / 2 else
+                   "no majority either way: [FP]'s finding is neither reproduced nor refuted")
+        out.append(f"- Against {base}: the router is higher on {cnt['higher']}, lower on {cnt['lower']} and within "
+                   f"noise or tolerance on {rest} of {n} task × regime{'s' if n != 1 else ''} — {verdict}.")
+    return out

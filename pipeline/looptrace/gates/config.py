@@ -12,8 +12,10 @@ from looptrace.signals import names as signal_names
 
 SPLITS = ("fit", "val", "test")
 #: Label schemes of SPEC §6.
-LABELS = ("ponder", "utility", "oracle", "consistent")
-#: scikit-learn classifiers for the utility / oracle / consistent labels.
+LABELS = ("ponder", "utility", "oracle", "consistent", "converged")
+#: Signals of the ``converged`` labels: geometry's convergence signals (SPEC §2; ``argmax`` = argmax_t ≠ argmax_T).
+CONVERGED_SIGNALS = signal_names.CONVERGENCE_SIGNALS
+#: scikit-learn classifiers for the utility / oracle / consistent / converged labels.
 CLASSIFIERS = ("logreg", "mlp")
 #: torch gate architectures for the PonderNet objective.
 PONDER_ARCHS = ("linear", "mlp")
@@ -60,7 +62,7 @@ class GateSpec:
     Attributes:
         gate: ``logreg`` | ``mlp`` (scikit-learn, labels utility/oracle/consistent) or ``linear`` |
             ``mlp`` (torch, labels ponder).
-        labels: ``ponder`` | ``utility`` | ``oracle`` | ``consistent``.
+        labels: ``ponder`` | ``utility`` | ``oracle`` | ``consistent`` | ``converged``.
     """
 
     gate: str
@@ -151,6 +153,9 @@ class GatesConfig:
         oracle_delta: δ of the oracle labels (nats).
         utility_k, utility_gamma: k and γ of the utility target σ(k(I_t − γ)) (Ouro: 50, 0.005).
         utility_align: ``ouro`` (loop t ↔ I_t) or ``next`` (loop t ↔ I_{t+1}).
+        converged_signal, converged_eps: signal and ε of the ``converged`` labels ([FP]: stop_t = 1[t ≥ the
+            token's settled convergence depth], SPEC §2); one of geometry.eps's pairs, so the labels are the
+            settled depths geometry reports.
         logreg_c, logreg_max_iter: ``LogisticRegression`` C and max_iter.
         mlp_hidden, mlp_alpha, mlp_lr, mlp_batch_size, mlp_max_iter: ``MLPClassifier`` settings
             (a fixed budget of epochs; no early stopping).
@@ -161,7 +166,7 @@ class GatesConfig:
     """
 
     gates: tuple[str, ...] = ("logreg-oracle", "logreg-consistent", "logreg-utility", "mlp-oracle",
-                              "mlp-consistent", "ponder-linear", "ponder-mlp")
+                              "mlp-consistent", "ponder-linear", "ponder-mlp", "logreg-converged")
     pca_components: int = 16
     stats: tuple[str, ...] = ("entropy", "max_prob", "margin", "kl_prev", "rel_step")
     log_stats: bool = True
@@ -171,6 +176,8 @@ class GatesConfig:
     utility_k: float = 50.0
     utility_gamma: float = 0.005
     utility_align: str = "ouro"
+    converged_signal: str = "kl_prev"
+    converged_eps: float = 0.001
     logreg_c: float = 1.0
     logreg_max_iter: int = 500
     mlp_hidden: tuple[int, ...] = (32,)
@@ -208,6 +215,11 @@ class GatesConfig:
         if self.utility_align not in UTILITY_ALIGN:
             raise ConfigError(f"gates.utility_align must be one of {', '.join(UTILITY_ALIGN)}, "
                               f"got {self.utility_align!r}")
+        if self.converged_signal not in CONVERGED_SIGNALS:
+            raise ConfigError(f"gates.converged_signal must be one of {', '.join(CONVERGED_SIGNALS)}, "
+                              f"got {self.converged_signal!r}")
+        if not self.converged_eps > 0:
+            raise ConfigError(f"gates.converged_eps must be > 0, got {self.converged_eps}")
         if self.max_fit_tokens is not None and self.max_fit_tokens < 1:
             raise ConfigError(f"gates.max_fit_tokens must be ≥ 1 or null, got {self.max_fit_tokens}")
         if self.oracle_delta < 0:

@@ -164,6 +164,24 @@ def read_targets(st) -> SplitArrays:
                        fields=fields)
 
 
+def convergence_signal(st, tokens: np.ndarray, name: str, hidden: np.ndarray, argmax: np.ndarray) -> np.ndarray:
+    """The convergence signal ``name`` (SPEC §2) of the selected tokens, exactly as the geometry stage computes
+    it: ``argmax`` = 1[argmax_t ≠ argmax_T], ``kl_prev`` as stored, step metrics from
+    ``looptrace.signals.steps.step_metrics(hidden, hidden_init)``.
+
+    Args:
+        st: the store; tokens: [n] store rows; hidden: [n, T, D] their states; argmax: [n, T] their argmax.
+
+    Returns:
+        [n, T] float (NaN where undefined).
+    """
+    if name == "argmax":  # geometry.argmax_differs
+        return (argmax != argmax[:, -1:]).astype(np.float32)
+    if name in GEOMETRY_FEATURES:
+        return add_aliases(step_metrics(hidden, st.read("hidden_init", tokens)))[name]
+    return np.asarray(st.read(name, tokens), dtype=np.float32)
+
+
 def check_stats_available(st, stats: Sequence[str]) -> None:
     """Raise a one-line ValueError when a configured statistic cannot be computed from this store."""
     if "gate_logit" in stats and not st.has_gate:

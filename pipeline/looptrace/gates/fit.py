@@ -16,6 +16,7 @@ from looptrace.gates.config import GatesConfig, GateSpec, derive_seed
 from looptrace.gates.features import (
     FeaturePipeline,
     check_stats_available,
+    convergence_signal,
     gather_fit_rows,
     read_block,
     read_targets,
@@ -153,7 +154,7 @@ def fit_sklearn_gate(spec: GateSpec, X: np.ndarray, target: np.ndarray, cfg: Gat
 
 
 def fit_gate(spec: GateSpec, X: np.ndarray, loss: np.ndarray, argmax: np.ndarray, cfg: GatesConfig,
-             seed: int) -> FittedGate:
+             seed: int, conv: np.ndarray | None = None) -> FittedGate:
     """Fit one gate on fit-split features and frozen per-depth quantities.
 
     Args:
@@ -163,6 +164,7 @@ def fit_gate(spec: GateSpec, X: np.ndarray, loss: np.ndarray, argmax: np.ndarray
         argmax: [token, loop] readout argmax.
         cfg: the section.
         seed: the gate's seed.
+        conv: [token, loop] the ``converged`` labels' signal (:func:`~looptrace.gates.features.convergence_signal`).
 
     Returns:
         FittedGate.
@@ -172,7 +174,7 @@ def fit_gate(spec: GateSpec, X: np.ndarray, loss: np.ndarray, argmax: np.ndarray
         module, info = fit_ponder(X, loss, spec.gate, cfg.ponder, seed)
         info.update(train_rows=int(X.shape[0] * X.shape[1]), degenerate=False, fit_seconds=time.perf_counter() - t0)
         return FittedGate(spec, module, info=info)
-    return fit_sklearn_gate(spec, X, stop_targets(spec, loss, argmax, cfg), cfg, seed)
+    return fit_sklearn_gate(spec, X, stop_targets(spec, loss, argmax, cfg, conv), cfg, seed)
 
 
 
@@ -240,9 +242,12 @@ def fit_model_gates(fit_store, cfg: GatesConfig, specs: Sequence[GateSpec], base
             "read_and_features_seconds": time.perf_counter() - t0}
     if feats.pca is not None:
         info["pca_explained_variance"] = float(np.sum(feats.pca.explained_variance_ratio_))
+    # [FP] convergence labels: geometry's settled depths of the fit tokens (read only when a gate uses them)
+    conv = (convergence_signal(st, tokens, cfg.converged_signal, h, argmax)
+            if any(sp.labels == "converged" for sp in specs) else None)
     gates = {}
     for spec in tqdm(specs, desc=f"gates {model}", disable=None if progress else True, leave=False):
-        gates[spec.name] = fit_gate(spec, X, loss, argmax, cfg, derive_seed(base_seed, model, spec.name))
+        gates[spec.name] = fit_gate(spec, X, loss, argmax, cfg, derive_seed(base_seed, model, spec.name), conv)
     return ModelGates(model=model, features=feats, gates=gates, n_loops=T, d_model=D, fit_tokens=tokens, info=info)
 
 

@@ -10,6 +10,7 @@ Public API of a user's own rule (see :mod:`looptrace.rules.base`)::
 then ``readouts.rules: [..., mypkg.rules:my_rule]`` (and ``latency.rules``), or a ``looptrace.rules`` entry point.
 """
 
+from looptrace.rules import calm as _calm  # noqa: F401 - registers CALM's rule (``calm``)
 from looptrace.rules.base import ExitRule, exit_rule
 from looptrace.rules.registry import get_rule, register
 

@@ -79,6 +79,9 @@ class ExitRule:
         online: how the early-exit engine evaluates it: :data:`SIGNAL`, :data:`HISTORY`, a factory
             ``() -> OnlineScore`` (``update(t, {signal: [batch, seq]}) -> [batch, seq]`` and
             ``compact(rows, seq)``; numpy, token_loop dtypes), or None (cannot run online: the oracle).
+        choose: None = the chosen operating point is the [AD] protocol's (SPEC §4); else the rule's own
+            calibration on val, ``(val exit depths [K, token], val SplitArrays, thresholds [K], readouts config)
+            -> index k`` (CALM's Learn-then-Test, :mod:`looptrace.rules.calm`).
         origin: where it is defined (``builtin``, ``module:function``, ``entry point ...``), for messages.
         description: one line for ``looptrace --help`` ("" = said from op, signals, min_loop and two_hit; a
             decorated function's docstring gives it).
@@ -95,6 +98,7 @@ class ExitRule:
     online: str | Callable[[], Any] | None = HISTORY
     origin: str = "builtin"
     description: str = ""
+    choose: Callable[[np.ndarray, Any, np.ndarray, Any], int] | None = None
 
     def __post_init__(self) -> None:
         where = f"exit rule '{self.name}' ({self.origin})"

@@ -48,10 +48,15 @@ class ReadoutsConfig:
         rules: the rules to evaluate, in output order: built-in names (``ALL_RULES``), user rules
             ``package.module:function`` or ``looptrace.rules`` entry-point names (:mod:`looptrace.rules.registry`).
             Rules that read the native gate (``q_exit``) are skipped for models without one.
+        calm_delta, calm_epsilon: the ``calm`` rule's Learn-then-Test calibration (:mod:`looptrace.rules.calm`):
+            its threshold is certified to keep the val consistency risk (share of a sequence's tokens whose exit
+            prediction differs from full depth) ≤ δ with probability ≥ 1 − ε.
     """
 
     argmax_stable_n: tuple[int, ...] = (1, 2, 3)
     rules: tuple[str, ...] = ALL_RULES
+    calm_delta: float = 0.02
+    calm_epsilon: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.argmax_stable_n or min(self.argmax_stable_n) < 0:
@@ -61,6 +66,9 @@ class ReadoutsConfig:
             raise ConfigError("readouts.rules = []: list at least one exit rule (e.g. [fixed, entropy, top1, oracle]); "
                               f"built-ins: {', '.join(ALL_RULES)}")
         resolve_rules(self.rules, "readouts.rules")
+        if not (0.0 < self.calm_delta < 1.0 and 0.0 < self.calm_epsilon < 1.0):
+            raise ConfigError(f"readouts.calm_delta and readouts.calm_epsilon must be in (0, 1), got {self.calm_delta} "
+                              f"and {self.calm_epsilon}")
 
 
 def rule_columns(rules: Sequence[ExitRule]) -> tuple[str, ...]:
@@ -94,7 +102,9 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
     vd = exit_depths(vs, grid, rule.op, rule.min_loop, rule.two_hit)
     td = exit_depths(ts, grid, rule.op, rule.min_loop, rule.two_hit)
     recorded = np.array([np.nan]) if rule.kind == "oracle" else grid  # a ceiling has no threshold
-    return evaluate_depths(rule.name, recorded, vd, td, val, test, cal.delta, kind=rule.kind, resampler=resampler)
+    chosen = None if rule.choose is None else rule.choose(vd, val, grid, cfg)  # the rule's own calibration (CALM)
+    return evaluate_depths(rule.name, recorded, vd, td, val, test, cal.delta, kind=rule.kind, resampler=resampler,
+                           chosen=chosen)
 
 
 def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig, cal: CalibrationConfig,

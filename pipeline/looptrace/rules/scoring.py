@@ -319,7 +319,7 @@ def boot_points(test_depths: np.ndarray, correct: np.ndarray, rs: Resampler | No
 
 def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, test_depths: np.ndarray,
                     val: SplitArrays, test: SplitArrays, delta: float = 0.5, kind: str = "posthoc",
-                    resampler: Resampler | None = None) -> RuleResult:
+                    resampler: Resampler | None = None, chosen: int | None = None) -> RuleResult:
     """Score precomputed exit depths of one rule on val and test and pick its chosen point.
 
     Args:
@@ -331,6 +331,8 @@ def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, t
         delta: chosen-point tolerance in accuracy points.
         kind: rule family label.
         resampler: bootstrap over the test split's sequences (None = no intervals).
+        chosen: the chosen point's index when the rule calibrates itself on val (CALM); None = the [AD]
+            protocol (:func:`choose_point`).
 
     Returns:
         RuleResult.
@@ -338,7 +340,7 @@ def evaluate_depths(rule: str, thresholds: np.ndarray, val_depths: np.ndarray, t
     vp = Points(*evaluate_points(val_depths, val.correct, val.loss))
     tp = Points(*evaluate_points(test_depths, test.correct, test.loss))
     full = val.full_accuracy
-    k = choose_point(vp.mean_depth, vp.accuracy, full, delta)
+    k = choose_point(vp.mean_depth, vp.accuracy, full, delta) if chosen is None else int(chosen)
     exits = np.asarray(test_depths)[k].astype(np.int64)
     corr = np.asarray(test.correct, dtype=bool)[np.arange(exits.size), exits - 1]
     tok = np.arange(exits.size) if test.token is None else np.asarray(test.token)
