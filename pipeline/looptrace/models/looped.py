@@ -461,9 +461,16 @@ class LoopedTransformer(nn.Module):
             h = layer(h, None if cache is None else cache.layer("coda", i))
         return self.head(self.ln_f(h))
 
-    def gate_logit(self, h: torch.Tensor) -> torch.Tensor:
-        """Halting-gate logit on the normed state: [..., d_model] -> [...]."""
+    def gate_logit(self, h: torch.Tensor, stop_gradient: bool = False) -> torch.Tensor:
+        """Halting-gate logit on the normed state: [..., d_model] -> [...].
+
+        ``stop_gradient``: the same values, with no gradient into the state or the shared norm (only the gate's own
+        weights learn; RecurTrace's decoupled head, ``looptrace.models.regimes``)."""
         assert self.gate is not None
+        if stop_gradient:
+            ln = self.ln_f
+            return self.gate(F.layer_norm(h.detach(), ln.normalized_shape, ln.weight.detach(), ln.bias.detach(),
+                                          ln.eps))
         return self.gate(self.ln_f(h))
 
     def forward(self, idx: torch.Tensor, with_logits: bool = True) -> LoopOutput:

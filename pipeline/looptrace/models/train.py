@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looptrace.config import (
+    OMIT_DEFAULT,
     BaseConfig,
     Check,
     ConfigError,
@@ -38,7 +39,7 @@ from looptrace.config import (
 )
 from looptrace.io.artifacts import swap_in
 from looptrace.models.looped import LOOP_FORMS, GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
-from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
+from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss, training_gate_logits
 from looptrace.project import model_name, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 
@@ -59,6 +60,9 @@ class ModelParams:
     tie_embeddings: bool = False
     mlp_ratio: PosInt = 4
     loop_form: Annotated[str, one_of(*LOOP_FORMS)] = "add"
+    #: [RT] loop memory attention in every looped layer (``looptrace.models.looped``); a regime may pin it
+    #: (``RegimeConfig.loop_memory``).
+    loop_memory: bool = field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -169,6 +173,7 @@ def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> Mod
         n_prelude=mp.n_prelude, groups=mp.groups, n_coda=mp.n_coda, causal=task.causal,
         reinject=mp.reinject, gate=regime.model_gate, gate_hidden=mp.gate_hidden,
         tie_embeddings=mp.tie_embeddings, mlp_ratio=mp.mlp_ratio, loop_form=mp.loop_form,
+        loop_memory=mp.loop_memory if regime.loop_memory is None else regime.loop_memory,
     )
 
 
@@ -265,7 +270,7 @@ def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Ge
     """
     idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), device)
     out = model(idx)
-    loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
+    loss = regime_loss(regime, out.logits, tgt, training_gate_logits(regime, model, out))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
