@@ -154,3 +154,31 @@ def test_regimes_train_end_to_end(tmp_path, regime):
     model, ckpt = load_checkpoint(tmp_path / regime / "model.pt")
     assert model.gate is not None and model.cfg.loop_memory == (regime == "recurtrace_mem")
     assert ckpt["regime"]["kind"] == defs[regime].kind
+
+
+# ---------------------------------------------------------------------------------------------- native exit rules
+
+def test_native_halting_rules_hand_cases_and_act_consistency():
+    from looptrace.rules.registry import get_rule
+    from looptrace.rules.scoring import exit_depths
+
+    lam = np.array([[0.3, 0.5, 0.4, 0.9], [0.6, 0.2, 0.7, 0.1]])
+    g = np.log(lam / (1 - lam))
+    step, act = get_rule("gate_step"), get_rule("act_exit")
+    assert step.kind == act.kind == "native" and step.needs_gate
+    np.testing.assert_allclose(step.score_of({"gate_logit": g}), lam, atol=1e-12)
+    np.testing.assert_allclose(act.score_of({"gate_logit": g}), np.cumsum(lam, axis=1), atol=1e-12)
+    assert exit_depths(step.score_of({"gate_logit": g}), np.array([0.55]), "ge")[0].tolist() == [4, 1]
+    assert exit_depths(act.score_of({"gate_logit": g}), np.array([0.99]), "ge")[0].tolist() == [3, 3]
+    # ACT's inference exit at its native γ = 1 − ε is the N its training loss used
+    gl = torch.randn(400, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    _p, N, _R = act_halting(gl, 0.01)
+    got = exit_depths(act.score_of({"gate_logit": gl.numpy()}), np.array([0.99]), "ge")[0]
+    assert np.array_equal(got, N.numpy())
+
+
+@pytest.mark.parametrize("rule", ["gate_step", "act_exit"])
+def test_native_halting_rules_run_online_exactly(rule):
+    from tests import test_latency
+
+    test_latency.test_online_rules_reproduce_offline_exit_depths(rule)
