@@ -182,3 +182,28 @@ def test_native_halting_rules_run_online_exactly(rule):
     from tests import test_latency
 
     test_latency.test_online_rules_reproduce_offline_exit_depths(rule)
+
+
+def test_halting_profile_trains_the_methods_of_the_field():
+    """profiles/halting/params.yaml over params.yaml: RecurTrace (decoupled, flowing, with loop memory) and ACT
+    beside geometric and joint, ≥ 3 seeds, every model config buildable; the default matrix has no loop memory."""
+    from looptrace.config import load_section
+    from looptrace.models.train import TrainConfig, build_model_config
+    from looptrace.rules.registry import get_rule
+    from tests.import_graph import REPO
+
+    files = [REPO / "params.yaml", REPO / "profiles" / "halting" / "params.yaml"]
+    cfg = load_section(TrainConfig, "train", files)
+    kinds = {r: cfg.regime(r).kind for r in cfg.regimes}
+    assert {"recurtrace", "act", "joint", "geometric"} <= set(kinds.values()) and len(cfg.seeds) >= 3
+    mem = {r: build_model_config(cfg.model, cfg.task(t), cfg.regime(r)).loop_memory
+           for t in cfg.tasks for r in cfg.regimes}
+    assert mem == {r: r == "recurtrace_mem" for r in cfg.regimes}
+    assert not cfg.regime("recurtrace_flow").detach and cfg.regime("recurtrace").detach
+    default = load_section(TrainConfig, "train", [REPO / "params.yaml"])
+    assert not default.model.loop_memory
+    import yaml
+
+    readouts = yaml.safe_load(files[1].read_text())["readouts"]["rules"]
+    for r in ("gate_step", "act_exit"):
+        assert r in readouts and get_rule(r).needs_gate

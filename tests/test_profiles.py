@@ -26,9 +26,9 @@ from looptrace.config import ConfigError, load_section, merge_params, read_param
 from tests.import_graph import REPO
 from tests.test_dvc_deps import _has_key, params_reads, stage_script
 
-PROFILES = ("ad", "lm", "study")
+PROFILES = ("ad", "lm", "study", "halting")
 #: Profiles whose dvc.yaml is generated from dvc.yaml (the default pipeline on the profile's override).
-GENERATED = ("ad", "study")
+GENERATED = ("ad", "study", "halting")
 
 
 # ---------------------------------------------------------------------------------------------- layering
@@ -139,6 +139,8 @@ ABOUT = {
            "dvc status profiles/ad/dvc.yaml)"),
     "study": ("The study profile (the full 18-model matrix: both tasks x three regimes x three seeds)",
               "make study   (= dvc repro profiles/study/dvc.yaml; dvc status profiles/study/dvc.yaml)"),
+    "halting": ("The halting profile (RecurTrace +- loop memory, ACT, beside geometric and joint; issue 26)",
+                "dvc repro profiles/halting/dvc.yaml     (dvc status profiles/halting/dvc.yaml)"),
 }
 
 
