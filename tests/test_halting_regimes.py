@@ -22,8 +22,8 @@ from looptrace.models.regimes import (
     oracle_head_loss,
     per_depth_loss,
     regime_loss,
-    training_gate_logits,
 )
+from looptrace.models.train import training_gate_logits
 from tests.test_regimes import _logits_with_losses
 
 torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import torch
 from torch.nn import functional as F
@@ -32,9 +32,6 @@ from torch.nn import functional as F
 from looptrace.config import OMIT_DEFAULT, Check, ConfigError, NonNegFloat, one_of
 from looptrace.signals.halting_torch import halting_distribution
 from looptrace.tasks import IGNORE
-
-if TYPE_CHECKING:
-    from looptrace.models.looped import LoopedTransformer, LoopOutput
 
 KINDS = ("final", "uniform", "geometric", "joint", "recurtrace", "act")
 #: Regimes whose model has a halting gate.
@@ -134,7 +131,7 @@ def regime_loss(cfg: RegimeConfig, logits: torch.Tensor, targets: torch.Tensor,
         cfg: the regime.
         logits: [batch, seq, loop, vocab] per-loop readouts.
         targets: [batch, seq] target ids (``IGNORE`` where not scored).
-        gate_logits: [batch, seq, loop] stop logits (gated kinds only; :func:`training_gate_logits`).
+        gate_logits: [batch, seq, loop] stop logits (gated kinds only; ``looptrace.models.train.training_gate_logits``).
 
     Returns:
         Scalar loss.
@@ -225,10 +222,3 @@ def act_loss(logits: torch.Tensor, targets: torch.Tensor, gate_logits: torch.Ten
                          reduction="none").view(targets.shape)
     return ce + tau * (N.to(R.dtype) + R)
 
-
-def training_gate_logits(cfg: RegimeConfig, model: LoopedTransformer, out: LoopOutput) -> torch.Tensor | None:
-    """The gate logits the regime's loss reads: the forward's, except for a decoupled ``recurtrace`` head, whose
-    logits (same values) carry no gradient into the state or the shared norm ([RT] / [AD] decoupling)."""
-    if cfg.kind == "recurtrace" and cfg.detach and model.gate is not None:
-        return model.gate_logit(out.hidden, stop_gradient=True)
-    return out.gate_logits

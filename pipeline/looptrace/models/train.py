@@ -38,8 +38,15 @@ from looptrace.config import (
     to_dict,
 )
 from looptrace.io.artifacts import swap_in
-from looptrace.models.looped import LOOP_FORMS, GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
-from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss, training_gate_logits
+from looptrace.models.looped import (
+    LOOP_FORMS,
+    GroupConfig,
+    LoopedTransformer,
+    LoopOutput,
+    ModelConfig,
+    save_checkpoint,
+)
+from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
 from looptrace.project import model_name, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 
@@ -259,6 +266,14 @@ def _save_resume(stage: Path, state: dict) -> None:
     tmp = stage / "resume.pt.tmp"
     torch.save(state, tmp)
     os.replace(tmp, stage / "resume.pt")
+
+
+def training_gate_logits(regime: RegimeConfig, model: LoopedTransformer, out: LoopOutput) -> torch.Tensor | None:
+    """The gate logits the regime's loss reads: the forward's, except for a decoupled ``recurtrace`` head, whose
+    logits (same values) carry no gradient into the state or the shared norm ([RT] / [AD] decoupling; SPEC §5)."""
+    if regime.kind == "recurtrace" and regime.detach and model.gate is not None:
+        return model.gate_logit(out.hidden, stop_gradient=True)
+    return out.gate_logits
 
 
 def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Generator,
