@@ -128,8 +128,10 @@ def _artifact_options(stage: str, profile: str) -> list[str]:
     args = []
     for name, p in inspect.signature(main).parameters.items():
         default = getattr(p.default, "default", None)
-        if isinstance(default, Path) and default.parts[:1] == ("artifacts",):
-            args += [f"--{name.replace('_', '-')}", _prefix_artifacts(default.as_posix(), profile)]
+        # (a str default too: the dump's --out is a directory or a URL; without this every profile's dump wrote
+        # to the default artifacts/dump)
+        if isinstance(default, Path | str) and Path(default).parts[:1] == ("artifacts",):
+            args += [f"--{name.replace('_', '-')}", _prefix_artifacts(Path(default).as_posix(), profile)]
     return args
 
 
