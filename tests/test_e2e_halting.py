@@ -5,7 +5,8 @@ process through the ``looptrace`` CLI, as tests/test_e2e_gates.py runs the defau
 profile's override both shrunk to the tiny sizes of that test. Then: every regime of the profile trained (RecurTrace
 decoupled / flowing / with loop memory, ACT, geometric, joint), the loop-memory model's checkpoint and store record
 the option, every gated model stored its gate and was read out by the native exits (q_exit, gate_step, act_exit),
-the latency and generate stages ran them online, and diagnose and report wrote their outputs.
+the latency and generate stages ran them online, diagnose wrote the matched-compute table with each regime's own
+native exit, and the report its page.
 """
 
 from __future__ import annotations
@@ -72,3 +73,9 @@ def test_halting_profile_runs_end_to_end_on_tiny_params(tmp_path):
     lat = pl.read_parquet(art / "latency" / "latency.parquet")
     assert {"gate_step", "act_exit"} <= set(lat["rule"])
     assert (art / "diagnose" / "summary.md").is_file() and (art / "report" / "index.html").is_file()
+    table = pl.read_parquet(art / "diagnose" / "halting_table.parquet")
+    native = table.filter(pl.col("method") == "native")
+    assert dict(zip(native["regime"], native["rules"], strict=True)) == {
+        "joint": "q_exit", "recurtrace": "gate_step", "recurtrace_flow": "gate_step", "recurtrace_mem": "gate_step",
+        "act": "act_exit"}
+    assert "## Halting methods at matched compute" in (art / "diagnose" / "summary.md").read_text()

@@ -156,6 +156,10 @@ def header(profile: str) -> str:
             f"vars).\n")
 
 
+#: Outputs a profile's stages write beyond the default pipeline's (a params switch the profile turns on).
+EXTRA_OUTS = {"halting": {"diagnose": ["artifacts/halting/diagnose/halting_table.parquet"]}}
+
+
 def profile_pipeline(profile: str = "ad") -> dict:
     """The default pipeline (dvc.yaml) run on a profile: commands layer ``profiles/<profile>/params.yaml`` over
     params.yaml and write under artifacts/<profile>/; params deps are declared per file (an override key only
@@ -179,6 +183,7 @@ def profile_pipeline(profile: str = "ad") -> dict:
         for key in ("outs", "metrics", "plots"):
             if key in st:
                 new[key] = _map_paths(st[key], profile)
+        new["outs"] = new.get("outs", []) + EXTRA_OUTS.get(profile, {}).get(name, [])
         stages[name] = new
     return {"stages": stages}
 

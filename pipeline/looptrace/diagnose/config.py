@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from looptrace.config import ConfigError
+from looptrace.config import OMIT_DEFAULT, ConfigError
 
 #: Failure classes in output order (SPEC §7); codes are their indices.
 CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
@@ -34,6 +34,9 @@ class DiagnoseConfig:
             ``intervals`` section's B and level): ``headline`` (the headline signal × loop × aggregation of
             every model; the others have NaN bounds and n_boot 0) or ``all`` (every row; ≈ 0.8 s per
             token-aggregation row at 20 k tokens × B = 1000).
+        halting_table: also write the halting methods' matched-compute table (``halting_table.parquet`` and a
+            summary.md section; :mod:`looptrace.diagnose.halting_table`). Off by default (profiles/halting).
+        collapse_tol: loops; a method whose mean loops is ≤ 1 + this "collapses to one loop" (halting table).
     """
 
     x: float = 95.0
@@ -44,6 +47,8 @@ class DiagnoseConfig:
     spearman_loop: int | None = None
     spearman_aggregation: str = "difficulty_mean"
     spearman_intervals: str = "headline"
+    halting_table: bool = field(default=False, metadata=OMIT_DEFAULT)
+    collapse_tol: float = field(default=0.1, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
@@ -59,5 +64,7 @@ class DiagnoseConfig:
         if self.spearman_headline not in (*self.spearman_signals, "oracle_depth"):
             raise ConfigError(f"diagnose.spearman_headline '{self.spearman_headline}' must be one of "
                               "diagnose.spearman_signals or 'oracle_depth'")
+        if self.collapse_tol < 0:
+            raise ConfigError(f"diagnose.collapse_tol must be ≥ 0 loops, got {self.collapse_tol}")
         if self.spearman_loop is not None and self.spearman_loop < 1:
             raise ConfigError(f"diagnose.spearman_loop must be ≥ 1 or null, got {self.spearman_loop}")

@@ -36,9 +36,8 @@ from looptrace.tasks import IGNORE
 KINDS = ("final", "uniform", "geometric", "joint", "recurtrace", "act")
 #: Regimes whose model has a halting gate.
 GATED_KINDS = ("joint", "recurtrace", "act")
-#: Where each kind comes from (docs, reports).
-SOURCES = {"final": "—", "uniform": "[AD]", "geometric": "[AD]", "joint": "PonderNet; Ouro stage I",
-           "recurtrace": "[RT]", "act": "Graves 2016 (ACT)"}
+# (The exit rule each gated kind's head is trained for, and each kind's source: looptrace.rules.native_halting
+# NATIVE_EXITS / REGIME_SOURCES, torch-free for the offline stages.)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,12 @@ def act_cumulative(gate_logit: np.ndarray) -> np.ndarray:
     return np.cumsum(stop_prob(gate_logit), axis=1)
 
 
+#: The exit rule each gated regime kind's head is trained for (SPEC §4, §5): what "the native head" means for it.
+NATIVE_EXITS = {"joint": "q_exit", "recurtrace": "gate_step", "act": "act_exit"}
+#: Where each regime kind (``looptrace.models.regimes.KINDS``) comes from (tables, reports).
+REGIME_SOURCES = {"final": "—", "uniform": "[AD]", "geometric": "[AD]", "joint": "PonderNet; Ouro stage I",
+                  "recurtrace": "[RT]", "act": "Graves 2016 (ACT)"}
+
 NATIVE_HALTING_RULES: dict[str, ExitRule] = {r.name: r for r in (
     ExitRule(name="gate_step", score=lambda s: stop_prob(s["gate_logit"]), signals=("gate_logit",), op="ge",
              kind="native", online=GateStepOnline,  # [RT]
