@@ -74,20 +74,20 @@ def _model_rows(model: str, readouts_root: Path, gates_root: Path | None) -> tup
         acc = from_row(r, "accuracy")
         rows.append({"method": f"fixed {k}", "order": k, "rule": "fixed", "accuracy": acc,
                      "loops": Interval(float(k), float(k), float(k)), "delta": 0.0})
-    picks = []
+    picks: list[tuple[str, dict | None]] = []
     native = NATIVE_EXITS.get(kind)
     if native is not None:
-        row = chosen.filter(pl.col("rule") == native)
-        picks.append(("native", row.row(0, named=True) if row.height else None))
+        own = chosen.filter(pl.col("rule") == native)
+        picks.append(("native", own.row(0, named=True) if own.height else None))
     picks.append(("best post-hoc", best_chosen(chosen, ["posthoc"])))
     gdir = None if gates_root is None else Path(gates_root) / model
     if gdir is not None and (gdir / "chosen.parquet").is_file():
         picks.append(("best refit gate", best_chosen(read_parquet(gdir / "chosen.parquet"))))
-    for i, (method, row) in enumerate(picks):
-        if row is None:
+    for i, (method, pick) in enumerate(picks):
+        if pick is None:
             continue
-        acc, loops = from_row(row, "test_accuracy"), from_row(row, "test_depth")
-        rows.append({"method": method, "order": 100 + i, "rule": row["rule"], "accuracy": acc, "loops": loops,
+        acc, loops = from_row(pick, "test_accuracy"), from_row(pick, "test_depth")
+        rows.append({"method": method, "order": 100 + i, "rule": pick["rule"], "accuracy": acc, "loops": loops,
                      "delta": acc.estimate - matched_fixed_accuracy(fixed_acc, loops.estimate)})
     return {"task": meta.get("task"), "regime": meta.get("regime"), "regime_kind": kind}, rows
 
