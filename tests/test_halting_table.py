@@ -75,3 +75,11 @@ def test_halting_table_hand_case(tmp_path):
     assert act["accuracy_lo"] == pytest.approx(0.48)  # one seed: its bootstrap interval
     md = halting_table_markdown(t, 0.1)
     assert "| rp | act (Graves 2016 (ACT)) | native | act_exit | 50.0 [48.0, 52.0] | 1.04 [0.94, 1.14] |" in md
+
+
+def test_fixed_rows_have_no_collapse_flag(tmp_path):
+    _readouts(tmp_path, "rp-geometric-s0", "geometric", [0.5, 0.9], [("top1", "posthoc", 1.0, 1.0, 0.5)])
+    t = halting_table(["rp-geometric-s0"], tmp_path, None)
+    assert t.filter(pl.col("method") == "fixed 1")["collapsed"].to_list() == [None]
+    assert t.filter(pl.col("method") == "best post-hoc")["collapsed"].to_list() == [True]
+    assert "| fixed 1 | fixed | 50.0 [49.0, 51.0] | 1.00 [1.00, 1.00] | 0.0 | — |" in halting_table_markdown(t, 0.1)

@@ -126,8 +126,10 @@ def halting_table(models: Sequence[str], readouts_root: Path | str, gates_root: 
                         "accuracy": acc.estimate, "accuracy_lo": acc.lo, "accuracy_hi": acc.hi,
                         "loops": loops.estimate, "loops_lo": loops.lo, "loops_hi": loops.hi,
                         "delta_matched": delta.estimate, "delta_matched_lo": delta.lo, "delta_matched_hi": delta.hi,
-                        "collapsed": bool(loops.estimate <= 1.0 + collapse_tol),
-                        "n_collapsed": sum(r["loops"].estimate <= 1.0 + collapse_tol for r in rs)})
+                        # (fixed k is one loop or not by definition: no collapse to speak of)
+                        "collapsed": None if rs[0]["rule"] == "fixed" else bool(loops.estimate <= 1.0 + collapse_tol),
+                        "n_collapsed": None if rs[0]["rule"] == "fixed" else
+                        sum(r["loops"].estimate <= 1.0 + collapse_tol for r in rs)})
     schema = {c: pl.Float64 for c in COLUMNS if c not in ("task", "regime", "regime_kind", "source", "method", "rules",
                                                             "n_seeds", "collapsed", "n_collapsed")}
     return pl.DataFrame(out, schema={"task": pl.String, "regime": pl.String, "regime_kind": pl.String,
@@ -157,5 +159,6 @@ def halting_table_markdown(table: pl.DataFrame, collapse_tol: float) -> str:
                      f"{_ci(r['accuracy'], r['accuracy_lo'], r['accuracy_hi'], 100, 1)} | "
                      f"{_ci(r['loops'], r['loops_lo'], r['loops_hi'])} | "
                      f"{_ci(r['delta_matched'], r['delta_matched_lo'], r['delta_matched_hi'], 100, 1)} | "
-                     f"{'yes' if r['collapsed'] else 'no'} ({r['n_collapsed']}/{r['n_seeds']}) |")
+                     + ("— |" if r["collapsed"] is None else
+                        f"{'yes' if r['collapsed'] else 'no'} ({r['n_collapsed']}/{r['n_seeds']}) |"))
     return "\n".join(lines) + "\n"
