@@ -5,6 +5,7 @@ not change the recorded config of the regimes and models that do not use them.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -148,7 +149,7 @@ def test_regimes_train_end_to_end(tmp_path, regime):
     defs = {"recurtrace": RegimeConfig("recurtrace"), "recurtrace_flow": RegimeConfig("recurtrace", detach=False),
             "recurtrace_mem": RegimeConfig("recurtrace", loop_memory=True), "act": RegimeConfig("act")}
     cfg = tiny_train_config(steps=6, loops=3)
-    cfg = type(cfg)(**{**cfg.__dict__, "regime_defs": {**cfg.regime_defs, **defs}})
+    cfg = dataclasses.replace(cfg, regime_defs={**cfg.regime_defs, **defs})
     metrics = train_model(BaseConfig(threads=1), cfg, "rp", regime, tmp_path / regime, progress=False)
     assert len(metrics["val"]["acc_per_loop"]) == 3
     model, ckpt = load_checkpoint(tmp_path / regime / "model.pt")
