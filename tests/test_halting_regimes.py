@@ -208,3 +208,24 @@ def test_halting_profile_trains_the_methods_of_the_field():
     readouts = yaml.safe_load(files[1].read_text())["readouts"]["rules"]
     for r in ("gate_step", "act_exit"):
         assert r in readouts and get_rule(r).needs_gate
+
+
+def test_decoupled_recurtrace_trains_the_fixed_prior_trajectory_bit_for_bit(tmp_path):
+    """Same seed, same prior: a decoupled RecurTrace model's every non-head weight equals the `geometric` model's
+    (the head's gradient never reaches them, and it is clipped on its own); the flowing variant's do not."""
+    from looptrace.config import BaseConfig
+    from looptrace.models.looped import load_checkpoint
+    from looptrace.models.train import train_model
+    from tests.builders import tiny_train_config
+
+    cfg = tiny_train_config(steps=8, loops=3)
+    cfg = dataclasses.replace(cfg, regime_defs={
+        **cfg.regime_defs, "rt": RegimeConfig("recurtrace", prior="geometric", lam=0.3),
+        "rt_flow": RegimeConfig("recurtrace", prior="geometric", lam=0.3, detach=False)})
+    sd = {}
+    for r in ("geometric", "rt", "rt_flow"):
+        train_model(BaseConfig(threads=1), cfg, "rp", r, tmp_path / r, progress=False)
+        sd[r] = load_checkpoint(tmp_path / r / "model.pt")[0].state_dict()
+    assert set(sd["rt"]) - set(sd["geometric"]) == {"gate.net.weight", "gate.net.bias"}
+    assert all(torch.equal(v, sd["rt"][k]) for k, v in sd["geometric"].items())
+    assert not all(torch.equal(v, sd["rt_flow"][k]) for k, v in sd["geometric"].items())

@@ -288,7 +288,16 @@ def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Ge
     loss = regime_loss(regime, out.logits, tgt, training_gate_logits(regime, model, out))
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if regime.kind == "recurtrace" and regime.detach and model.gate is not None:
+        # Decoupled head: clip it on its own, so not even the global gradient norm lets the head touch the
+        # trajectory's update — the trajectory then trains exactly as the fixed-prior model without a head would
+        # (tests/test_halting_regimes.py: bit-identical to `geometric` at the same seed).
+        head = [p for n, p in model.named_parameters() if n.startswith("gate.")]
+        torch.nn.utils.clip_grad_norm_([p for n, p in model.named_parameters() if not n.startswith("gate.")],
+                                       cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(head, cfg.grad_clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     return loss
 
@@ -322,6 +331,14 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     mcfg = build_model_config(cfg.model, task, regime)
     torch.manual_seed(seed)
     model = LoopedTransformer(mcfg).to(base.device)
+    if regime.kind == "recurtrace" and regime.detach:
+        # The decoupled head's model starts from the head-less model's weights of the same seed (building the gate
+        # draws from the same RNG stream and would shift every later init draw); with its gradient stopped and
+        # clipped on its own (optimiser_step), the trajectory then trains bit for bit as the fixed-prior model.
+        torch.manual_seed(seed)
+        trunk = LoopedTransformer(dataclasses.replace(mcfg, gate="none")).to(base.device)
+        missing = model.load_state_dict(trunk.state_dict(), strict=False).missing_keys
+        assert all(k.startswith("gate.") for k in missing), missing
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     betas = cast(tuple[float, float], tuple(cfg.betas))  # two, checked by TrainConfig
