@@ -26,9 +26,9 @@ from looptrace.config import ConfigError, load_section, merge_params, read_param
 from tests.import_graph import REPO
 from tests.test_dvc_deps import _has_key, params_reads, stage_script
 
-PROFILES = ("ad", "lm", "study")
+PROFILES = ("ad", "lm", "study", "halting")
 #: Profiles whose dvc.yaml is generated from dvc.yaml (the default pipeline on the profile's override).
-GENERATED = ("ad", "study")
+GENERATED = ("ad", "study", "halting")
 
 
 # ---------------------------------------------------------------------------------------------- layering
@@ -128,8 +128,10 @@ def _artifact_options(stage: str, profile: str) -> list[str]:
     args = []
     for name, p in inspect.signature(main).parameters.items():
         default = getattr(p.default, "default", None)
-        if isinstance(default, Path) and default.parts[:1] == ("artifacts",):
-            args += [f"--{name.replace('_', '-')}", _prefix_artifacts(default.as_posix(), profile)]
+        # (a str default too: the dump's --out is a directory or a URL; without this every profile's dump wrote
+        # to the default artifacts/dump)
+        if isinstance(default, Path | str) and Path(default).parts[:1] == ("artifacts",):
+            args += [f"--{name.replace('_', '-')}", _prefix_artifacts(Path(default).as_posix(), profile)]
     return args
 
 
@@ -139,6 +141,8 @@ ABOUT = {
            "dvc status profiles/ad/dvc.yaml)"),
     "study": ("The study profile (the full 18-model matrix: both tasks x three regimes x three seeds)",
               "make study   (= dvc repro profiles/study/dvc.yaml; dvc status profiles/study/dvc.yaml)"),
+    "halting": ("The halting profile (RecurTrace +- loop memory, ACT, beside geometric and joint; issue 26)",
+                "dvc repro profiles/halting/dvc.yaml     (dvc status profiles/halting/dvc.yaml)"),
 }
 
 
@@ -150,6 +154,10 @@ def header(profile: str) -> str:
             f"#   {how}\n"
             f"# The matrix comes from profiles/{profile}/params.yaml (DVC loads the params.yaml beside this file as its "
             f"vars).\n")
+
+
+#: Outputs a profile's stages write beyond the default pipeline's (a params switch the profile turns on).
+EXTRA_OUTS = {"halting": {"diagnose": ["artifacts/halting/diagnose/halting_table.parquet"]}}
 
 
 def profile_pipeline(profile: str = "ad") -> dict:
@@ -175,6 +183,7 @@ def profile_pipeline(profile: str = "ad") -> dict:
         for key in ("outs", "metrics", "plots"):
             if key in st:
                 new[key] = _map_paths(st[key], profile)
+        new["outs"] = new.get("outs", []) + EXTRA_OUTS.get(profile, {}).get(name, [])
         stages[name] = new
     return {"stages": stages}
 

@@ -481,10 +481,18 @@ def load_base(path: ParamsFiles = DEFAULT_PARAMS) -> BaseConfig:
     return load_section(BaseConfig, "base", path)
 
 
+#: ``dataclasses.field(metadata=OMIT_DEFAULT)``: :func:`to_dict` leaves the field out while it has its default. For
+#: options added after checkpoints and stores already recorded their config: a run that does not use the option
+#: keeps the bytes it had (checkpoint hashes, store fingerprints), and loading fills the default back in.
+OMIT_DEFAULT = {"omit_default": True}
+
+
 def to_dict(cfg: Any) -> Any:
-    """A dataclass (possibly nested) as plain JSON-able Python objects."""
+    """A dataclass (possibly nested) as plain JSON-able Python objects (fields marked :data:`OMIT_DEFAULT` only
+    when they differ from their default)."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                if not (f.metadata.get("omit_default") and getattr(cfg, f.name) == f.default)}
     if isinstance(cfg, tuple | list):
         return [to_dict(v) for v in cfg]
     if isinstance(cfg, dict):

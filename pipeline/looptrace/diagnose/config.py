@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from looptrace.config import ConfigError
+from looptrace.config import OMIT_DEFAULT, ConfigError
 
 #: Failure classes in output order (SPEC §7); codes are their indices.
 CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
@@ -40,6 +40,9 @@ class DiagnoseConfig:
         router_baselines: the training-free stabilisation rules (readouts rules) that [FP]'s router on
             convergence labels (refit gates ``*-converged``) is compared with, at their chosen points
             (``convergence_router.parquet``).
+        halting_table: also write the halting methods' matched-compute table (``halting_table.parquet`` and a
+            summary.md section; :mod:`looptrace.diagnose.halting_table`). Off by default (profiles/halting).
+        collapse_tol: loops; a method whose mean loops is ≤ 1 + this "collapses to one loop" (halting table).
     """
 
     x: float = 95.0
@@ -53,6 +56,8 @@ class DiagnoseConfig:
     faithfulness_resamples: int = 199
     faithfulness_alpha: float = 0.05
     router_baselines: tuple[str, ...] = ("argmax_stable", "kl_prev")
+    halting_table: bool = field(default=False, metadata=OMIT_DEFAULT)
+    collapse_tol: float = field(default=0.1, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
@@ -73,5 +78,7 @@ class DiagnoseConfig:
                               f"{self.faithfulness_resamples}")
         if not 0.0 < self.faithfulness_alpha < 1.0:
             raise ConfigError(f"diagnose.faithfulness_alpha must be in (0, 1), got {self.faithfulness_alpha}")
+        if self.collapse_tol < 0:
+            raise ConfigError(f"diagnose.collapse_tol must be ≥ 0 loops, got {self.collapse_tol}")
         if self.spearman_loop is not None and self.spearman_loop < 1:
             raise ConfigError(f"diagnose.spearman_loop must be ≥ 1 or null, got {self.spearman_loop}")

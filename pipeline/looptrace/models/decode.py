@@ -144,6 +144,11 @@ class LoopedTransformerDecoder(LoopDecoder):
         self.groups = cfg.loop_group
         self.cache: LoopKVCache | None = None
         self.device = next(model.parameters()).device
+        # Loop memory ([RT], models with loop_memory): the current position's layer outputs of every loop it ran,
+        # [T, L, batch, 1, d_model] (loop t, block layer j), written by the rows that ran loop t; a row reads its
+        # own entries of its group's earlier loops (a row exited early and recomputed later finds them there).
+        self.memory: torch.Tensor | None = None
+        self.group_start = [cfg.loop_group.index(g) for g in cfg.loop_group]
 
     def reset(self, prompts, max_len):
         cfg = self.model.cfg
@@ -161,8 +166,13 @@ class LoopedTransformerDecoder(LoopDecoder):
         c.rows, c.pos = None, self.pos
         h0 = m.embed(ids, self.pos, c)
         h = h0
+        memory = None
         for t in range(self.n_loops):
-            h = m.step(h, h0, self.groups[t], c, t)
+            if self.group_start[t] == t:
+                memory = m.empty_memory(self.groups[t], h0)
+            h, outputs = m.step_outputs(h, h0, self.groups[t], c, t, memory)
+            if memory is not None:
+                memory = m.extend_memory(memory, outputs)
         m.readout(h, c)
         self.pos += ids.shape[1]
 
@@ -170,11 +180,28 @@ class LoopedTransformerDecoder(LoopDecoder):
         c = self.cache
         c.rows, c.pos = None, self.pos
         h0 = self.model.embed(ids[:, None], self.pos, c)
+        if self.model.cfg.loop_memory:  # a new position: its memory starts empty
+            L = max(g.n_layer for g in self.model.cfg.groups)
+            self.memory = h0.new_zeros(self.n_loops, L, *h0.shape)  # [T, L, B, 1, D]
         return h0, h0
 
     def step(self, t, h, inj, rows):
         self.cache.rows = rows
-        return self.model.step(h, inj, self.groups[t], self.cache, t)
+        m = self.model
+        if self.memory is None:
+            return m.step(h, inj, self.groups[t], self.cache, t)
+        g = self.groups[t]
+        past = self.memory[self.group_start[t]:t, :m.cfg.groups[g].n_layer]  # [m, L_g, B, 1, D]
+        if rows is not None:
+            past = past.index_select(2, rows)
+        memory = tuple(past[:, j].permute(1, 2, 0, 3) for j in range(past.shape[1]))  # [b, 1, m, D] each
+        h, outputs = m.step_outputs(h, inj, g, self.cache, t, memory)
+        for j, o in enumerate(outputs):
+            if rows is None:
+                self.memory[t, j] = o
+            else:
+                self.memory[t, j, rows] = o
+        return h
 
     def readout(self, h, t, rows):
         self.cache.rows = rows

@@ -29,6 +29,21 @@ Loop forms (``ModelConfig.loop_form``; R_g = the group's layers):
   dumps), hence the explicit N_h, and prelude and coda layers are sandwich layers too. Huginn's randomised
   loop count and truncated backpropagation are training choices, not part of the form.
 
+Loop memory (``ModelConfig.loop_memory``, [RT]'s Loop Memory Attention; off by default): every layer j of a looped
+block gets one more residual sublayer between its self-attention and its MLP,
+
+    x <- x + attn(ln_1(x))                                        (over positions, as without memory)
+    x <- x + MemAttn(ln_m(x), ln_m(o_j^1), ..., ln_m(o_j^{t-1}))   (over loop time, same position)
+    x <- x + mlp(ln_2(x))
+
+where o_j^s is layer j's own output at iteration s < t of the same group and the same position (causal in loop
+time: iteration t never sees iterations ≥ t; at the group's first iteration the sublayer is skipped, there is
+nothing to attend to). The memory restarts at every group (another group has other layers). The state h_t, the
+readout and the gate are unchanged in form, but h_{t+1} now depends on (h_t, e, memory): docs/SPEC.md §1
+"Trajectories with loop memory". :meth:`LoopedTransformer.step` takes the memory explicitly (a tuple of per-layer
+[batch, seq, m, d_model] tensors, :meth:`~LoopedTransformer.empty_memory` / :meth:`~LoopedTransformer.extend_memory`),
+so one loop stays a pure function of (h, e, memory).
+
 All loops of all groups are flattened onto one ``loop`` axis (t = 1..T, T = sum of the groups'
 loop counts); ``loop_group`` maps each loop index to its group. The coda is applied to every h_t
 because that is exactly what an early exit at t would run (and what the last loop runs anyway).
@@ -119,6 +134,8 @@ class ModelConfig:
         mlp_ratio: MLP hidden width / d_model.
         loop_form: ``add`` (h <- R(h + e)), ``norm_add`` (Dory: h <- R(N_h(h) + N_e(e))) or ``adapter``
             (Huginn: h <- R(A [N_h(h); N_e(e)]) with sandwich-norm layers); see the module docstring.
+        loop_memory: [RT] loop memory attention in every looped layer (module docstring). Left out of
+            :meth:`to_dict` when false, so checkpoints and stores of models without it keep their bytes.
     """
 
     vocab_size: int
@@ -135,8 +152,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     mlp_ratio: int = 4
     loop_form: str = "add"
+    loop_memory: bool = False
 
     def __post_init__(self) -> None:
+        if self.loop_memory and self.loop_form == "adapter":
+            raise ConfigError("model.loop_memory is defined for loop_form add and norm_add (pre-norm layers), not "
+                              "adapter (sandwich layers); set loop_memory false or another loop_form")
         if self.loop_form not in LOOP_FORMS:
             raise ConfigError(f"model.loop_form must be one of {', '.join(LOOP_FORMS)}, got {self.loop_form!r}")
         if self.loop_form == "adapter" and not self.reinject:
@@ -159,7 +180,10 @@ class ModelConfig:
         return [gi for gi, g in enumerate(self.groups) for _ in range(g.loops)]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.loop_memory:  # the form of every checkpoint before loop memory existed: same bytes
+            del d["loop_memory"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -193,6 +217,37 @@ class SelfAttention(nn.Module):
         return self.proj(y)
 
 
+#: A looped block's loop memory: one [batch, seq, m, d_model] tensor per layer j of the block, layer j's outputs
+#: o_j^1..o_j^m at the group's m earlier iterations (oldest first).
+Memory = tuple[torch.Tensor, ...]
+
+
+class LoopMemoryAttention(nn.Module):
+    """[RT] Loop Memory Attention: each position attends over its own earlier-iteration entries (loop time).
+
+    Multi-head attention with the layer's heads; the query is the position's current (normed) stream, keys and
+    values its m memory entries. No mask: the memory only ever holds earlier iterations (causal in loop time).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
+        """x: [batch, seq, d_model] (normed); mem: [batch, seq, m ≥ 1, d_model] (normed) -> [batch, seq, d_model]."""
+        B, S, D = x.shape
+        m, H = mem.shape[2], self.n_head
+        q = self.q(x).view(B * S, 1, H, D // H).transpose(1, 2)  # [B·S, H, 1, D/H]
+        k, v = self.kv(mem).split(D, dim=3)  # 2 x [B, S, m, D]
+        k = k.reshape(B * S, m, H, D // H).transpose(1, 2)  # [B·S, H, m, D/H]
+        v = v.reshape(B * S, m, H, D // H).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v)  # [B·S, H, 1, D/H]
+        return self.proj(y.transpose(1, 2).reshape(B, S, D))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -204,17 +259,25 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    """Pre-norm transformer layer."""
+    """Pre-norm transformer layer; with ``memory`` (a looped layer of a ``loop_memory`` model) a loop-memory
+    sublayer sits between attention and MLP (module docstring)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, memory: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model)
         self.attn = SelfAttention(cfg)
+        if memory:  # built only with loop memory: models without it keep their parameters and init draws
+            self.ln_m = nn.LayerNorm(cfg.d_model)
+            self.mem_attn = LoopMemoryAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: KV | None = None, memory: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [batch, seq, d_model]; memory: [batch, seq, m, d_model] this layer's earlier outputs (m = 0 or None:
+        no memory sublayer)."""
         x = x + self.attn(self.ln_1(x), kv)
+        if memory is not None and memory.shape[2] > 0:
+            x = x + self.mem_attn(self.ln_m(x), self.ln_m(memory))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -275,9 +338,13 @@ class LoopedTransformer(nn.Module):
         self.wpe = nn.Embedding(cfg.block_size, cfg.d_model)
         layer = SandwichLayer if cfg.loop_form == "adapter" else Layer
         self.prelude = nn.ModuleList([layer(cfg) for _ in range(cfg.n_prelude)])
-        self.blocks = nn.ModuleList(
-            [nn.ModuleList([layer(cfg) for _ in range(g.n_layer)]) for g in cfg.groups]
-        )
+        if cfg.loop_memory:
+            self.blocks = nn.ModuleList(
+                [nn.ModuleList([Layer(cfg, memory=True) for _ in range(g.n_layer)]) for g in cfg.groups])
+        else:
+            self.blocks = nn.ModuleList(
+                [nn.ModuleList([layer(cfg) for _ in range(g.n_layer)]) for g in cfg.groups]
+            )
         self.coda = nn.ModuleList([layer(cfg) for _ in range(cfg.n_coda)])
         if cfg.loop_form != "add":  # N_h (carried state) and N_e (injection), shared by all groups
             norm = L2Norm if cfg.loop_form == "norm_add" else rms_norm
@@ -324,11 +391,36 @@ class LoopedTransformer(nn.Module):
         return h
 
     def step(self, h: torch.Tensor, h0: torch.Tensor, group: int, cache: KVCache | None = None,
-             loop: int = 0) -> torch.Tensor:
+             loop: int = 0, memory: Memory | None = None) -> torch.Tensor:
         """One loop of group ``group`` (``cfg.loop_form``): [batch, seq, d_model] -> [batch, seq, d_model].
 
         Decoding: loop ``loop`` (0-based over all groups) of the new positions, its layer j's attention reading
-        and extending ``cache`` layer ``("loop", loop, j)``."""
+        and extending ``cache`` layer ``("loop", loop, j)``. ``memory``: the group's loop memory (models with
+        ``loop_memory`` only; :meth:`step_outputs`)."""
+        return self.step_outputs(h, h0, group, cache, loop, memory)[0]
+
+    def step_outputs(self, h: torch.Tensor, h0: torch.Tensor, group: int, cache: KVCache | None = None,
+                     loop: int = 0, memory: Memory | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """:meth:`step`, also returning every block layer's output (what :meth:`extend_memory` appends).
+
+        Args:
+            h: [batch, seq, d_model] the carried state h_{t−1}.
+            h0: [batch, seq, d_model] the injection e.
+            group: looped group index.
+            cache, loop: decoding (:meth:`step`).
+            memory: models with ``loop_memory``: layer j's outputs at the group's earlier iterations
+                (:data:`Memory`; :meth:`empty_memory` at the group's first iteration). Must be None otherwise.
+
+        Returns:
+            (h_t [batch, seq, d_model], per-layer outputs, each [batch, seq, d_model]; the last one is h_t).
+        """
+        layers = cast(nn.ModuleList, self.blocks[group])
+        if self.cfg.loop_memory:
+            if memory is None or len(memory) != len(layers):
+                raise ValueError(f"this model has loop memory: step needs memory= one tensor per block layer "
+                                 f"({len(layers)}), from empty_memory / extend_memory")
+        elif memory is not None:
+            raise ValueError("memory= given to a model without loop memory (model.loop_memory is false)")
         form = self.cfg.loop_form
         if form == "add":
             x = h + h0 if self.cfg.reinject else h
@@ -341,9 +433,25 @@ class LoopedTransformer(nn.Module):
         else:
             assert self.adapter is not None and self.norm_e is not None  # built for loop_form adapter (reinject)
             x = self.adapter(torch.cat([self.norm_h(h), self.norm_e(h0)], dim=-1))
-        for j, layer in enumerate(cast(nn.ModuleList, self.blocks[group])):
-            x = layer(x, None if cache is None else cache.layer("loop", loop, j))
-        return x
+        outputs = []
+        for j, layer in enumerate(layers):
+            kv = None if cache is None else cache.layer("loop", loop, j)
+            x = layer(x, kv) if memory is None else layer(x, kv, memory[j])
+            outputs.append(x)
+        return x, tuple(outputs)
+
+    def empty_memory(self, group: int, like: torch.Tensor) -> Memory | None:
+        """The loop memory at a group's first iteration (no entries): one [batch, seq, 0, d_model] tensor per block
+        layer, shaped and typed as ``like`` [batch, seq, d_model]; None for models without ``loop_memory``."""
+        if not self.cfg.loop_memory:
+            return None
+        B, S, D = like.shape
+        return tuple(like.new_zeros(B, S, 0, D) for _ in range(self.cfg.groups[group].n_layer))
+
+    @staticmethod
+    def extend_memory(memory: Memory, outputs: tuple[torch.Tensor, ...]) -> Memory:
+        """The memory after one more iteration: each layer's entries [batch, seq, m, D] + its output [batch, seq, D]."""
+        return tuple(torch.cat([m, o.unsqueeze(2)], dim=2) for m, o in zip(memory, outputs, strict=True))
 
     def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Exit path at any loop: coda -> shared norm -> head. [..., seq, d_model] -> [..., seq, vocab].
@@ -353,9 +461,16 @@ class LoopedTransformer(nn.Module):
             h = layer(h, None if cache is None else cache.layer("coda", i))
         return self.head(self.ln_f(h))
 
-    def gate_logit(self, h: torch.Tensor) -> torch.Tensor:
-        """Halting-gate logit on the normed state: [..., d_model] -> [...]."""
+    def gate_logit(self, h: torch.Tensor, stop_gradient: bool = False) -> torch.Tensor:
+        """Halting-gate logit on the normed state: [..., d_model] -> [...].
+
+        ``stop_gradient``: the same values, with no gradient into the state or the shared norm (only the gate's own
+        weights learn; RecurTrace's decoupled head, ``looptrace.models.regimes``)."""
         assert self.gate is not None
+        if stop_gradient:
+            ln = self.ln_f
+            return self.gate(F.layer_norm(h.detach(), ln.normalized_shape, ln.weight.detach(), ln.bias.detach(),
+                                          ln.eps))
         return self.gate(self.ln_f(h))
 
     def forward(self, idx: torch.Tensor, with_logits: bool = True) -> LoopOutput:
@@ -372,8 +487,11 @@ class LoopedTransformer(nn.Module):
         h = h0
         states = []
         for g, group in enumerate(self.cfg.groups):
+            memory = self.empty_memory(g, h0)  # None without loop memory
             for _ in range(group.loops):
-                h = self.step(h, h0, g)  # [B, S, D]
+                h, outputs = self.step_outputs(h, h0, g, memory=memory)  # [B, S, D]
+                if memory is not None:
+                    memory = self.extend_memory(memory, outputs)
                 states.append(h)
         hidden = torch.stack(states, dim=2)  # [B, S, T, D]
         B, S, T, D = hidden.shape

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looptrace.config import (
+    OMIT_DEFAULT,
     BaseConfig,
     Check,
     ConfigError,
@@ -37,7 +38,14 @@ from looptrace.config import (
     to_dict,
 )
 from looptrace.io.artifacts import swap_in
-from looptrace.models.looped import LOOP_FORMS, GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
+from looptrace.models.looped import (
+    LOOP_FORMS,
+    GroupConfig,
+    LoopedTransformer,
+    LoopOutput,
+    ModelConfig,
+    save_checkpoint,
+)
 from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
 from looptrace.project import model_name, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
@@ -59,6 +67,9 @@ class ModelParams:
     tie_embeddings: bool = False
     mlp_ratio: PosInt = 4
     loop_form: Annotated[str, one_of(*LOOP_FORMS)] = "add"
+    #: [RT] loop memory attention in every looped layer (``looptrace.models.looped``); a regime may pin it
+    #: (``RegimeConfig.loop_memory``).
+    loop_memory: bool = field(default=False, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_head:
@@ -169,6 +180,7 @@ def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> Mod
         n_prelude=mp.n_prelude, groups=mp.groups, n_coda=mp.n_coda, causal=task.causal,
         reinject=mp.reinject, gate=regime.model_gate, gate_hidden=mp.gate_hidden,
         tie_embeddings=mp.tie_embeddings, mlp_ratio=mp.mlp_ratio, loop_form=mp.loop_form,
+        loop_memory=mp.loop_memory if regime.loop_memory is None else regime.loop_memory,
     )
 
 
@@ -256,6 +268,14 @@ def _save_resume(stage: Path, state: dict) -> None:
     os.replace(tmp, stage / "resume.pt")
 
 
+def training_gate_logits(regime: RegimeConfig, model: LoopedTransformer, out: LoopOutput) -> torch.Tensor | None:
+    """The gate logits the regime's loss reads: the forward's, except for a decoupled ``recurtrace`` head, whose
+    logits (same values) carry no gradient into the state or the shared norm ([RT] / [AD] decoupling; SPEC §5)."""
+    if regime.kind == "recurtrace" and regime.detach and model.gate is not None:
+        return model.gate_logit(out.hidden, stop_gradient=True)
+    return out.gate_logits
+
+
 def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Generator,
                    device: str) -> torch.Tensor:
     """One optimiser step on a fit batch drawn from ``rng``: the regime's loss, gradient clipping, AdamW.
@@ -265,10 +285,19 @@ def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Ge
     """
     idx, tgt = to_torch(task.sample("fit", cfg.batch_size, rng), device)
     out = model(idx)
-    loss = regime_loss(regime, out.logits, tgt, out.gate_logits)
+    loss = regime_loss(regime, out.logits, tgt, training_gate_logits(regime, model, out))
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    if regime.kind == "recurtrace" and regime.detach and model.gate is not None:
+        # Decoupled head: clip it on its own, so not even the global gradient norm lets the head touch the
+        # trajectory's update — the trajectory then trains exactly as the fixed-prior model without a head would
+        # (tests/test_halting_regimes.py: bit-identical to `geometric` at the same seed).
+        head = [p for n, p in model.named_parameters() if n.startswith("gate.")]
+        torch.nn.utils.clip_grad_norm_([p for n, p in model.named_parameters() if not n.startswith("gate.")],
+                                       cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(head, cfg.grad_clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     return loss
 
@@ -302,6 +331,14 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     mcfg = build_model_config(cfg.model, task, regime)
     torch.manual_seed(seed)
     model = LoopedTransformer(mcfg).to(base.device)
+    if regime.kind == "recurtrace" and regime.detach:
+        # The decoupled head's model starts from the head-less model's weights of the same seed (building the gate
+        # draws from the same RNG stream and would shift every later init draw); with its gradient stopped and
+        # clipped on its own (optimiser_step), the trajectory then trains bit for bit as the fixed-prior model.
+        torch.manual_seed(seed)
+        trunk = LoopedTransformer(dataclasses.replace(mcfg, gate="none")).to(base.device)
+        missing = model.load_state_dict(trunk.state_dict(), strict=False).missing_keys
+        assert all(k.startswith("gate.") for k in missing), missing
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     betas = cast(tuple[float, float], tuple(cfg.betas))  # two, checked by TrainConfig

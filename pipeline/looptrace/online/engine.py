@@ -288,8 +288,13 @@ def early_exit(model: LoopedTransformer, tokens: torch.Tensor, scored: torch.Ten
     h = h0
     work = 0
     t = 0
+    memory = None  # loop memory ([RT]; models with loop_memory): each kept position's own earlier outputs
     for t in range(1, T + 1):
-        h = model.step(h, h0, groups[t - 1])  # [b, seq, D]
+        if t == 1 or groups[t - 1] != groups[t - 2]:
+            memory = model.empty_memory(groups[t - 1], h)
+        h, outputs = model.step_outputs(h, h0, groups[t - 1], memory=memory)  # [b, seq, D]
+        if memory is not None:
+            memory = model.extend_memory(memory, outputs)
         work += h.shape[0] * h.shape[1]
         last = t == T
         if rule is None and not last:
@@ -322,9 +327,13 @@ def early_exit(model: LoopedTransformer, tokens: torch.Tensor, scored: torch.Ten
             keep = torch.tensor(kept, dtype=torch.int64, device=dev)
             rows = rows[keep]
             h, h0, undecided = h.index_select(0, keep), h0.index_select(0, keep), undecided.index_select(0, keep)
+            if memory is not None:
+                memory = tuple(m.index_select(0, keep) for m in memory)
         new_seq = max(last_pos) + 1 if cfg.causal else seq
         if new_seq < seq:
             h, h0, undecided = h[:, :new_seq], h0[:, :new_seq], undecided[:, :new_seq]
+            if memory is not None:  # the memory is per position: a dropped position's goes with it
+                memory = tuple(m[:, :new_seq] for m in memory)
         if rule is not None and (keep is not None or new_seq < seq):
             rule.compact(keep, new_seq)
         seq = new_seq

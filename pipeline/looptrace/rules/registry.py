@@ -16,6 +16,7 @@ import numpy as np
 from looptrace.config import ConfigError
 from looptrace.rules.base import ExitRule
 from looptrace.rules.builtin import BUILTIN_RULES, OURO_Q_EXIT_RULES
+from looptrace.rules.native_halting import NATIVE_HALTING_RULES
 
 #: Entry-point group through which installed packages register exit rules.
 ENTRY_POINT_GROUP = "looptrace.rules"
@@ -45,7 +46,7 @@ def register(rule: ExitRule) -> ExitRule:
     return rule
 
 
-for _rule in OURO_Q_EXIT_RULES.values():  # by name only, not among the defaults
+for _rule in (*OURO_Q_EXIT_RULES.values(), *NATIVE_HALTING_RULES.values()):  # by name only, not among the defaults
     register(_rule)
 
 

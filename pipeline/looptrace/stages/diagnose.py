@@ -8,6 +8,7 @@ import typer
 
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
+from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
 from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
@@ -42,6 +43,10 @@ def main(
             with dask_runner(base.dask) as runner:
                 frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta,
                                                            runner=runner, intervals=ivc, seed=base.seed)
+            if cfg.halting_table:  # issue 26: the halting methods at matched compute (profiles/halting)
+                table = halting_table(names, readouts_root, gates_root, cfg.collapse_tol, ivc.level)
+                frames = {**frames, "halting_table": table}
+                summary += "\n" + halting_table_markdown(table, cfg.collapse_tol)
             write_diagnosis(out, frames, summary, metrics)
     for name, status in metrics["claims"].items():
         typer.echo(f"[AD] claim ({name}): {status}")
