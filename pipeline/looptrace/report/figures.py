@@ -14,6 +14,7 @@ import polars as pl
 from looptrace.diagnose.stats import with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.report.inputs import Inputs, ReportConfig
+from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import best_chosen
 
 #: Figure file names (``figures/<name>.png``); Pareto fronts add one per task: ``pareto_<task>.png``.
@@ -300,10 +301,22 @@ def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dic
         out.setdefault(r, ("best post-hoc (val)", _BEST_COLOURS[i % len(_BEST_COLOURS)]))
     for i, r in enumerate(gates):
         out.setdefault(r, ("best refit gate (val)", _GATE_COLOURS[i % len(_GATE_COLOURS)]))
-    users = [r for r, k in kinds.items() if k == "posthoc" and ":" in r]
+    users = [r for r, k in kinds.items() if k == "posthoc" and _is_user_rule(r)]
     for i, r in enumerate(users):
         out.setdefault(r, ("user rule", _USER_COLOURS[i % len(_USER_COLOURS)]))
     return out
+
+
+def _is_user_rule(name: str) -> bool:
+    """A rule the user wrote: named ``module:function``, or registered from outside looptrace (an entry point, a
+    :func:`looptrace.rules.register` call in the report's process)."""
+    if ":" in name:
+        return True
+    try:
+        rule = get_rule(name)
+    except Exception:  # noqa: BLE001 - looptrace's own rules always resolve: one that does not came from user code
+        return True  # (readouts named it as module:function; its output rows carry only the function's name)
+    return not (rule.origin == "builtin" or rule.origin.startswith("looptrace."))
 
 
 def mean_front(p: pl.DataFrame, models: list[str]) -> tuple[np.ndarray, np.ndarray]:
