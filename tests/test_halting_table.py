@@ -12,6 +12,7 @@ import pytest
 from scipy.stats import t as student_t
 
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown, matched_fixed_accuracy
+from looptrace.intervals import DEFAULT_RESOLUTION
 from looptrace.io.artifacts import write_outputs
 
 
@@ -28,7 +29,7 @@ def _readouts(root, model, kind, fixed_acc, rows):
                             "test_accuracy": ta, "test_accuracy_lo": ta - 0.02, "test_accuracy_hi": ta + 0.02}
                            for r, k, vd, td, ta in rows])
     write_outputs(root / model, {"operating_points": ops, "chosen": chosen},
-                  {"task": "rp", "regime": model.split("-")[1], "regime_kind": kind})
+                  {"task": "rp", "regime": model.split("-")[1], "regime_kind": kind, "n_loops": T})
 
 
 def test_matched_fixed_accuracy_interpolates_between_depths():
@@ -60,9 +61,20 @@ def test_halting_table_hand_case(tmp_path):
         m, half = (a + b) / 2, tq * abs(a - b) / math.sqrt(2) / math.sqrt(2)  # sd of two values = |a − b| / √2
         return m, m - half, m + half
 
-    for col, vals in (("accuracy", (0.85, 0.9)), ("loops", (1.5, 2.0)),
-                      ("delta_matched", (0.85 - 0.6, 0.9 - 0.8))):  # fixed at 1.5 = (0.5+0.7)/2; at 2.0 = 0.8
-        m, lo, hi = t_iv(*vals)
+    def logit_iv(a, b, lo_end, hi_end):  # issue 25: the t-interval on the logit scale of the range, mapped back
+        p = (np.array([a, b]) - lo_end) / (hi_end - lo_end)
+        z = np.log(p / (1 - p))
+        half = tq * z.std(ddof=1) / math.sqrt(2)
+        q = [1 / (1 + math.exp(-(z.mean() + s * half))) for s in (-1, 1)]
+        # a bound within the resolution of a range's end is that end (intervals.DEFAULT_RESOLUTION: n unknown here)
+        q = [0.0 if x <= DEFAULT_RESOLUTION else 1.0 if x >= 1 - DEFAULT_RESOLUTION else x for x in q]
+        back = [lo_end + (hi_end - lo_end) * x for x in q]
+        m = (a + b) / 2
+        return m, min(back[0], m), max(back[1], m)
+
+    for col, (m, lo, hi) in (("accuracy", logit_iv(0.85, 0.9, 0.0, 1.0)), ("loops", logit_iv(1.5, 2.0, 1.0, 3.0)),
+                             # fixed at 1.5 = (0.5+0.7)/2; at 2.0 = 0.8; a difference has no range: the plain t
+                             ("delta_matched", t_iv(0.85 - 0.6, 0.9 - 0.8))):
         assert nat[col] == pytest.approx(m) and nat[f"{col}_lo"] == pytest.approx(lo)
         assert nat[f"{col}_hi"] == pytest.approx(hi)
     post = rt.filter(pl.col("method") == "best post-hoc").row(0, named=True)

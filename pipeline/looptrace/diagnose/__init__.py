@@ -186,7 +186,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         rm = read_json(mpath)
         info = {"model": model, "task": rm.get("task"), "regime": rm.get("regime"),
                 "regime_kind": rm.get("regime_kind"), "n_loops": rm.get("n_loops")}
-        meta_rows.append({k: info[k] for k in ("model", "task", "regime", "regime_kind")})
+        meta_rows.append({k: info[k] for k in ("model", "task", "regime", "regime_kind", "n_loops")})
         outs = [("readouts", _read_rule_outputs(readouts_root / model, "readouts"))]
         g = _read_rule_outputs(gates_root / model, "gates")
         if g is not None:
@@ -254,8 +254,9 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
                gates_present: bool, cfg: DiagnoseConfig, meta: dict | None, faith_rows: list | None = None,
                router_rows: list | None = None) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
+    # n_loops: the claims' across-seed depth intervals stay within [1, T] (issue 25); without it they were unbounded
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
-                                              "regime_kind": pl.String})
+                                              "regime_kind": pl.String, "n_loops": pl.Int64})
     dx_df = pl.concat(dx_all, how="diagonal_relaxed")
     claims = ad_claims(meta_df, dx_df, cfg, gates_present)
     frames = {

@@ -89,7 +89,8 @@ def _model_rows(model: str, readouts_root: Path, gates_root: Path | None) -> tup
         acc, loops = from_row(pick, "test_accuracy"), from_row(pick, "test_depth")
         rows.append({"method": method, "order": 100 + i, "rule": pick["rule"], "accuracy": acc, "loops": loops,
                      "delta": acc.estimate - matched_fixed_accuracy(fixed_acc, loops.estimate)})
-    return {"task": meta.get("task"), "regime": meta.get("regime"), "regime_kind": kind}, rows
+    return {"task": meta.get("task"), "regime": meta.get("regime"), "regime_kind": kind,
+            "n_loops": meta.get("n_loops")}, rows
 
 
 def halting_table(models: Sequence[str], readouts_root: Path | str, gates_root: Path | str | None,
@@ -118,10 +119,13 @@ def halting_table(models: Sequence[str], readouts_root: Path | str, gates_root: 
             for r in rows:
                 methods.setdefault(r["method"], []).append(r)
         for method, rs in sorted(methods.items(), key=lambda kv: kv[1][0]["order"]):
-            acc = across_seeds([r["accuracy"] for r in rs], level)
-            loops = across_seeds([r["loops"] for r in rs], level)
+            # within the figures' ranges (issue 25): accuracy in [0, 1], loops in [1, T]
+            T = info.get("n_loops")
+            acc = across_seeds([r["accuracy"] for r in rs], level, bounds=(0.0, 1.0))
+            loops = across_seeds([r["loops"] for r in rs], level,
+                                 bounds=(1.0, float(T)) if T is not None and float(T) > 1 else None)
             delta = across_seeds([Interval(r["delta"], method="none") for r in rs], level)
-            out.append({**info, "source": REGIME_SOURCES.get(info["regime_kind"], "—"), "method": method,
+            out.append({**{k: v for k, v in info.items() if k != "n_loops"}, "source": REGIME_SOURCES.get(info["regime_kind"], "—"), "method": method,
                         "rules": ",".join(dict.fromkeys(r["rule"] for r in rs)), "n_seeds": len(rs),
                         "accuracy": acc.estimate, "accuracy_lo": acc.lo, "accuracy_hi": acc.hi,
                         "loops": loops.estimate, "loops_lo": loops.lo, "loops_hi": loops.hi,

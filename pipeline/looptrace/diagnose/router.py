@@ -57,7 +57,7 @@ def router_model_rows(info: dict, chosen: pl.DataFrame, baselines: Sequence[str]
         if role is None:
             continue
         out.append({k: info[k] for k in ("model", "task", "regime", "regime_kind")}
-                   | {"source": r.get("source"), "rule": r["rule"], "role": role,
+                   | {"n_loops": info.get("n_loops"), "source": r.get("source"), "rule": r["rule"], "role": role,
                       **{k: r.get(k) for k in ("val_depth", "test_depth", "test_depth_lo", "test_depth_hi",
                                                "test_accuracy", "within_delta", "n_boot", "n_sequences")}})
     return out
@@ -99,7 +99,9 @@ def _figure(sub: pl.DataFrame, rule: str) -> tuple[Interval, float, int, bool]:
     test accuracy, the model count, and whether every model's chosen point is within δ of full depth on val (False:
     no threshold reached it, so the accuracy is not matched)."""
     rs = list(sub.filter(pl.col("rule") == rule).iter_rows(named=True))
-    iv = across_seeds([from_row(r, "test_depth") for r in rs])
+    T = max((int(r["n_loops"]) for r in rs if r.get("n_loops") is not None), default=None)
+    # across seeds within [1, T] (issue 25: a depth interval never leaves its range)
+    iv = across_seeds([from_row(r, "test_depth") for r in rs], bounds=(1.0, float(T)) if T and T > 1 else None)
     accs = [float(r["test_accuracy"]) for r in rs if r.get("test_accuracy") is not None]
     within = all(r.get("within_delta") is not False for r in rs)
     return iv, (sum(accs) / len(accs) if accs else math.nan), len(rs), within
