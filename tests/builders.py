@@ -364,3 +364,15 @@ def tiny_artifacts(root: Path | str, name: str = "rs-tiny", rules: Sequence[str]
     readouts_model(root / "geometry" / name, ReadoutsConfig(rules=tuple(rules)), CalibrationConfig(),
                    root / "readouts" / name, progress=False)
     return root
+
+
+def run_map(step, h0, T: int):
+    """States of a loop map ``h <- step(h, t)`` for t = 0..T-1 from ``h0`` [batch, token, d_model]:
+    [batch, token, loop, d_model] (the store's loop axis)."""
+    import torch
+
+    hs, h = [], h0
+    for t in range(T):
+        h = step(h, t)
+        hs.append(h)
+    return torch.stack(hs, dim=2)

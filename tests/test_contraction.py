@@ -14,6 +14,7 @@ from looptrace.capture.contraction import (
 from looptrace.config import ConfigError
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+from tests.builders import run_map
 
 
 def _nonnormal(rng, eigs):
@@ -37,14 +38,6 @@ def _linear_step(A, M=None, b=None):
     return step
 
 
-def _run(step, h0, T):
-    hs, h = [], h0
-    for t in range(T):
-        h = step(h, t)
-        hs.append(h)
-    return torch.stack(hs, dim=2)
-
-
 def test_power_method_equals_spectral_norm_of_the_diagonal_block():
     rng = np.random.default_rng(0)
     A = _nonnormal(rng, [0.9, 0.5, -0.3, 0.1])
@@ -64,7 +57,7 @@ def test_ftle_tends_to_log_spectral_radius_and_stats_shapes():
     step = _linear_step(A, b=rng.standard_normal(3))
     T = 400
     h0 = torch.as_tensor(rng.standard_normal((2, 3, 3)))
-    out = contraction_stats(step, h0, _run(step, h0, T), ContractionConfig(power_iters=20))
+    out = contraction_stats(step, h0, run_map(step, h0, T), ContractionConfig(power_iters=20))
     assert set(out) == {"contraction", "ftle", "ftle_share"} and out["ftle"].shape == (2, 3, T)
     np.testing.assert_allclose(out["contraction"].numpy(), np.linalg.norm(A, 2), atol=1e-4)
     # log‖A^T u‖/T = log ρ + O(1/T) (the initial component along the top eigenvector)
@@ -76,7 +69,7 @@ def test_ftle_of_a_scaled_identity_is_exact_at_every_loop():
     c = 0.7
     step = _linear_step(c * np.eye(3))
     h0 = torch.as_tensor(np.random.default_rng(2).standard_normal((1, 4, 3)))
-    out = contraction_stats(step, h0, _run(step, h0, 5), ContractionConfig(power_iters=1))
+    out = contraction_stats(step, h0, run_map(step, h0, 5), ContractionConfig(power_iters=1))
     np.testing.assert_allclose(out["ftle"].numpy(), np.log(c), rtol=1e-6)
     np.testing.assert_allclose(out["contraction"].numpy(), c, rtol=1e-6)
 

@@ -43,6 +43,19 @@ def own_model(T: int = 4, n_layer: int = 2, prelude: int = 1, coda: int = 1, gat
     return LoopedTransformer(cfg).eval()
 
 
+def assert_full_depth_decode_exact(m, policy: str, p: torch.Tensor, N: int, ref: np.ndarray) -> None:
+    """Decoding at full depth (no rule, or one that never fires) gives the uncached greedy tokens ``ref`` and, at
+    each generated token, the uncached forward's last-loop log-probability (used for loop memory too)."""
+    for rule in (None, Never("never", 0.0, "ge")):
+        r = decode_tokens(decoder_for(m, policy), p, N, rule)
+        assert np.array_equal(r.tokens, ref) and (r.exit_depth == m.n_loops).all()
+    ids = torch.cat([p, torch.from_numpy(ref)], dim=1)
+    with torch.inference_mode():
+        lp = torch.log_softmax(m(ids).logits[:, :, -1].double(), -1)
+    want = lp[:, p.shape[1] - 1:-1].gather(2, torch.from_numpy(ref)[..., None]).squeeze(-1).numpy()
+    np.testing.assert_allclose(r.logprob, want, rtol=0, atol=1e-5)
+
+
 class Never(OnlineRule):
     """Reads the readout every loop (so the decode path pays for it) and never fires."""
 
@@ -136,15 +149,7 @@ def test_own_model_full_depth_equals_uncached_greedy(policy, groups):
         with pytest.raises(DecodeUnsupported, match="looped groups"):
             decoder_for(m, policy)
         return
-    for rule in (None, Never("never", 0.0, "ge")):
-        r = decode_tokens(decoder_for(m, policy), p, N, rule)
-        assert np.array_equal(r.tokens, ref) and (r.exit_depth == m.n_loops).all()
-    # and the last-loop log-probabilities equal the uncached forward's on the same sequences
-    ids = torch.cat([p, torch.from_numpy(ref)], dim=1)
-    with torch.inference_mode():
-        lp = torch.log_softmax(m(ids).logits[:, :, -1].double(), -1)
-    want = lp[:, p.shape[1] - 1:-1].gather(2, torch.from_numpy(ref)[..., None]).squeeze(-1).numpy()
-    np.testing.assert_allclose(r.logprob, want, rtol=0, atol=1e-5)
+    assert_full_depth_decode_exact(m, policy, p, N, ref)
     with pytest.raises(DecodeUnsupported, match="no KV policy of its own"):
         decoder_for(m, "native")
 

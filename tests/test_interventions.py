@@ -12,20 +12,12 @@ from looptrace.capture.interventions import (
     window_summary,
 )
 from looptrace.config import ConfigError
-from tests.builders import tiny_adapter_and_data
+from tests.builders import run_map, tiny_adapter_and_data
 
 
 def _linear(A, b):
     At, bt = torch.as_tensor(A.T), torch.as_tensor(b)
     return lambda h, t: h @ At + bt
-
-
-def _run(step, h0, T):
-    hs, h = [], h0
-    for t in range(T):
-        h = step(h, t)
-        hs.append(h)
-    return torch.stack(hs, dim=2)
 
 
 def test_linear_map_decay_equals_matrix_powers():
@@ -34,7 +26,7 @@ def test_linear_map_decay_equals_matrix_powers():
     A *= 0.8 / max(abs(np.linalg.eigvals(A)))
     step = _linear(A, rng.standard_normal(4))
     h0 = torch.as_tensor(rng.standard_normal((3, 5, 4)))
-    hidden = _run(step, h0, 7)
+    hidden = run_map(step, h0, 7)
     k = 2
     out = intervene(step, h0, hidden, InterventionConfig(loop=k, scale=0.3, seed=1))
     # δ recovered from the same seeded draw: the effect after j loops is exactly A^j δ

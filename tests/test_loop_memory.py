@@ -31,7 +31,7 @@ from looptrace.models.looped import (
 from looptrace.online.engine import early_exit
 from looptrace.online.generate import decode_tokens
 from tests.test_generate import HandRule as DecodeHandRule
-from tests.test_generate import Never, greedy, prompts_of
+from tests.test_generate import assert_full_depth_decode_exact, greedy, prompts_of
 from tests.test_latency import HandRule
 
 torch.set_num_threads(1)
@@ -205,14 +205,7 @@ def test_decoding_full_depth_equals_uncached_greedy(policy, groups):
     ref = greedy(lambda ids: m(ids).logits[:, -1, -1], p, N)
     if groups and policy == "share":
         return  # share needs one looped group (test_generate covers the refusal)
-    for rule in (None, Never("never", 0.0, "ge")):
-        r = decode_tokens(decoder_for(m, policy), p, N, rule)
-        assert np.array_equal(r.tokens, ref) and (r.exit_depth == m.n_loops).all()
-    ids = torch.cat([p, torch.from_numpy(ref)], dim=1)
-    with torch.inference_mode():
-        lp = torch.log_softmax(m(ids).logits[:, :, -1].double(), -1)
-    want = lp[:, p.shape[1] - 1:-1].gather(2, torch.from_numpy(ref)[..., None]).squeeze(-1).numpy()
-    np.testing.assert_allclose(r.logprob, want, rtol=0, atol=1e-5)
+    assert_full_depth_decode_exact(m, policy, p, N, ref)
 
 
 @pytest.mark.parametrize("groups", [None, (GroupConfig(1, 2), GroupConfig(2, 2))])
