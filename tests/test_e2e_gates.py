@@ -93,14 +93,21 @@ def _stage_names(text: str, pattern: str) -> set[str]:
     return {m.split("@", 1)[0] for m in re.findall(pattern, text)}
 
 
-def build_project(root: Path) -> tuple[dict, dict]:
-    """Copy dvc.yaml, the code and a tiny params.yaml into ``root``; ``dvc init --no-scm``."""
+def copy_tiny_project(root: Path) -> dict:
+    """Copy the code, dvc.yaml and a tiny params.yaml (params.yaml with :data:`TINY` merged in) into ``root``;
+    returns those params."""
     for d in ("pipeline", "stages"):
         shutil.copytree(REPO / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params = {k: _merge(v, TINY[k]) if k in TINY and isinstance(v, dict) else v for k, v in params.items()}
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return params
+
+
+def build_project(root: Path) -> tuple[dict, dict]:
+    """:func:`copy_tiny_project` into ``root``, then ``dvc init --no-scm``."""
+    copy_tiny_project(root)
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(root / "pipeline"), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
     _dvc(["init", "--no-scm", "-q"], root, env)

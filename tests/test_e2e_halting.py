@@ -18,7 +18,7 @@ import polars as pl
 import pytest
 import yaml
 
-from tests.test_e2e_gates import TINY, _merge, run_in_process, stage_commands
+from tests.test_e2e_gates import _merge, copy_tiny_project, run_in_process, stage_commands
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +31,7 @@ TINY_PROFILE = {"train": {"tasks": ["running_parity"], "seeds": [0]}}
 def build_halting_project(root: Path) -> dict:
     """Copy the code, dvc.yaml, the tiny params.yaml and the tiny halting profile into ``root``; returns the merged
     params the profile's stages run on."""
-    for d in ("pipeline", "stages"):
-        shutil.copytree(REPO / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO / "dvc.yaml", root / "dvc.yaml")
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params = {k: _merge(v, TINY[k]) if k in TINY and isinstance(v, dict) else v for k, v in params.items()}
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    params = copy_tiny_project(root)
     over = yaml.safe_load((REPO / PROFILE / "params.yaml").read_text())
     over["train"].update(TINY_PROFILE["train"])
     (root / PROFILE).mkdir(parents=True)
