@@ -9,16 +9,19 @@ import contextlib
 import errno
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import crc32c
 import numpy as np
 import zarr
 import zarr.abc.store
-from zarr.codecs import Crc32cCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from looptrace.io.artifacts import jsonable
@@ -77,6 +80,7 @@ class StoreWriter:
         self.n_chunks = math.ceil(self.n_tokens / self.chunk_tokens)
         self.state_dtypes = {n: d for n, d in (self.attrs.get("dtypes") or {}).items() if n in HIDDEN_NAMES}
         self.own = own
+        self._direct = {name: enc for name, arr in self._arrays.items() if (enc := _DirectChunk.of(arr)) is not None}
         dig = self._arrays.get(_DIGEST)
         self._digest_cols: dict[str, int] = {n: i for i, n in enumerate(cast("list[str]", dig.attrs.get("arrays", [])))} if dig else {}
 
@@ -214,8 +218,19 @@ class StoreWriter:
                 digests[self._digest_cols[name]] = chunk_digest(x)
             writes.append((arr, x))
 
+        # Whole chunks of the usual codec chain are encoded here, in this thread, and handed to the store as bytes
+        # (the same bytes as zarr's codec pipeline: tests/test_store.py); a partial last chunk or another chain
+        # goes through zarr. Why: zarr's pipeline costs ~50 ms of CPU per 4096-token d_model-512 chunk beyond the
+        # compressor itself (a hop to a worker thread per codec, a copy of every compressed chunk to append its
+        # checksum), which on a busy host is taken from the forward pass (issue 28; docs/dump.md).
+        full = n == self.chunk_tokens
+        direct = [(arr.async_array.store_path / enc.key(chunk), enc.encode(x)) for arr, x in writes
+                  if full and (enc := self._direct.get(arr.basename)) is not None]
+        via_zarr = [(arr, x) for arr, x in writes if not (full and arr.basename in self._direct)]
+
         async def write_all() -> None:
-            await asyncio.gather(*(arr.async_array.setitem(rows, x) for arr, x in writes))
+            await asyncio.gather(*(path.set(buf) for path, buf in direct),
+                                 *(arr.async_array.setitem(rows, x) for arr, x in via_zarr))
 
         with _disk_errors(self.label, f"chunk {chunk}"):
             sync(write_all())
@@ -355,6 +370,43 @@ class StoreWriter:
         except Exception:  # noqa: BLE001 - missing or unreadable consolidated metadata
             return False
         return listed == set(self._arrays) and bool(cons.attrs.get("complete"))
+
+
+class _DirectChunk:
+    """Encoder of one array's whole chunks with zarr's own codec objects, without zarr's codec pipeline.
+
+    Only for the chain every store array uses (little-endian bytes → Blosc → crc32c, :func:`schema._codecs`) on a
+    regular grid whose chunk spans every non-token axis: the stored object is ``blosc.encode(raw bytes)`` followed
+    by the little-endian crc32c of those compressed bytes, exactly what zarr's pipeline writes for a whole chunk.
+    """
+
+    def __init__(self, arr: zarr.Array, blosc: BloscCodec):
+        self._arr = arr
+        self._blosc = blosc._blosc_codec  # zarr's configured numcodecs compressor (same typesize as zarr's)
+        self._tail = (0,) * (len(arr.shape) - 1)
+
+    @classmethod
+    def of(cls, arr: zarr.Array) -> _DirectChunk | None:
+        """The direct encoder of ``arr``, or None when its codec chain or grid is not the one it reproduces."""
+        meta = arr.metadata
+        codecs = getattr(meta, "codecs", ())
+        if (len(codecs) != 3 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], BloscCodec)
+                or not isinstance(codecs[2], Crc32cCodec) or not hasattr(codecs[1], "_blosc_codec")
+                or np.dtype(arr.dtype).byteorder == ">" or sys.byteorder != "little"
+                or (codecs[0].endian is not None and codecs[0].endian.value != "little")
+                or tuple(arr.chunks[1:]) != tuple(arr.shape[1:])):
+            return None
+        return cls(arr, codecs[1])
+
+    def key(self, chunk: int) -> str:
+        return self._arr.metadata.encode_chunk_key((chunk, *self._tail))
+
+    def encode(self, x: np.ndarray) -> Any:
+        """The stored object of one whole chunk ``x`` (C order, the array's dtype) as a zarr buffer."""
+        raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # what zarr's BytesCodec hands to Blosc
+        packed = self._blosc.encode(raw)  # the GIL is released while compressing
+        crc = np.uint32(crc32c.crc32c(packed)).tobytes()  # zarr's Crc32cCodec: crc32c, appended little-endian
+        return default_buffer_prototype().buffer.from_bytes(bytes(packed) + crc)
 
 
 @contextlib.contextmanager
