@@ -524,7 +524,8 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             # claims, re-creating our record beside a complete store: tidy what is left of this plan
             coord.remove_plans_upto(plan_k)
             return _finished(path, label, cfg)
-        writer = StoreWriter.reopen(path)
+        if coord.n > 1:  # other processes wrote chunks: read the store back (one process: ours is current)
+            writer = StoreWriter.reopen(path)
         assert writer is not None  # every shard is done: the store exists
         if not writer.attrs.get("complete") or not writer.metadata_ok():
             remove_debris(path)  # every shard is done: no live writer can own a temp file now
