@@ -72,3 +72,33 @@ def test_dump_store_same_with_and_without_direct_chunks(tmp_path, monkeypatch):
     a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
+    """Chunks written by 3 background threads at once (the accelerator setting) = the 1-thread store, file for file."""
+    import looptrace.capture.dump as D
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.tasks import TaskBatch
+
+    assert D.writer_threads(__import__("torch").device("cpu")) == 1
+    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
+    rng = np.random.default_rng(1)
+    tok = rng.integers(0, 7, (12, 6))
+    data = TaskBatch(tok, rng.integers(0, 7, tok.shape), np.zeros_like(tok), np.zeros_like(tok))
+    cfg = DumpConfig(batch_size=2, chunk_tokens=5)
+    dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
+    seen = []
+    real = D._BackgroundWriter.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        seen.append(len(self.threads))
+
+    monkeypatch.setattr(D, "writer_threads", lambda device: 3)
+    monkeypatch.setattr(D._BackgroundWriter, "__init__", spy)
+    dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
+    assert seen == [3]
+    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
