@@ -254,9 +254,11 @@ class _BackgroundWriter:
     """
 
     def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int,
-                 before_write: Callable[[], None] | None = None, threads: int = 1):
+                 before_write: Callable[[], None] | None = None, threads: int = 1,
+                 written: Callable[[Mapping[str, np.ndarray]], None] | None = None):
         self.open_writer = open_writer
         self.before_write = before_write
+        self.written = written  # called with a chunk's arrays once they are on disk (they may be reused)
         self.writer: StoreWriter | None = None
         self.q: queue.Queue = queue.Queue(maxsize=maxsize)
         self.error: BaseException | None = None
@@ -291,6 +293,8 @@ class _BackgroundWriter:
                             self.before_write()  # heartbeat + fencing of this process's claim
                     assert self.writer is not None  # opened above, else self.error is set
                     self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
+                    if self.written is not None:
+                        self.written(data)
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                     self.error = exc
 
@@ -429,10 +433,12 @@ class _ChunkAssembler:
         sink: ``sink(chunk, name -> rows)`` for every whole chunk not yet done.
     """
 
-    def __init__(self, n_tokens: int, chunk_tokens: int, done: np.ndarray, start_token: int, sink):
+    def __init__(self, n_tokens: int, chunk_tokens: int, done: np.ndarray, start_token: int, sink,
+                 buffers: _ChunkBuffers | None = None):
         self.n_tokens, self.chunk_tokens, self.done, self.sink = n_tokens, chunk_tokens, done, sink
         self.pos = start_token
         self.parts: list[dict[str, np.ndarray]] = []
+        self.buffers = buffers
 
     def add(self, rows: dict[str, np.ndarray]) -> None:
         n = len(rows["target"])
@@ -448,11 +454,51 @@ class _ChunkAssembler:
             if self.pos == stop:
                 if not self.done[c]:
                     parts, self.parts = self.parts, []
-                    chunk = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts])
+                    chunk = parts[0] if len(parts) == 1 else {k: self._join([p[k] for p in parts])
                                                                for k in parts[0]}
                     # copy: a view into the batch arrays would keep whole batches alive in the queue
                     self.sink(c, {k: np.ascontiguousarray(v) for k, v in chunk.items()})
                 self.parts = []
+
+    def _join(self, parts: list[np.ndarray]) -> np.ndarray:
+        if self.buffers is None:
+            return np.concatenate(parts)
+        out = self.buffers.take((sum(len(p) for p in parts), *parts[0].shape[1:]), parts[0].dtype)
+        return np.concatenate(parts, out=out)
+
+
+class _ChunkBuffers:
+    """Arrays of assembled chunks, handed back by the writer once written and reused for the next chunks.
+
+    Why: a fresh array per chunk is zeroed page by page by the kernel on first touch — measured ~35 ms of system
+    time per 4096-token d_model-512 chunk (36 MB), against ~6 ms to copy the parts into a reused one.
+
+    Args:
+        keep: free arrays kept per (shape, dtype) (the chunks that can be in flight at once).
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self._free: dict[tuple, list[np.ndarray]] = {}
+        self._lent: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype).str)
+        with self._lock:
+            free = self._free.get(key)
+            a = free.pop() if free else np.empty(key[0], dtype=dtype)
+            self._lent[id(a)] = a
+        return a
+
+    def give(self, data: Mapping[str, np.ndarray]) -> None:
+        """Take back the arrays of a written chunk that came from here (others are left alone)."""
+        with self._lock:
+            for a in data.values():
+                if self._lent.pop(id(a), None) is not None:
+                    free = self._free.setdefault((a.shape, a.dtype.str), [])
+                    if len(free) < self.keep:
+                        free.append(a)
 
 
 def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, cfg: DumpConfig,
@@ -684,8 +730,10 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
         s1 = int(np.searchsorted(cum, end_token - 1, side="right") - 1)  # sequence holding the last token
         b1 = s1 // cfg.batch_size
         threads = writer_threads(torch.device(adapter.device))
-        bg = _BackgroundWriter(lambda: writer, max(cfg.writer_queue, threads), before_write=coord.beat, threads=threads)
-        asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put)
+        queued = max(cfg.writer_queue, threads)
+        buffers = _ChunkBuffers(keep=queued + threads + 1)
+        bg = _BackgroundWriter(lambda: writer, queued, before_write=coord.beat, threads=threads, written=buffers.give)
+        asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put, buffers)
         total = int(cum[min((b1 + 1) * cfg.batch_size, len(data))] - cum[b0 * cfg.batch_size])
         bar = tqdm(total=total, unit="tok", desc=f"dump {label}", disable=None if progress else True, leave=False)
         try:
