@@ -102,3 +102,46 @@ def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
     a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_reused_chunk_arrays_write_the_same_store(tmp_path, monkeypatch):
+    """Chunks assembled into arrays the writer handed back (many small multi-part chunks, so arrays are reused
+    while others are queued) = chunks assembled by plain concatenation, file for file."""
+    import looptrace.capture.dump as D
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.tasks import TaskBatch
+
+    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
+    rng = np.random.default_rng(2)
+    tok = rng.integers(0, 7, (30, 6))
+    data = TaskBatch(tok, rng.integers(0, 7, tok.shape), np.zeros_like(tok), np.zeros_like(tok))
+    cfg = DumpConfig(batch_size=3, chunk_tokens=7)  # 18-token batches, 7-token chunks: most chunks span 2 batches
+    reused = []
+    real_take = D._ChunkBuffers.take
+
+    def take(self, shape, dtype):
+        before = sum(len(v) for v in self._free.values())
+        out = real_take(self, shape, dtype)
+        reused.append(sum(len(v) for v in self._free.values()) < before)
+        return out
+
+    monkeypatch.setattr(D._ChunkBuffers, "take", take)
+    dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
+    assert any(reused)  # arrays came back from the writer and were filled again
+    monkeypatch.setattr(D._ChunkAssembler, "_join", lambda self, parts: np.concatenate(parts))
+    dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
+    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_chunk_buffers_lend_and_take_back():
+    """Only arrays it lent come back; at most ``keep`` free arrays per shape and dtype."""
+    from looptrace.capture.dump import _ChunkBuffers
+
+    pool = _ChunkBuffers(keep=1)
+    a, b = pool.take((4, 2), np.float16), pool.take((4, 2), np.float16)
+    pool.give({"x": a, "y": b, "z": np.zeros((4, 2), np.float16)})
+    assert pool.take((4, 2), np.float16) is a  # one kept (keep=1), the foreign array ignored
+    assert pool.take((4, 2), np.float16) is not b
