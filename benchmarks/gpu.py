@@ -331,16 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-reps", type=int, default=3, help="paired repeats (full depth, then every rule)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     ap.add_argument("--out", default=None, help="directory of the stores (local disk; default a temp dir)")
-    ap.add_argument("--smoke", action="store_true", help="the CPU run at the tiny shape, 1 repetition "
-                    "(tests/test_benchmarks.py)")
+    ap.add_argument("--smoke", action="store_true", help="the CPU form whatever devices there are: tiny shape, 1 "
+                    "repetition, batches 1 and 2 (tests/test_benchmarks.py)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.smoke:
-        args.device, args.shape, args.reps, args.gen_reps, args.prompts, args.new_tokens = "cpu", "tiny", 1, 1, 2, 3
+        args.device = "cpu"
+    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if not cuda and args.shape in ("auto", "tiny"):  # the CPU form: the same code at a size of seconds
+        args.shape, args.reps, args.gen_reps, args.prompts, args.new_tokens = "tiny", 1, 1, 2, 3
         args.prompt_len, args.batches, args.threads = 4, "1,2", args.threads or 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         print("--device cuda: no CUDA device visible to torch", file=sys.stderr)
         return 2
