@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: repro study status test test-lowest lint bench clean-venv
+.PHONY: repro study status test test-lowest lint bench bench-gpu clean-venv
 
 # torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -51,6 +51,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/dump.py
 	$(BIN)/python benchmarks/geometry.py
 	$(BIN)/python benchmarks/generate.py
+
+# One CUDA device, ≤ 6 min: dump and early-exit decoding at Ouro-1.4B shape vs the bare model (docs/dump.md,
+# "On an accelerator"); without CUDA the same code at a tiny shape on the CPU. Needs the hf extra for the Ouro part.
+bench-gpu: $(STAMP)
+	$(BIN)/python benchmarks/gpu.py --timeout 360
 
 clean-venv:
 	rm -rf $(VENV)

@@ -25,6 +25,10 @@ naive ``.npy`` files. Targets: ≤ 1.15, ≤ 0.7, ≤ 0.5. Exit status 1 when a 
 the naive run's own cost over the bare forward (its synchronous writes), which bounds dump/naive from below
 by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is out of reach for any capture.
 
+Then a per-part breakdown of one more, instrumented dump (each part's wall in seconds and over the median bare
+forward): forward, readouts, statistics, cast + checks, the rest of the capture, chunk assembly, time blocked on the
+writer's queue, setup (fingerprint, layout, claims), drain + finish, and the background writer's own CPU and wall.
+
     python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 5]
                               [--device cuda]
                               [--hf]   # also the HF-adapter section: benchmarks/dump_hf.py
@@ -40,6 +44,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +59,89 @@ TARGETS = {"dump/bare": 1.15, "dump/naive": 0.7, "bytes": 0.5}
 
 def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[float, str]]:
+    """Where one dump's wall time goes: the dump's functions wrapped with timers (main thread: wall; the
+    background writer: its own thread's CPU and wall), then one untimed-elsewhere dump. Returns
+    part -> (seconds, what it is)."""
+    import looptrace.capture.dump as D
+    from looptrace.io.store.writer import StoreWriter
+
+    acc: dict[str, float] = defaultdict(float)
+
+    first: list[float] = []
+
+    def timed(fn, key: str, clock=time.perf_counter):
+        def wrapper(*a, **k):
+            t0 = clock()
+            if key == "capture" and not first:
+                first.append(t0)
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] += clock() - t0
+        return wrapper
+
+    def writer_chunk(self, *a, **k):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        try:
+            return real_write(self, *a, **k)
+        finally:
+            acc["writer cpu"] += time.thread_time() - c0
+            acc["writer wall"] += time.perf_counter() - w0
+
+    class TimedStats(D.LoopStats):
+        def __init__(self, *a, **k):
+            t0 = time.perf_counter()
+            super().__init__(*a, **k)
+            acc["stats"] += time.perf_counter() - t0
+
+        def update(self, logits):
+            t0 = time.perf_counter()
+            try:
+                return super().update(logits)
+            finally:
+                acc["stats"] += time.perf_counter() - t0
+
+    saved = {"_capture": D._capture, "encode_states_counted": D.encode_states_counted, "LoopStats": D.LoopStats}
+    real_write, real_add, real_put = StoreWriter.write_chunk, D._ChunkAssembler.add, D._BackgroundWriter.put
+    real_states, real_readout = adapter.states, adapter.readout
+    try:
+        D._capture = timed(D._capture, "capture")
+        D.encode_states_counted = timed(D.encode_states_counted, "cast")
+        D.LoopStats = TimedStats
+        adapter.states = timed(real_states, "forward")
+        adapter.readout = timed(real_readout, "readout")
+        D._ChunkAssembler.add = timed(real_add, "assemble")  # type: ignore[method-assign]
+        D._BackgroundWriter.put = timed(real_put, "queue wait")  # type: ignore[method-assign]
+        StoreWriter.write_chunk = writer_chunk  # type: ignore[method-assign]
+        shutil.rmtree(tmp / "val.zarr", ignore_errors=True)
+        os.sync()
+        t0 = time.perf_counter()
+        dump()
+        total = time.perf_counter() - t0
+    finally:
+        for k, v in saved.items():
+            setattr(D, k, v)
+        del adapter.states, adapter.readout  # the instance attributes: back to the class's methods
+        StoreWriter.write_chunk, D._ChunkAssembler.add, D._BackgroundWriter.put = real_write, real_add, real_put
+    inner = acc["forward"] + acc["readout"] + acc["stats"] + acc["cast"]
+    return {
+        "dump (wall)": (total, "the whole dump_split call"),
+        "forward": (acc["forward"], "adapter.states: the model's loops (what the bare run does too)"),
+        "readout": (acc["readout"], "adapter.readout of every loop (the bare run does it too)"),
+        "statistics": (acc["stats"], "LoopStats: the nine SPEC §3 statistics from the full logits"),
+        "cast + checks": (acc["cast"], "states to the stored dtype, float16 overflow / NaN check"),
+        "capture other": (acc["capture"] - inner, "selection, stacking, .numpy(), token columns"),
+        "assemble": (acc["assemble"] - acc["queue wait"], "cutting batches into whole chunks (copies)"),
+        "queue wait": (acc["queue wait"], "main thread blocked: the writer's queue was full"),
+        "setup": (first[0] - t0, "until the first batch: fingerprint (weights hash), layout, claims"),
+        "drain + finish": (total - (first[0] - t0) - acc["capture"] - acc["assemble"],
+                           "waiting for the writer's last chunks, verify, finalise (metadata, complete)"),
+        "writer thread cpu": (acc["writer cpu"], "background: compress, checksum, digests, file writes (overlaps)"),
+        "writer thread wall": (acc["writer wall"], "background: its write_chunk calls, wall"),
+    }
 
 
 def main() -> int:
@@ -157,8 +246,9 @@ def main() -> int:
             sys_cpu[name].append(r1.ru_stime - r0.ru_stime)
             cpu[name].append(r1.ru_utime - r0.ru_utime + sys_cpu[name][-1])
             seq.append((name, wall[name][-1], cpu[name][-1]))
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
     store_bytes, naive_bytes = sizes["store"], sizes["naive"]
     hidden_f32 = n_tokens * T * args.d_model * 4
 
@@ -196,6 +286,13 @@ def main() -> int:
     print(f"bytes: store {store_bytes / 2**20:.1f} MiB, naive float32 .npy {naive_bytes / 2**20:.1f} MiB "
           f"(hidden alone in float32: {hidden_f32 / 2**20:.1f} MiB; store / that = {store_bytes / hidden_f32:.3f})")
     ok = True
+    try:
+        parts = breakdown(adapter, dump, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"per-part breakdown (one instrumented dump; seconds, and / the median bare forward {med['bare']:.2f} s):")
+    for name, (sec, about) in parts.items():
+        print(f"  {name:24s} {sec:7.3f} s  {sec / med['bare']:6.3f}  {about}")
     for k, v in ratios.items():
         hit = v <= TARGETS[k]
         ok &= hit

@@ -19,6 +19,7 @@ BENCH = REPO / "benchmarks"
 
 #: benchmark -> its smoke arguments (latency's are added by its test: it reads an artifacts tree).
 SMOKE = {"contraction.py": ["--smoke"], "dump.py": ["--smoke"], "dump_hf.py": ["--smoke"], "generate.py": ["--smoke"],
+         "gpu.py": ["--smoke"],
          "geometry.py": ["--smoke"], "latency.py": [], "scale.py": ["--smoke"], "seeds.py": ["--smoke"],
          "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"],
          "train_recipe.py": ["--tasks", "running_parity", "--recipe", "smoke", "steps=10", "warmup=2", "val_sequences=16",

@@ -8,6 +8,7 @@ never import torch or the training code just to name the models.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import os
 import platform
 from collections.abc import Mapping
@@ -25,9 +26,14 @@ def versions() -> dict:
 
     Read from the installed distributions' metadata: importing torch, scikit-learn and zarr only to read
     their version strings costs ~5 s per process on this machine — more than the whole readouts
-    computation — and would make offline stages import torch.
+    computation — and would make offline stages import torch. Read once per process (a copy is returned):
+    the metadata scan costs ~50 ms, paid by every dump of a split otherwise (issue 28).
     """
+    return dict(_versions())
 
+
+@functools.cache
+def _versions() -> dict:
     def v(dist: str) -> str | None:
         try:
             return version(dist)

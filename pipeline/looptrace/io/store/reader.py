@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -311,17 +312,26 @@ def _chunk_keys(store: zarr.abc.store.Store, name: str) -> set[str]:
     Listed with the trailing slash (a memory store matches string prefixes: ``hidden`` would also match
     ``hidden_init``); temp files an interrupted atomic write may leave (``0.<hex>.partial``) are skipped.
     """
+    return sync(_list_chunk_keys(store, name))
+
+
+def _chunk_keys_of(store: zarr.abc.store.Store, names: Sequence[str]) -> dict[str, set[str]]:
+    """:func:`_chunk_keys` of several arrays, listed concurrently in one round trip to zarr's event loop."""
+
+    async def every() -> list[set[str]]:
+        return list(await asyncio.gather(*(_list_chunk_keys(store, n) for n in names)))
+
+    return dict(zip(names, sync(every()), strict=True))
+
+
+async def _list_chunk_keys(store: zarr.abc.store.Store, name: str) -> set[str]:
     prefix = f"{name}/c/"
-
-    async def keys() -> set[str]:
-        out = set()
-        async for k in store.list_prefix(prefix):
-            rel = k[len(prefix):] if k.startswith(prefix) else k.split("/c/", 1)[-1]
-            if all(part.isdigit() for part in rel.split("/")):
-                out.add(rel)
-        return out
-
-    return sync(keys())
+    out = set()
+    async for k in store.list_prefix(prefix):
+        rel = k[len(prefix):] if k.startswith(prefix) else k.split("/c/", 1)[-1]
+        if all(part.isdigit() for part in rel.split("/")):
+            out.add(rel)
+    return out
 
 
 def _stored_chunks(store: zarr.abc.store.Store, name: str) -> int:

@@ -9,22 +9,25 @@ import contextlib
 import errno
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import crc32c
 import numpy as np
 import zarr
 import zarr.abc.store
-from zarr.codecs import Crc32cCodec
+from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
+from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
 
 from looptrace.io.artifacts import jsonable
 from looptrace.io.precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
 from looptrace.io.store.location import _URL, StoreTarget, _label, remove_store, resolve_store, store_location
-from looptrace.io.store.reader import TrajectoryStore, _chunk_keys, _open_group, open_store
+from looptrace.io.store.reader import TrajectoryStore, _chunk_keys, _chunk_keys_of, _open_group, open_store
 from looptrace.io.store.schema import (
     _DIGEST,
     _INTERNAL,
@@ -63,20 +66,22 @@ class StoreWriter:
             :meth:`write_chunk` refuses any other chunk, so two cooperating writers never share a chunk.
     """
 
-    def __init__(self, target: StoreTarget, group: zarr.Group, own: range | None = None):
+    def __init__(self, target: StoreTarget, group: zarr.Group, own: range | None = None,
+                 arrays: Iterable[tuple[str, zarr.Array]] | None = None):
         self.target = target
         self.label = _label(target)
         self._group = group
         self.store: zarr.abc.store.Store = group.store
         # write_empty_chunks is a runtime setting (not stored in the metadata): set it on every handle
         self._arrays: dict[str, zarr.Array] = {name: arr.with_config({"write_empty_chunks": True})
-                                               for name, arr in group.arrays()}
+                                               for name, arr in (group.arrays() if arrays is None else arrays)}
         self.attrs: dict = dict(group.attrs.asdict())
         self.n_tokens = int(self.attrs["n_tokens"])
         self.chunk_tokens = int(self.attrs["chunk_tokens"])
         self.n_chunks = math.ceil(self.n_tokens / self.chunk_tokens)
         self.state_dtypes = {n: d for n, d in (self.attrs.get("dtypes") or {}).items() if n in HIDDEN_NAMES}
         self.own = own
+        self._direct = {name: enc for name, arr in self._arrays.items() if (enc := _DirectChunk.of(arr)) is not None}
         dig = self._arrays.get(_DIGEST)
         self._digest_cols: dict[str, int] = {n: i for i, n in enumerate(cast("list[str]", dig.attrs.get("arrays", [])))} if dig else {}
 
@@ -108,6 +113,10 @@ class StoreWriter:
         group = zarr.open_group(resolve_store(target, "w"), mode="w", zarr_format=3, attributes=full)
         codecs = _codecs(clevel)
         token_names = []
+        # every array's metadata written in one round trip to zarr's event loop (concurrently) rather than one
+        # blocking call each: ~20 arrays cost ~0.2 s of wall on a busy 2-core host otherwise (issue 28)
+        create = group._async_group.create_array
+        todo = []
         for name, spec in specs.items():
             dims = DIMS[name]
             if dims[0] == "token" and spec.shape[0] != n_tokens:
@@ -115,17 +124,22 @@ class StoreWriter:
             chunks = (max(1, chunk_tokens),) + tuple(max(1, s) for s in spec.shape[1:]) if dims[0] == "token" \
                 else tuple(max(1, s) for s in spec.shape)
             zdtype = STATE_DTYPES.get(spec.dtype, spec.dtype) if name in HIDDEN_NAMES else spec.dtype
-            group.create_array(name, shape=spec.shape, chunks=chunks, dtype=zdtype, compressors=codecs,
-                               dimension_names=dims, fill_value=0)
+            todo.append(create(name, shape=spec.shape, chunks=chunks, dtype=zdtype, compressors=codecs,
+                               dimension_names=dims, fill_value=0))
             if dims[0] == "token":
                 token_names.append(name)
-        group.create_array(_MARKER, shape=(n_chunks,), chunks=(1,), dtype="int64", compressors=[Crc32cCodec()],
-                           dimension_names=DIMS[_MARKER], fill_value=-1)
-        group.create_array(_DIGEST, shape=(n_chunks, len(token_names)), chunks=(1, max(1, len(token_names))),
+        todo.append(create(_MARKER, shape=(n_chunks,), chunks=(1,), dtype="int64", compressors=[Crc32cCodec()],
+                           dimension_names=DIMS[_MARKER], fill_value=-1))
+        todo.append(create(_DIGEST, shape=(n_chunks, len(token_names)), chunks=(1, max(1, len(token_names))),
                            dtype="uint32", compressors=[Crc32cCodec()], dimension_names=DIMS[_DIGEST], fill_value=0,
                            attributes={"arrays": token_names,
-                                       "about": "crc32c of each chunk's stored bytes, per token array"})
-        return cls(target, group)
+                                       "about": "crc32c of each chunk's stored bytes, per token array"}))
+
+        async def create_all() -> list:
+            return list(await asyncio.gather(*todo))
+
+        made = sync(create_all())
+        return cls(target, group, arrays=[(a.basename, zarr.Array(a)) for a in made])
 
     @classmethod
     def reopen(cls, target: StoreTarget) -> StoreWriter | None:
@@ -214,8 +228,19 @@ class StoreWriter:
                 digests[self._digest_cols[name]] = chunk_digest(x)
             writes.append((arr, x))
 
+        # Whole chunks of the usual codec chain are encoded here, in this thread, and handed to the store as bytes
+        # (the same bytes as zarr's codec pipeline: tests/test_store.py); a partial last chunk or another chain
+        # goes through zarr. Why: zarr's pipeline costs ~50 ms of CPU per 4096-token d_model-512 chunk beyond the
+        # compressor itself (a hop to a worker thread per codec, a copy of every compressed chunk to append its
+        # checksum), which on a busy host is taken from the forward pass (issue 28; docs/dump.md).
+        full = n == self.chunk_tokens
+        direct = [(arr.async_array.store_path / enc.key(chunk), enc.encode(x)) for arr, x in writes
+                  if full and (enc := self._direct.get(arr.basename)) is not None]
+        via_zarr = [(arr, x) for arr, x in writes if not (full and arr.basename in self._direct)]
+
         async def write_all() -> None:
-            await asyncio.gather(*(arr.async_array.setitem(rows, x) for arr, x in writes))
+            await asyncio.gather(*(path.set(buf) for path, buf in direct),
+                                 *(arr.async_array.setitem(rows, x) for arr, x in via_zarr))
 
         with _disk_errors(self.label, f"chunk {chunk}"):
             sync(write_all())
@@ -237,9 +262,11 @@ class StoreWriter:
         chunks = list(chunks)
         done = self.done_chunks()
         missing = {c for c in chunks if not done[c]}
-        for name in self.token_arrays + ([_DIGEST] if self._digest_cols else []):
+        names = self.token_arrays + ([_DIGEST] if self._digest_cols else [])
+        listed = _chunk_keys_of(self.store, names)
+        for name in names:
             arr = self._arrays[name]
-            keys = _chunk_keys(self.store, name)
+            keys = listed[name]
             tail = "/".join("0" for _ in arr.shape[1:])
             for c in chunks:
                 key = f"{c}/{tail}" if tail else str(c)
@@ -355,6 +382,42 @@ class StoreWriter:
         except Exception:  # noqa: BLE001 - missing or unreadable consolidated metadata
             return False
         return listed == set(self._arrays) and bool(cons.attrs.get("complete"))
+
+
+class _DirectChunk:
+    """Encoder of one array's whole chunks with zarr's own codec objects, without zarr's codec pipeline.
+
+    Only for the chain every store array uses (little-endian bytes → Blosc → crc32c, :func:`schema._codecs`) on a
+    regular grid whose chunk spans every non-token axis: the stored object is ``blosc.encode(raw bytes)`` followed
+    by the little-endian crc32c of those compressed bytes, exactly what zarr's pipeline writes for a whole chunk.
+    """
+
+    def __init__(self, arr: zarr.Array, blosc: BloscCodec):
+        self._arr = arr
+        self._blosc = blosc._blosc_codec  # zarr's configured numcodecs compressor (same typesize as zarr's)
+        self._tail = (0,) * (len(arr.shape) - 1)
+
+    @classmethod
+    def of(cls, arr: zarr.Array) -> _DirectChunk | None:
+        """The direct encoder of ``arr``, or None when its codec chain or grid is not the one it reproduces."""
+        codecs: tuple[Any, ...] = tuple(getattr(arr.metadata, "codecs", ()))
+        if (len(codecs) != 3 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], BloscCodec)
+                or not isinstance(codecs[2], Crc32cCodec) or not hasattr(codecs[1], "_blosc_codec")
+                or np.dtype(arr.dtype).byteorder == ">" or sys.byteorder != "little"
+                or (codecs[0].endian is not None and codecs[0].endian.value != "little")
+                or tuple(arr.chunks[1:]) != tuple(arr.shape[1:])):
+            return None
+        return cls(arr, codecs[1])
+
+    def key(self, chunk: int) -> str:
+        return self._arr.metadata.encode_chunk_key((chunk, *self._tail))
+
+    def encode(self, x: np.ndarray) -> Any:
+        """The stored object of one whole chunk ``x`` (C order, the array's dtype) as a zarr buffer."""
+        raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # what zarr's BytesCodec hands to Blosc
+        packed = self._blosc.encode(raw)  # the GIL is released while compressing
+        crc = np.uint32(crc32c.crc32c(packed)).tobytes()  # zarr's Crc32cCodec: crc32c, appended little-endian
+        return default_buffer_prototype().buffer.from_bytes(bytes(packed) + crc)
 
 
 @contextlib.contextmanager
