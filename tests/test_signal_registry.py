@@ -47,15 +47,17 @@ def test_store_schema_agrees():
     assert store.STAT_NAMES == select("logits", stored=True)
     stored = select(stored=True)
     # every per-(token, loop) array of the store is a registered stored signal, but the opt-in loop-map statistics
-    # (dump.contraction, SPEC §2b): absent from default stores, read by looptrace.diagnose.loopmap, not by rules/gates
-    per_loop = {k for k, d in store.DIMS.items() if d == ("token", "loop")} - set(store.CONTRACTION_NAMES)
-    assert per_loop == set(stored)
+    # (dump.contraction, SPEC §2b) that only looptrace.diagnose.loopmap reads (ftle, ftle_share); ρ_t
+    # (``contraction``) is a registered opt-in signal (the certified_fixed_point rule reads it)
+    per_loop = {k for k, d in store.DIMS.items() if d == ("token", "loop")}
+    assert per_loop - (set(store.CONTRACTION_NAMES) - set(names.OPT_IN)) == set(stored)
+    assert set(names.OPT_IN) <= set(store.CONTRACTION_NAMES)
     for n in stored:
         assert store.DTYPES[n] == SIGNALS[n].dtype, n
     assert set(store.REQUIRED) >= set(select("logits", stored=True))
     # a written store holds them with those dtypes
     st = write_arrays(memory_store(), random_store_arrays(gate=True), attrs={"vocab_size": 5})
-    for n in stored:
+    for n in (n for n in stored if n not in names.OPT_IN):
         assert str(st.read(n).dtype) == SIGNALS[n].dtype, n
 
 
@@ -68,7 +70,9 @@ def test_token_loop_columns_agree():
 
     cols = geometry.TOKEN_LOOP_COLUMNS
     signal_cols = [c for c in cols if c in SIGNALS]
-    assert set(signal_cols) == set(SIGNALS), "every registered signal is a token_loop.parquet column"
+    assert set(signal_cols) == set(SIGNALS) - set(names.OPT_IN), "every registered signal is a token_loop.parquet column"
+    assert not set(names.OPT_IN) & set(cols), "opt-in signals are columns only when the store has them"
+    assert geometry.OPT_IN_COLUMNS == tuple(names.OPT_IN)
     # each source's columns in registry order (integer columns first)
     for src in ("logits", "states"):
         assert [c for c in signal_cols if SIGNALS[c].source == src] == [
@@ -82,7 +86,10 @@ def test_token_loop_columns_agree():
     table = geometry.token_loop_table(next(geometry.iter_blocks(st)), "val", np.zeros(5, np.int64))
     assert tuple(table.column_names) == cols
     for n in SIGNALS:
-        assert geometry._TOKEN_LOOP_SCHEMA.field(n).type == want[SIGNALS[n].dtype], n
+        schema = geometry.token_loop_schema(names.OPT_IN) if n in names.OPT_IN else geometry._TOKEN_LOOP_SCHEMA
+        assert schema.field(n).type == want[SIGNALS[n].dtype], n
+        if n in names.OPT_IN:
+            continue
         assert table.schema.field(n).type == want[SIGNALS[n].dtype], n
     for alias, of in names.ALIASES.items():
         assert table[alias].equals(table[of])
@@ -95,10 +102,13 @@ def test_rule_vocabulary_agrees():
     assert registry.ONLINE_SIGNALS == select(online=True)
     assert set(registry.SIGNALS) == set(SIGNALS)
     assert registry.OFFLINE_ONLY_SIGNALS == {s.name: s.offline_why for s in REGISTRY if not s.online}
-    for r in (*BUILTIN_RULES.values(), *OURO_Q_EXIT_RULES.values()):
+    from looptrace.rules.registry import _REGISTERED  # the self-registering rules (calm, certified_fixed_point)
+
+    for r in (*BUILTIN_RULES.values(), *OURO_Q_EXIT_RULES.values(), *_REGISTERED.values()):
         for s in r.signals:
             assert s in SIGNALS, (r.name, s)
-            assert SIGNALS[s].online or r.kind == "oracle", (r.name, s)
+            assert SIGNALS[s].online or r.kind == "oracle" or (s in names.OFFLINE_CAUSAL and r.online is None), (
+                r.name, s)
             # a rule never reads a loop before its signal is defined (t − 1 too for two-hit rules)
             assert r.min_loop - int(r.two_hit) >= SIGNALS[s].first_loop, (r.name, s)
     assert set(LOOP_COLUMNS) <= set(SIGNALS)
@@ -157,7 +167,7 @@ def test_no_module_spells_out_the_signal_vocabulary():
     library is a second vocabulary (allowed: a signal's own module naming what its evaluator needs, params defaults
     that pick signals, the columns a stage chooses to read or summarise, and dicts built column by column)."""
     own = {"signals/names.py", "signals/logits.py", "signals/steps.py"}
-    chosen = {"spearman_signals", "stats", "eps", "DYNAMICS_METRICS", "LOOP_COLUMNS"}
+    chosen = {"spearman_signals", "stats", "eps", "DYNAMICS_METRICS", "LOOP_COLUMNS", "PREDICTORS"}
     found = []
     for f in sorted(LIB.rglob("*.py")):
         rel = f.relative_to(LIB).as_posix()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -67,6 +67,16 @@ _TOKEN_LOOP_SCHEMA = pa.schema(
     + [(c, pa.bool_()) for c in signal_names.TOKEN_LOOP_BOOLS]
     + [(c, pa.float32()) for c in signal_names.TOKEN_LOOP_FLOATS]
 )
+#: Opt-in signal columns (SPEC §2b), appended to ``token_loop.parquet`` only when the store has them (so a
+#: default store's table keeps :data:`TOKEN_LOOP_COLUMNS` byte for byte).
+OPT_IN_COLUMNS = tuple(signal_names.OPT_IN)
+
+
+def token_loop_schema(opt_in: Sequence[str] = ()) -> pa.Schema:
+    """``token_loop.parquet``'s schema: the default one plus the float32 ``opt_in`` columns (registry order)."""
+    return pa.schema([*_TOKEN_LOOP_SCHEMA, *((c, pa.float32()) for c in OPT_IN_COLUMNS if c in opt_in)])
+
+
 #: ``loop_summary.parquet`` (long format).
 SUMMARY_SCHEMA = {"split": pl.String, "loop": pl.Int64, "group_by": pl.String, "group_value": pl.String,
                   "metric": pl.String, "mean": pl.Float64, "median": pl.Float64, "q25": pl.Float64,
@@ -265,6 +275,8 @@ def read_block(store, tokens: slice) -> SplitArrays:
     names = ["hidden", "hidden_init", "argmax", *STORE_STATS, *_TOKEN_NAMES]
     if store.has_gate:
         names.append("gate_logit")
+    opt_in = [c for c in OPT_IN_COLUMNS if c in store]  # opt-in arrays (dump.contraction), only when stored
+    names.extend(opt_in)
     arr = store.read_block(names, tokens)
     per_loop = step_metrics(arr.pop("hidden"), arr.pop("hidden_init"))
     for s in STORE_STATS:
@@ -272,6 +284,8 @@ def read_block(store, tokens: slice) -> SplitArrays:
     per_loop["argmax"] = np.asarray(arr.pop("argmax"), dtype=np.int64)
     if "gate_logit" in arr:
         per_loop["gate_logit"] = np.asarray(arr.pop("gate_logit"), dtype=np.float32)
+    for c in opt_in:
+        per_loop[c] = np.asarray(arr.pop(c), dtype=np.float32)
     fields = {k: np.asarray(arr[k], dtype=np.int64) for k in _TOKEN_NAMES}
     per_loop["correct"] = per_loop["argmax"] == fields["target"][:, None]
     start = tokens.start or 0
@@ -292,7 +306,8 @@ def token_loop_table(block: SplitArrays, split: str, loop_group: np.ndarray) -> 
         loop_group: [loop] group of each loop.
 
     Returns:
-        Arrow table with :data:`TOKEN_LOOP_COLUMNS` (loop 1-based; ``gate_logit`` null without a gate).
+        Arrow table with :data:`TOKEN_LOOP_COLUMNS` (loop 1-based; ``gate_logit`` null without a gate), then the
+        opt-in columns the block holds (:func:`token_loop_schema`).
     """
     n, n_loops = block.loop["argmax"].shape
     rep = lambda a: np.repeat(a, n_loops)  # noqa: E731 - [token] -> [token * loop]
@@ -315,8 +330,11 @@ def token_loop_table(block: SplitArrays, split: str, loop_group: np.ndarray) -> 
     gate = block.loop.get("gate_logit")
     cols["gate_logit"] = (pa.array(flat(gate), pa.float32()) if gate is not None
                           else pa.nulls(n * n_loops, pa.float32()))
-    return pa.table([pa.array(cols[c], _TOKEN_LOOP_SCHEMA.field(c).type) for c in TOKEN_LOOP_COLUMNS],
-                    schema=_TOKEN_LOOP_SCHEMA)
+    opt_in = [c for c in OPT_IN_COLUMNS if c in block.loop]
+    for c in opt_in:
+        cols[c] = flat(block.loop[c])
+    schema = token_loop_schema(opt_in)
+    return pa.table([pa.array(cols[c], schema.field(c).type) for c in schema.names], schema=schema)
 
 
 def block_convergence(block: SplitArrays, keys: list[tuple[str, float]]) -> dict[tuple[str, float], dict]:
@@ -509,7 +527,9 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     sum_metrics = SUMMARY_METRICS + (("gate_logit",) if has_gate else ())
     keys = cfg.convergence_keys()
     scratch = tmp / "_scratch"
-    tl_writer = parquet_writer(tmp / "token_loop.parquet", _TOKEN_LOOP_SCHEMA)  # page checksums (issue 24)
+    # the opt-in columns (SPEC §2b) only when every split's store has them: the default table is unchanged
+    opt_in = [c for c in OPT_IN_COLUMNS if all(c in st for st in stores.values())]
+    tl_writer = parquet_writer(tmp / "token_loop.parquet", token_loop_schema(opt_in))  # page checksums (issue 24)
     cv_writer = parquet_writer(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
     summaries, dlr_rows, split_metrics = [], [], {}
     try:
@@ -523,7 +543,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
             check_block_tokens(cfg.block_tokens, st.chunk_tokens, "geometry.block_tokens", st.label)
             chunks = map_chunks(geometry_chunk, st, st.blocks(cfg.block_tokens), (split, loop_group, keys), runner)
             for block, tl_table, conv, cv_table, dlr in chunks:
-                tl_writer.write_table(tl_table)
+                tl_writer.write_table(tl_table.select(tl_writer.schema.names))
                 cv_writer.write_table(cv_table)
                 depths.setdefault("difficulty", []).append(block.fields["difficulty"])
                 for (sig, eps), res in conv.items():

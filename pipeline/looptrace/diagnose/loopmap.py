@@ -27,6 +27,7 @@ import polars as pl
 
 from looptrace.config import ConfigError, InputError
 from looptrace.intervals import Resampler
+from looptrace.signals.certified import certified_bound
 from looptrace.signals.steps import step_metrics
 
 #: Predictors of :func:`failure_auc`, each per token: λ_T, mean ρ_t over loops, r_T, H_T.
@@ -62,22 +63,6 @@ class LoopMapConfig:
             raise ConfigError(f"loopmap.eps: give thresholds > 0, got {list(self.eps)}")
         if self.delta < 0:
             raise ConfigError(f"loopmap.delta must be >= 0, got {self.delta}")
-
-
-def certified_bound(rho: np.ndarray, rel_step: np.ndarray) -> np.ndarray:
-    """b_t = r_t·ρ_t/(1 − ρ_t): the Banach bound on ‖h_t − h*‖/‖h_t‖ ([BA]); NaN where ρ_t ≥ 1 or undefined.
-
-    Args:
-        rho: [token, loop] local contraction ρ_t (``contraction``).
-        rel_step: [token, loop] r_t = ‖Δ_t‖/‖h_t‖.
-
-    Returns:
-        [token, loop] float64.
-    """
-    rho = np.asarray(rho, dtype=np.float64)
-    ok = rho < 1  # NaN compares False
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(ok, np.asarray(rel_step, dtype=np.float64) * rho / (1 - rho), np.nan)
 
 
 def certified_exit(bound: np.ndarray, eps: float) -> np.ndarray:

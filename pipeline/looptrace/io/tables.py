@@ -16,6 +16,7 @@ import polars as pl
 
 from looptrace.config import InputError, MissingInputError
 from looptrace.io.parquet import verify_parquet
+from looptrace.signals import names as signal_names
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,11 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
     extra = [c for c in OPTIONAL_TOKEN_COLUMNS if c in schema]
     want = list(dict.fromkeys(["split", *TOKEN_COLUMNS, *extra, "loop", "correct", *columns]))
     missing = [c for c in want if c not in schema]
+    opt_in = [c for c in missing if c in signal_names.OPT_IN]
+    if opt_in:  # an opt-in array (SPEC §2b) the dump did not store
+        raise InputError(f"{path}: column '{opt_in[0]}' is missing: it is stored only with "
+                         f"{signal_names.OPT_IN[opt_in[0]]} set (e.g. `dump.contraction: {{power_iters: 2}}`); "
+                         "set it and re-run dump and geometry, or drop the rule that reads it")
     if missing:
         raise InputError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
                          f"(DESIGN.md lists the token_loop columns)")

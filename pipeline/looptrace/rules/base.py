@@ -116,7 +116,9 @@ class ExitRule:
         for s in self.signals:
             if s not in SIGNALS:
                 raise ConfigError(f"{where}: unknown signal '{s}'; signals: {', '.join(SIGNALS)}")
-            if s in OFFLINE_ONLY_SIGNALS and self.kind != "oracle":
+            # a causal offline-only signal (ρ_t, SPEC §2b) is readable by a rule that never runs online
+            causal_offline = s in signal_names.OFFLINE_CAUSAL and self.online is None
+            if s in OFFLINE_ONLY_SIGNALS and self.kind != "oracle" and not causal_offline:
                 raise ConfigError(f"{where}: an exit rule cannot read '{s}' ({OFFLINE_ONLY_SIGNALS[s]}); "
                                  f"it may read {', '.join(ONLINE_SIGNALS)}")
         if self.online == SIGNAL and len(self.signals) != 1:

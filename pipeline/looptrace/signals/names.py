@@ -24,8 +24,9 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
-#: Where a signal comes from: the readout z_t, the states h_t, the native gate, the loop index, the label.
-SOURCES = ("logits", "states", "gate", "loop", "label")
+#: Where a signal comes from: the readout z_t, the states h_t, the native gate, the loop index, the label, the loop
+#: map's Jacobian (opt-in store arrays, SPEC §2b).
+SOURCES = ("logits", "states", "gate", "loop", "label", "jacobian")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class Signal:
         signed: can be negative (a gate feature entered as is, not logged).
         convergence: a convergence depth is computed on it (``geometry.eps`` keys).
         alias_of: the signal whose values it shares (``hidden_change`` = ``step_norm``), or None.
+        opt_in: the dump option that stores it ("" = every store has it). An opt-in signal is a
+            ``token_loop.parquet`` column only when the store has it (default outputs keep their columns); a rule
+            that reads it is offline-only (``online=None``) when ``online`` is False but the signal is causal.
     """
 
     name: str
@@ -61,10 +65,13 @@ class Signal:
     signed: bool = False
     convergence: bool = False
     alias_of: str | None = None
+    opt_in: str = ""
 
 
 _TARGET = "it uses the target"
 _LAST = "it needs loop T's readout"
+_JVP = "it needs Jacobian-vector products through the loop step, which the early-exit engine does not compute"
+_OPT_IN = "it is an opt-in store array (dump.contraction), absent from default stores"
 
 #: Every signal, in registry order (see the module docstring).
 REGISTRY: tuple[Signal, ...] = (
@@ -95,6 +102,10 @@ REGISTRY: tuple[Signal, ...] = (
     Signal("hidden_change", "states", 1, False, "§4", alias_of="step_norm"),
     # the native halting gate (SPEC §1 store, §4 q_exit)
     Signal("gate_logit", "gate", 1, True, "§4", signed=True),
+    # opt-in loop-map statistics (SPEC §2b, dump.contraction): causal (ρ_t is known at loop t), but the early-exit
+    # engine computes no Jacobian, so only an offline rule (online=None) reads it
+    Signal("contraction", "jacobian", 1, True, "§2", online=False, offline_why=_JVP, feature=False,
+           no_feature_why=_OPT_IN, opt_in="dump.contraction"),
 )
 
 #: name -> :class:`Signal`.
@@ -136,6 +147,11 @@ STATE_FEATURES = select("states", feature=True)
 NOT_FEATURES: dict[str, str] = {s.name: s.no_feature_why for s in REGISTRY if s.no_feature_why}
 #: Signals that can be negative.
 SIGNED = tuple(s.name for s in REGISTRY if s.signed)
+#: Opt-in signals: name -> the dump option that stores them (a ``token_loop.parquet`` column only when the store has
+#: it, after :data:`TOKEN_LOOP_SIGNALS`).
+OPT_IN: dict[str, str] = {s.name: s.opt_in for s in REGISTRY if s.opt_in}
+#: Offline-only signals that are nevertheless causal (known at loop t): a rule with ``online=None`` may read them.
+OFFLINE_CAUSAL = tuple(s.name for s in REGISTRY if s.opt_in and not s.online)
 #: Signals a convergence depth is computed on (``geometry.eps`` keys).
 CONVERGENCE_SIGNALS = tuple(s.name for s in REGISTRY if s.convergence)
 
