@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from looptrace.config import ConfigError
-from looptrace.rules.base import ExitRule
+from looptrace.rules.base import OFFLINE_ONLY_SIGNALS, ExitRule
 from looptrace.rules.builtin import BUILTIN_RULES, OURO_Q_EXIT_RULES
 from looptrace.rules.native_halting import NATIVE_HALTING_RULES
 
@@ -154,8 +154,9 @@ def resolve_rules(names: Sequence[str | ExitRule], section: str, online: bool = 
         if r.name in seen:
             raise ConfigError(f"{section}: rules '{seen[r.name]}' and '{n}' both have the name '{r.name}'")
         if online and r.online is None:
+            why = next((f"; '{s}': {OFFLINE_ONLY_SIGNALS[s]}" for s in r.signals if s in OFFLINE_ONLY_SIGNALS), "")
             raise ConfigError(f"{section}: rule '{r.name}' cannot run online ({r.kind}: it reads "
-                              f"{', '.join(r.signals)})")
+                              f"{', '.join(r.signals)}{why}); evaluate it offline in readouts.rules")
         seen[r.name] = n if isinstance(n, str) else r.name
         out.append(r)
     return out
