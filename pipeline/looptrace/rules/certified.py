@@ -22,9 +22,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from looptrace.signals.certified import certified_bound
 from looptrace.rules.base import ExitRule
 from looptrace.rules.registry import register
+from looptrace.signals.certified import certified_bound
 
 
 def certified_score(s: Mapping[str, np.ndarray]) -> np.ndarray:
