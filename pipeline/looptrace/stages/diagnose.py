@@ -9,6 +9,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
+from looptrace.diagnose.loopmap_models import loopmap_models
 from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
@@ -25,6 +26,8 @@ def main(
     readouts_root: Path = typer.Option(Path("artifacts/readouts"), help="root of the readouts stage's outputs"),
     gates_root: Path = typer.Option(Path("artifacts/gates"), help="root of the gates stage's outputs (optional)"),
     geometry_root: Path = typer.Option(Path("artifacts/geometry"), help="root of the geometry stage's outputs"),
+    dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores (loop-map "
+                                   "diagnoses of test stores dumped with dump.contraction)"),
     out: Path = typer.Option(Path("artifacts/diagnose"), help="output directory"),
 ) -> None:
     """Trajectory vs readout failures per model × rule, and whether [AD]'s findings hold."""
@@ -36,7 +39,8 @@ def main(
         require_in("diagnose.x", cfg.x, "calibration.dx", load_section(CalibrationConfig, "calibration", params).dx)
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out, stage="diagnose", inputs={"--readouts-root": readouts_root, "--gates-root": gates_root,
-                                                       "--geometry-root": geometry_root}):
+                                                       "--geometry-root": geometry_root,
+                                                       "--dump-root": dump_root}):
             names = model_names(params, models)
             meta = {"seed": base.seed, "params": {**to_dict(cfg), "intervals": to_dict(ivc)}, "versions": versions(),
                     "models_list": names}
@@ -47,6 +51,11 @@ def main(
                 table = halting_table(names, readouts_root, gates_root, cfg.collapse_tol, ivc.level)
                 frames = {**frames, "halting_table": table}
                 summary += "\n" + halting_table_markdown(table, cfg.collapse_tol)
+            # issue 27: only models dumped with dump.contraction; none (the default) -> nothing written
+            loopmap, loopmap_words = loopmap_models(names, dump_root, base.seed)
+            if loopmap is not None:
+                frames = {**frames, "loopmap": loopmap}
+                summary += loopmap_words
             write_diagnosis(out, frames, summary, metrics)
     for name, status in metrics["claims"].items():
         typer.echo(f"[AD] claim ({name}): {status}")
