@@ -177,6 +177,8 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
             dec.readout(h_exit[r], T - 1, sub)
         dec.advance()
         cur = tokens[:, n] if force is None else force[:, n]
+    if dev.type == "cuda":  # the last position's work may still be queued (no per-loop read waited for it)
+        torch.cuda.synchronize(dev)
     t2 = time.perf_counter()
     return GenRun(tokens=tokens.cpu().numpy(), exit_depth=depth.cpu().numpy(), logprob=logprob.cpu().numpy(),
                   row_loops=work, seconds=t2 - t1, prefill_seconds=t1 - t0)
