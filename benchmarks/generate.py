@@ -131,16 +131,16 @@ DEC_PHASES = {"start": "embed", "step": "block", "readout": "readout", "share": 
 PHASES = ("embed", "block", "readout", "rule", "kv", "python")
 
 
-def breakdown(dec, prompts, new_tokens, factory) -> tuple[dict[str, float], np.ndarray]:
+def breakdown(dec, prompts, new_tokens, factory, lookahead: bool = False) -> tuple[dict[str, float], np.ndarray]:
     """Seconds per phase (summed over prompts; prefill excluded) of one instrumented decode at batch 1, and the
-    exit depths."""
+    exit depths (``lookahead``: the path without per-loop host reads, :mod:`looptrace.online.lookahead`)."""
     acc: dict[str, float] = defaultdict(float)
     tdec = Timed(dec, acc, DEC_PHASES)
     total, depths = 0.0, []
     for i in range(prompts.shape[0]):
         rule = None if factory is None else Timed(factory(), acc, {"fires": "rule", "reset": "rule",
                                                                    "compact": "rule"})
-        r = decode_tokens(tdec, prompts[i:i + 1], new_tokens, rule)
+        r = decode_tokens(tdec, prompts[i:i + 1], new_tokens, rule, lookahead=lookahead)
         total += r.seconds
         depths.append(r.exit_depth)
     out = {p: acc[p] for p in PHASES}
@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: on a loaded shared machine 2 OpenMP threads lose to spinning)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time each rule on the lookahead path (no per-loop host read) and print the ratio")
     ap.add_argument("--smoke", action="store_true", help="a tiny run (seconds) that checks the benchmark still runs end to end; targets not enforced "
                     "(tests/test_benchmarks.py)")
     args = ap.parse_args()
@@ -211,11 +213,12 @@ def main() -> None:
     dec = decoder_for(model, args.policy)
     rules = args.rules.split(",")
 
-    def run(factory):
+    def run(factory, lookahead: bool = False):
         out = []
         t0 = time.perf_counter()
         for i in range(prompts.shape[0]):
-            out.append(decode_tokens(dec, prompts[i:i + 1], N, None if factory is None else factory()))
+            out.append(decode_tokens(dec, prompts[i:i + 1], N, None if factory is None else factory(),
+                                     lookahead=lookahead))
         return time.perf_counter() - t0 - sum(r.prefill_seconds for r in out), out
 
     # full depth (warm-up and the quality reference), then each rule's calibration
@@ -232,15 +235,23 @@ def main() -> None:
     # paired timing
     twall0, tcpu0 = time.perf_counter(), time.process_time()
     times: dict[str | None, list[float]] = {None: [], **{n: [] for n in rules}}
+    la_times: dict[str, list[float]] = {n: [] for n in rules}  # the same rule, lookahead path (issue 28 item 2)
     last: dict[str, list] = {}
     run(None)
     for n in rules:
         run(factories[n])
+        if args.lookahead:
+            run(factories[n], True)
     for _ in range(args.repeats):
         times[None].append(run(None)[0])
         for n in rules:
             s, last[n] = run(factories[n])
             times[n].append(s)
+            if args.lookahead:
+                s_la, runs_la = run(factories[n], True)
+                la_times[n].append(s_la)
+                assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.exit_depth, b.exit_depth)
+                           for a, b in zip(runs_la, last[n], strict=True)), f"{n}: lookahead changed the tokens"
     twall, tcpu = time.perf_counter() - twall0, time.process_time() - tcpu0
     n_tok = args.prompts * N
     t_full = statistics.median(times[None])
@@ -257,6 +268,10 @@ def main() -> None:
         summary[n] = (d, real, ideal)
         print(f"{n:8s} {d:6.2f} {ideal:5.2f}x {real:5.2f}x {real / ideal:7.2f} {n_tok / te:7.2f} "
               f"{float((tok == full_tok).mean()):6.2f} {1e3 * te / n_tok:9.1f}")
+    for n in rules if args.lookahead else []:
+        r_la = statistics.median(a / b for a, b in zip(la_times[n], times[n], strict=True))
+        print(f"# {n}: lookahead path (no per-loop host read; same tokens and depths, asserted) / per-loop path "
+              f"time = {r_la:.3f} (median of paired repeats; on a CPU the speculative loop is pure cost)")
     print(f"# timed section: {twall:.1f} s wall, {tcpu:.1f} s CPU -> {tcpu / twall:.2f} cores obtained")
 
     # per-phase breakdown (instrumented runs; each rule right after its own full-depth run, so that load drift on
@@ -264,13 +279,14 @@ def main() -> None:
     loops_full = n_tok * T
     print("\nper-phase cost, ms per token (instrumented run; per loop = / loops run); excess_p = t_exit,p − "
           "(d/T)·t_full,p, its share of t_exit is what phase p takes off realised/ideal")
-    for n in rules:
+    for n, la in [(n, la) for n in rules for la in ((False, True) if args.lookahead else (False,))]:
         bfull, _ = breakdown(dec, prompts, N, None)
-        b, depth = breakdown(dec, prompts, N, factories[n])
+        b, depth = breakdown(dec, prompts, N, factories[n], la)
+        label = f"{n} (lookahead)" if la else n
         d = float(depth.mean())
         te, tf = sum(b.values()), sum(bfull.values())
         loops = float(depth.sum())
-        print(f"\n{n}: mean depth {d:.2f} of {T}; instrumented realised {tf / te:.2f}x vs ideal {T / d:.2f}x "
+        print(f"\n{label}: mean depth {d:.2f} of {T}; instrumented realised {tf / te:.2f}x vs ideal {T / d:.2f}x "
               f"(ratio {(tf / te) / (T / d):.2f})")
         print(f"  {'phase':8s} {'full ms/tok':>11s} {'rule ms/tok':>11s} {'full ms/loop':>12s} {'rule ms/loop':>12s} "
               f"{'excess ms/tok':>13s} {'of ratio':>8s}")

@@ -264,17 +264,21 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float]) -> list[di
                 continue
             p = prompts[:B] if B > 1 else prompts[: args.prompts]
 
-            def run(rule_name: str | None, p=p, B=B, dec=dec, rules=rules) -> tuple[float, np.ndarray, np.ndarray]:
-                """Seconds (decode only), exit depths, tokens of one pass over the prompts at batch B."""
+            def run(rule_name: str | None, la: bool = False, p=p, B=B, dec=dec,
+                    rules=rules) -> tuple[float, np.ndarray, np.ndarray]:
+                """Seconds (decode only), exit depths, tokens of one pass over the prompts at batch B (``la``: the
+                lookahead path, no host read per loop: looptrace.online.lookahead)."""
                 out = []
                 for i in range(0, p.shape[0], B):
                     rule = None if rule_name is None else RegistryRule(rule_name, rules[rule_name], "float32")
-                    out.append(decode_tokens(dec, p[i:i + B], args.new_tokens, rule))
+                    out.append(decode_tokens(dec, p[i:i + B], args.new_tokens, rule, lookahead=la))
                 return (sum(r.seconds for r in out), np.concatenate([r.exit_depth for r in out]),
                         np.concatenate([r.tokens for r in out]))
 
             clock(lambda: run(None))  # warm-up
-            times: dict[str | None, list[float]] = {None: [], **{r: [] for r in rules}}
+            # the lookahead path too (issue 28 item 2), where the policy allows it (Ouro's native runs every loop)
+            la_ok = policy != "native" or dec.native == "compact"
+            times: dict[str | None, list[float]] = {None: [], **{r: [] for r in rules}, **{f"{r}+la": [] for r in rules}}
             last: dict[str, tuple[np.ndarray, np.ndarray]] = {}
             full_tok = None
             for _ in range(args.gen_reps):
@@ -284,25 +288,30 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float]) -> list[di
                     s, depth, tok = run(r)
                     times[r].append(s)
                     last[r] = (depth, tok)
+                    if la_ok:
+                        s, depth, tok = run(r, True)
+                        times[f"{r}+la"].append(s)
+                        last[f"{r}+la"] = (depth, tok)
             n_tok = p.shape[0] * args.new_tokens
             t_full = statistics.median(times[None])
             rows.append({"model": info.name, "policy": policy, "batch": B, "rule": "full", "thr": float("nan"),
                          "depth": float(T), "ideal": 1.0, "real": 1.0, "tok_s": n_tok / t_full, "agree": 1.0})
-            for r in rules:
+            for r in [v for name in rules for v in ((name, f"{name}+la") if la_ok else (name,))]:
                 depth, tok = last[r]
                 d = float(depth.mean())
                 real = statistics.median(f / e for f, e in zip(times[None], times[r], strict=True))
-                rows.append({"model": info.name, "policy": policy, "batch": B, "rule": r, "thr": rules[r], "depth": d,
+                rows.append({"model": info.name, "policy": policy, "batch": B, "rule": r, "thr": rules[r.split("+")[0]],
+                             "depth": d,
                              "ideal": T / d, "real": real, "tok_s": n_tok / statistics.median(times[r]),
                              "agree": float((tok == full_tok).mean())})
     return rows
 
 
 def print_gen(rows: list[dict]) -> None:
-    print(f"  {'model':7s} {'policy':9s} {'batch':>5s} {'rule':9s} {'thr':>9s} {'depth':>6s} {'ideal':>6s} "
+    print(f"  {'model':7s} {'policy':9s} {'batch':>5s} {'rule':11s} {'thr':>9s} {'depth':>6s} {'ideal':>6s} "
           f"{'real':>6s} {'r/ideal':>7s} {'tok/s':>8s} {'agree':>6s}")
     for r in rows:
-        print(f"  {r['model']:7s} {r['policy']:9s} {r['batch']:5d} {r['rule']:9s} {r['thr']:9.4g} {r['depth']:6.2f} "
+        print(f"  {r['model']:7s} {r['policy']:9s} {r['batch']:5d} {r['rule']:11s} {r['thr']:9.4g} {r['depth']:6.2f} "
               f"{r['ideal']:5.2f}x {r['real']:5.2f}x {r['real'] / r['ideal']:7.2f} {r['tok_s']:8.1f} {r['agree']:6.2f}")
 
 

@@ -60,6 +60,7 @@ from looptrace.models.interface import file_sha256
 from looptrace.models.looped import load_checkpoint
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
+from looptrace.online.lookahead import decode_tokens_lookahead
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks.text import text_splits
 
@@ -101,7 +102,8 @@ def _subset(idx: torch.Tensor, batch: int) -> torch.Tensor | None:
 
 @torch.inference_mode()
 def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule: OnlineRule | None = None,
-                  force: torch.Tensor | None = None, compact: bool = True, trace: list | None = None) -> GenRun:
+                  force: torch.Tensor | None = None, compact: bool = True, trace: list | None = None,
+                  lookahead: bool = False) -> GenRun:
     """Greedy decoding of ``new_tokens`` tokens after each prompt, every token looping until ``rule`` fires.
 
     Args:
@@ -113,10 +115,15 @@ def decode_tokens(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule
         compact: exited rows leave the batch (default) or keep computing (masking).
         trace: if a list, ``(n, t, rows, h, z)`` per loop run and ``(n, -1, rows, h_init, None)`` per position
             (rows = global batch rows; tests).
+        lookahead: decode with the stop decision kept on the device and read one loop late
+            (:func:`looptrace.online.lookahead.decode_tokens_lookahead`: no host round trip per loop; masking;
+            ``compact`` and ``trace`` do not apply). Same tokens, exit depths and log-probs as ``compact=False``.
 
     Returns:
         :class:`GenRun` (numpy arrays).
     """
+    if lookahead:
+        return decode_tokens_lookahead(dec, prompts, new_tokens, rule, force)
     B, S0 = prompts.shape
     if S0 < 1 or new_tokens < 1:
         raise ValueError("decoding needs a prompt of at least one token and at least one new token")
@@ -246,6 +253,10 @@ class GenerateConfig:
             ``HuginnDynamicCache``; ``full`` is the model's generate default).
         seeds: run only the default matrix's models of these training seeds (``<task>-<regime>-s<seed>``);
             null = every model. Not applied to ``--models`` or an adapter.
+        lookahead: decode without a host round trip per loop (the stop decision on the device, read one loop
+            late: :mod:`looptrace.online.lookahead`; for an accelerator). Same tokens and exit depths; off by
+            default (on a CPU its speculative loop is pure cost). Policies whose native mode is not ``compact``
+            keep the per-loop path.
     """
 
     rules: tuple[str, ...] = ("top1", "entropy", "kl_prev", "q_exit", "gate")
@@ -258,6 +269,7 @@ class GenerateConfig:
     repeats: int = 3
     huginn_lookup_strategy: str = "full"
     seeds: tuple[int, ...] | None = None
+    lookahead: bool = False
 
     def pick(self, names: list[str]) -> list[str]:
         """The models of ``names`` (default-matrix names) that :attr:`seeds` selects."""
@@ -441,13 +453,16 @@ class _Runs:
 
 def run_batches(dec: LoopDecoder, prompts: torch.Tensor, batch_size: int, new_tokens: int,
                 factory: Callable[[], OnlineRule] | None, force: np.ndarray | None = None,
-                compact: bool = True) -> _Runs:
-    """Decode every prompt in batches of ``batch_size`` (one fresh rule per batch)."""
+                compact: bool = True, lookahead: bool = False) -> _Runs:
+    """Decode every prompt in batches of ``batch_size`` (one fresh rule per batch; ``lookahead``: see
+    :func:`decode_tokens`, ignored where the decoder's native mode needs the per-loop path)."""
     out = _Runs()
+    lookahead = lookahead and not (dec.policy == "native" and dec.native != "compact")
     for lo in range(0, prompts.shape[0], batch_size):
         sl = slice(lo, min(prompts.shape[0], lo + batch_size))
         f = None if force is None else torch.from_numpy(force[sl]).to(prompts.device)
-        out.add(decode_tokens(dec, prompts[sl], new_tokens, factory() if factory is not None else None, f, compact))
+        out.add(decode_tokens(dec, prompts[sl], new_tokens, factory() if factory is not None else None, f, compact,
+                              lookahead=lookahead))
     return out
 
 
@@ -482,12 +497,12 @@ def generate_model(decoders: dict[str, LoopDecoder], prompts: np.ndarray, specs:
         T = dec.n_loops
         for bs in cfg.batch_sizes:
             # Quality pass (untimed; also the warm-up): full depth, every rule free and teacher-forced.
-            full = run_batches(dec, p_all, bs, N, None)
+            full = run_batches(dec, p_all, bs, N, None, lookahead=cfg.lookahead)
             full_tok, full_lp = full.cat("tokens"), full.cat("logprob")
             quality: dict[str, dict[str, Any]] = {}
             for sp in specs:
-                free = run_batches(dec, p_all, bs, N, sp.factory)
-                forced = run_batches(dec, p_all, bs, N, sp.factory, force=full_tok)
+                free = run_batches(dec, p_all, bs, N, sp.factory, lookahead=cfg.lookahead)
+                forced = run_batches(dec, p_all, bs, N, sp.factory, force=full_tok, lookahead=cfg.lookahead)
                 tok, d = free.cat("tokens"), free.cat("depth")
                 quality[sp.rule] = dict(
                     depth=d, agreement=float((tok == full_tok).mean()), prefix=prefix_agreement(tok, full_tok),
@@ -499,7 +514,7 @@ def generate_model(decoders: dict[str, LoopDecoder], prompts: np.ndarray, specs:
             prefill = []
             for rep in range(cfg.warmup + cfg.repeats):
                 for key, factory in runs:
-                    r = run_batches(dec, p_all, bs, N, factory)
+                    r = run_batches(dec, p_all, bs, N, factory, lookahead=cfg.lookahead)
                     if rep >= cfg.warmup:
                         times[key].append(r.seconds)
                         prefill.append(r.prefill)
