@@ -59,6 +59,7 @@ from looptrace.models.decoders import decoder_for
 from looptrace.models.interface import file_sha256
 from looptrace.models.looped import load_checkpoint
 from looptrace.online.engine import OnlineRule, RegistryRule
+from looptrace.online.genrun import GenRun
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.online.lookahead import decode_tokens_lookahead
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
@@ -71,28 +72,6 @@ if TYPE_CHECKING:
 # ----------------------------------------------------------------------------------------------
 # Decoding with early exit
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class GenRun:
-    """One decoding run over a batch of prompts.
-
-    Attributes:
-        tokens: [batch, new] int64, the emitted tokens (argmax of the readout at the exit loop).
-        exit_depth: [batch, new] int64, 1-based exit loop of each emitted token.
-        logprob: [batch, new] float64, log-probability of the token fed back (the emitted one, or the forced one)
-            under the readout at the exit loop.
-        row_loops: loop steps computed over rows and positions (decode only; recompute's skipped loops included).
-        seconds: wall time of the decoding (prefill excluded).
-        prefill_seconds: wall time of the prefill.
-    """
-
-    tokens: np.ndarray
-    exit_depth: np.ndarray
-    logprob: np.ndarray
-    row_loops: int
-    seconds: float
-    prefill_seconds: float
 
 
 def _subset(idx: torch.Tensor, batch: int) -> torch.Tensor | None:

@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptrace.models.decode import DecodeUnsupported, LoopDecoder
+from looptrace.online.genrun import GenRun
 
 if TYPE_CHECKING:
     from looptrace.online.engine import OnlineRule
-    from looptrace.online.generate import GenRun
 
 
 class _StopFlags:
@@ -95,8 +95,6 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
     Returns:
         :class:`~looptrace.online.generate.GenRun` (numpy arrays).
     """
-    from looptrace.online.generate import GenRun  # generate imports this module
-
     B, S0 = prompts.shape
     if S0 < 1 or new_tokens < 1:
         raise ValueError("decoding needs a prompt of at least one token and at least one new token")
