@@ -166,7 +166,7 @@ def main() -> int:
     if args.smoke:
         vars(args).update(SMOKE)
 
-    from looptrace.capture.dump import DumpConfig, dump_split, reuse_freed_memory
+    from looptrace.capture.dump import DumpConfig, bare_forward, dump_split, reuse_freed_memory
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
     from looptrace.tasks import TaskBatch
@@ -190,12 +190,8 @@ def main() -> int:
           f"allocator reuse {'on' if allocator else 'unavailable'}")
 
     def bare() -> None:
-        with torch.inference_mode():
-            for ids in batches:
-                st = adapter.states(ids)
-                for t in range(T):
-                    adapter.readout(st.hidden[:, :, t], t)
-            sync()
+        bare_forward(adapter, batches)
+        sync()
 
     tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-dump-"))
     dcfg = DumpConfig(batch_size=args.batch, chunk_tokens=args.chunk)

@@ -53,7 +53,7 @@ def run(argv: list[str] | None = None) -> int:
 
     from transformers import DoryConfig, DoryForCausalLM
 
-    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.capture.dump import DumpConfig, bare_forward, dump_split
     from looptrace.models.adapters.hf import AdapterConfig, load_adapter
     from looptrace.tasks import TaskBatch
 
@@ -82,11 +82,7 @@ def run(argv: list[str] | None = None) -> int:
                     model(input_ids=ids, use_cache=False)
 
         def bare() -> None:
-            with torch.inference_mode():
-                for ids in batches:
-                    st = adapter.states(ids)
-                    for t in range(T):
-                        adapter.readout(st.hidden[:, :, t], t)
+            bare_forward(adapter, batches)
 
         def stats() -> None:
             from looptrace.signals.logits import LoopStats

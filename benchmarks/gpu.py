@@ -144,7 +144,7 @@ def build_ouro_adapter(shape: dict, block_size: int, device: torch.device, dtype
 
 def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Callable[[], float]) -> dict | None:
     """Ratios of one model's dump against its bare pass (same batches, same process, interleaved)."""
-    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.capture.dump import DumpConfig, bare_forward, dump_split
     from looptrace.tasks import TaskBatch
 
     dev = adapter.device
@@ -157,11 +157,7 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
     store = out / f"{adapter.info.name}.zarr"
 
     def bare() -> None:
-        with torch.inference_mode():
-            for ids in batches:
-                st = adapter.states(ids)
-                for t in range(T):
-                    adapter.readout(st.hidden[:, :, t], t)
+        bare_forward(adapter, batches)
 
     def dump() -> None:
         dump_split(adapter, data, store, cfg, progress=False)

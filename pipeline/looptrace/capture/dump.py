@@ -41,7 +41,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,6 +228,21 @@ def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, 
 #: glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _ALLOCATOR_TUNED = False
+
+
+def bare_forward(adapter: LoopedModelAdapter, batches: Sequence[torch.Tensor]) -> None:
+    """The model's own work that a dump captures, with nothing captured: the states of every batch and the
+    readout at every loop (the baseline of the capture's cost in benchmarks/dump.py, dump_hf.py and gpu.py).
+
+    Args:
+        adapter: the model.
+        batches: [batch, seq] int64 token ids each, on the model's device.
+    """
+    with torch.inference_mode():
+        for ids in batches:
+            st = adapter.states(ids)
+            for t in range(adapter.info.n_loops):
+                adapter.readout(st.hidden[:, :, t], t)
 
 
 def reuse_freed_memory(mmap_threshold: int = 256 << 20) -> bool:
