@@ -204,7 +204,9 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
                          "dump.contraction: {power_iters: 4} (docs/dump.md)")
     rho = store.read("contraction").astype(np.float64)
     ftle = store.read("ftle").astype(np.float64)
-    rel = step_metrics(store.read("hidden"), store.read("hidden_init"))["rel_step"].astype(np.float64)
+    # block by block (the store's chunks): the states are the one array too big to read whole on a real model
+    rel = np.concatenate([step_metrics(**store.read_block(["hidden", "hidden_init"], rows))["rel_step"]
+                          for rows in store.blocks()]).astype(np.float64)
     correct = store.read("argmax") == store.read("target")[:, None]
     seq = store.read("sequence")
     bound = certified_bound(rho, rel)
