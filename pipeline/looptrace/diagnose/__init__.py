@@ -198,6 +198,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         correct = test.loop["correct"]
         rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
         perms = None
+        loss = -test.loop["target_logprob"]  # ℓ_t per token and loop, the faithfulness test's counterfactual
         chosen, dxs = [], []
         for source, o in outs:
             chosen.append(o["chosen"].select(_present(o["chosen"], _CHOSEN_COLS)))
@@ -219,7 +220,7 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
                     if perms is None:  # the model's null draws, shared by its rules
                         perms = null_permutations(test.n, cfg.faithfulness_resamples,
                                                   boot_seed(seed, model, "faithfulness"))
-                    ft = faithfulness_test(-test.loop["target_logprob"], depth, rs, alpha=cfg.faithfulness_alpha,
+                    ft = faithfulness_test(loss, depth, rs, alpha=cfg.faithfulness_alpha,
                                            seed=boot_seed(seed, model, source, rule, "faith"), perms=perms)
                     faith_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind")},
                                        "source": source, "rule": rule, "kind": kinds.get(rule), **ft.to_dict()})
