@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,6 +138,43 @@ def test_two_processes_equal_one_process_file_for_file(tmp_path, reference):
     assert_clean(path)
     st = open_store(path, verify=True)
     assert st.complete and st.attrs == open_store(reference).attrs
+
+
+def test_a_release_landing_after_the_peers_tidy_is_tidied_too(tmp_path, reference, monkeypatch):
+    """The CI race of stop 32, made deterministic: shard 0 returns with shard 1 still writing and releases its
+    plan record (temp file + replace); shard 1 finalises and tidies the claims *between* the two (the young temp
+    file keeps the directory), so the replace re-creates a record beside the complete store. Shard 0 must find
+    the store complete after its last write and tidy it."""
+    path = tmp_path / "val.zarr"
+    adapter, data = tiny_adapter_and_data(n_seq=60)
+    real_release_all = Coordinator.release_all
+    real_overwrite = ClaimsDir.overwrite
+    raced: list[str] = []
+
+    def release_all(self):  # shard 0's exit: its next record write races shard 1's whole dump
+        if self.i == 0 and not raced:
+            self.dir.race = True
+        real_release_all(self)
+
+    def overwrite(self, name, rec):
+        if not getattr(self, "race", False):
+            return real_overwrite(self, name, rec)
+        self.race = False
+        assert os.path.exists(self._path(name))  # the record exists when the write starts
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(rec, sort_keys=True).encode())
+        st = dump_split(adapter, data, path, tiny_dump_config(), progress=False, shard=(1, 2))  # the peer
+        assert st.complete and not os.path.exists(self._path(name))  # it finalised and removed our record ...
+        raced.append(name)
+        os.replace(tmp, self._path(name))  # ... which our write now re-creates
+
+    monkeypatch.setattr(Coordinator, "release_all", release_all)
+    monkeypatch.setattr(ClaimsDir, "overwrite", overwrite)
+    assert not dump_split(adapter, data, path, tiny_dump_config(), progress=False, shard=(0, 2)).complete
+    assert raced == ["plan@0.json"]  # the planner's record, released at exit
+    assert_same_tree(path, reference)
+    assert_clean(path)
 
 
 def test_a_killed_shard_resumes_and_the_store_equals_one_process(tmp_path, reference, capsys):

@@ -624,6 +624,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         new.write_small("loop_group", np.asarray(info.loop_group))
         return new
 
+    left_incomplete: int | None = None  # the plan under which this process returned with peers still writing
     try:
         joined = _join_or_plan(coord, path, label, fp, own, create_layout)
         if joined is None:  # complete, verified, nothing to do
@@ -644,11 +645,13 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
                                  "failed verification after writing; re-run `looptrace dump`")
             coord.finish(claim, chunks=[own.start, own.stop])
         if missing:
+            left_incomplete = plan_k
             return open_store(path, allow_nan=True, allow_incomplete=True)
         fin = coord.claim_final(plan_k)
         if fin is None:  # another process finalises (or has)
             st = open_store(path, allow_nan=True, allow_incomplete=True)
             if not st.complete:
+                left_incomplete = plan_k
                 return st
             # our last claim write (`finish`: temp file + os.replace) can land after the finaliser tidied the
             # claims, re-creating our record beside a complete store: tidy what is left of this plan
@@ -669,6 +672,14 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         return _finished(path, label, cfg)
     finally:
         coord.release_all()
+        if left_incomplete is not None:
+            # releasing our records (the planner's plan record included) is a write (temp file + replace) that
+            # can land after a peer's finaliser tidied the claims, re-creating a record beside the complete
+            # store (seen in CI as a left-over claims directory). The finaliser marks the store complete before
+            # it lists the claims, so a store found complete after our last write means it is ours to tidy.
+            again = StoreWriter.reopen(path)
+            if again is not None and again.attrs.get("complete") and again.attrs.get("fingerprint") == fp:
+                coord.remove_plans_upto(left_incomplete)
 
 
 def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, own: range,
