@@ -84,7 +84,8 @@ def assert_same_tree(a: Path, b: Path) -> None:
 
 def assert_clean(path: Path) -> None:
     """No claims directory beside the store, no temp file inside it."""
-    assert not Path(claims_location(str(path))).exists()
+    claims = Path(claims_location(str(path)))
+    assert not claims.exists(), {f.name: f.read_text()[:400] for f in sorted(claims.iterdir())}
     assert not list(path.rglob("*.partial")) and not list(path.parent.glob(".*.claims"))
 
 
@@ -303,6 +304,18 @@ def test_a_shard_that_looked_before_its_peer_made_the_layout_joins_the_peers_pla
     with pytest.raises(ClaimError, match=r"is being written as 2 shard\(s\) by pid \d+ on host"):
         Coordinator(target, "fp", (0, 3)).new_plan("resume")
     rank0.release_all(), rank1.release_all()
+    # once the output is complete, the tidy removes the withdrawn plans @1 (rank 1's) and @2 (the refused one's)
+    # too: of later generations than the plan they yielded to, they were left beside the store (a left-over
+    # claims directory when two shards start at the same moment) — but not a live later plan
+    cd = ClaimsDir(claims_location(target))
+    assert cd.read("plan@1.json")["withdrawn"] and cd.read("plan@2.json")["withdrawn"]
+    later = Coordinator(target, "fp", (0, 1))
+    later.me = Owner("other", "other-host", 4242, None, time.time())
+    assert cd.create("plan@3.json", later._record(kind="resume", n_shards=1, ready=False, withdrawn=False))
+    rank0.remove_plans_upto(0)
+    assert sorted(cd.names()) == ["plan@3.json"]
+    rank0.remove_plans_upto(3)
+    assert not Path(claims_location(target)).exists()
 
 
 def test_only_one_of_many_racing_processes_wins_a_claim(tmp_path):

@@ -609,7 +609,8 @@ class Coordinator:
         _ACTIVE.discard(self.me.id)
 
     def remove_plans_upto(self, k: int) -> None:
-        """Delete every record of plans ``<= k`` (after the output is complete), then the directory if empty.
+        """Delete every record of plans ``<= k`` and every withdrawn plan (after the output is complete), then the
+        directory if empty.
 
         Only the names listed now are deleted, so a plan created meanwhile by another process survives. A
         peer's last write can re-create its record after this (os.replace onto a removed name); every writer
@@ -624,6 +625,11 @@ class Coordinator:
             m = re.match(r"^p(\d+)\.", base)
             plan_k = g if base == "plan" else (int(m[1]) if m else None)
             if plan_k is not None and plan_k <= k:
+                drop.append(n)
+            elif base == "plan" and (self.dir.read(n) or {}).get("withdrawn"):
+                # a withdrawn plan is never joined or claimed under (it lost the planners' race to a live older
+                # plan, new_plan); of a later generation, it outlived the plan it yielded to: without this it was
+                # left beside the complete output (seen when two shards started at the same moment)
                 drop.append(n)
         self.dir.remove(drop)
         self.held = {n: r for n, r in self.held.items() if n not in drop}
