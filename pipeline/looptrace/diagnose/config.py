@@ -12,6 +12,24 @@ CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
 #: Regime kinds with a fixed depth prior ([AD]'s "fixed-prior" trajectories).
 FIXED_PRIOR_KINDS = ("uniform", "geometric")
 
+
+def fixed_prior_trajectory(regime_kind: str | None, regime_def: dict | None = None) -> bool:
+    """Whether a model's *trajectory* was trained by a fixed depth prior alone ([AD]'s "fixed-prior"
+    trajectories, where a claim is about the trajectory's training objective; SPEC §7 "[AD]'s claims"): the
+    fixed-prior kinds, and a RecurTrace model whose halting head is decoupled (``recurtrace`` with ``detach``
+    true, the default: its trajectory loss is Σ π_t ℓ_t under the fixed prior π and the head's gradient stops at
+    the state, [RT]/[AD]). Not ``recurtrace`` with ``detach: false`` (the head's BCE reaches the trajectory),
+    ``joint`` or ``act`` (halting and trajectory trained together), ``final``.
+
+    Args:
+        regime_kind: the regime's kind (readouts' metrics.json ``regime_kind``).
+        regime_def: the regime's definition as the params file gives it (metrics.json ``regime_def``; a field
+            left out has its default).
+    """
+    if regime_kind in FIXED_PRIOR_KINDS:
+        return True
+    return regime_kind == "recurtrace" and (regime_def or {}).get("detach", True) is not False
+
 #: [AD]'s headline numbers (SPEC §9), quoted beside ours.
 AD_REFERENCE = {"confidence_d95": 1.38, "fixed_d95": 2.50, "native_d95": 4.49}
 
