@@ -61,6 +61,9 @@ class DiagnoseConfig:
         halting_table: also write the halting methods' matched-compute table (``halting_table.parquet`` and a
             summary.md section; :mod:`looptrace.diagnose.halting_table`). Off by default (profiles/halting).
         collapse_tol: loops; a method whose mean loops is ≤ 1 + this "collapses to one loop" (halting table).
+        convergence_signal, convergence_eps, convergence_kind: the convergence depth of the halting findings
+            (geometry's convergence.parquet: signal, one of geometry.eps, first | settled; SPEC §2), with
+            ``halting_table`` only (:mod:`looptrace.diagnose.halting_findings`).
     """
 
     x: float = 95.0
@@ -76,6 +79,9 @@ class DiagnoseConfig:
     router_baselines: tuple[str, ...] = ("argmax_stable", "kl_prev")
     halting_table: bool = field(default=False, metadata=OMIT_DEFAULT)
     collapse_tol: float = field(default=0.1, metadata=OMIT_DEFAULT)
+    convergence_signal: str = field(default="kl_prev", metadata=OMIT_DEFAULT)
+    convergence_eps: float = field(default=0.001, metadata=OMIT_DEFAULT)
+    convergence_kind: str = field(default="settled", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
@@ -96,6 +102,8 @@ class DiagnoseConfig:
                               f"{self.faithfulness_resamples}")
         if not 0.0 < self.faithfulness_alpha < 1.0:
             raise ConfigError(f"diagnose.faithfulness_alpha must be in (0, 1), got {self.faithfulness_alpha}")
+        if self.convergence_kind not in ("first", "settled"):
+            raise ConfigError(f"diagnose.convergence_kind must be first or settled, got {self.convergence_kind!r}")
         if self.collapse_tol < 0:
             raise ConfigError(f"diagnose.collapse_tol must be ≥ 0 loops, got {self.collapse_tol}")
         if self.spearman_loop is not None and self.spearman_loop < 1:
