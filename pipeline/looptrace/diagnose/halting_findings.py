@@ -288,17 +288,18 @@ def _pair_rows(question: str, figs: pl.DataFrame, fronts: dict, task: str, ra: s
             else:
                 verdict = {"higher": f"{ga}'s head is more accurate", "lower": f"{gb}'s head is more accurate",
                            "equal": "no difference (equal in every seed)",
-                           "undecided": "undecided (the interval includes 0)"}[c["word"]]
+                           "undecided": _undecided(c)}[c["word"]]
                 s = (f"{task}: {ga}'s native head ({_native(figs, ga)}) − {gb}'s ({_native(figs, gb)}), {words}"
                      f"{where}: {stat_text(c, nd, scale, unit)}: {verdict}.")
         else:
             c = compare_paired(_seed_ivs(figs, ga, meas), _seed_ivs(figs, gb, meas), level)
             if c["word"] == "untestable":
-                s = f"{task}: {ga} vs {gb}, {words}: not testable (no seed has the figure on both)."
+                s = (f"{task}: {ga} vs {gb}, {words}: not testable (no seed has the figure on both sides; a D@X "
+                     "not reached counts as absent).")
             else:
                 verdict = {"higher": f"higher in {ga}", "lower": f"lower in {ga}",
                            "equal": "no difference (equal in every seed)",
-                           "undecided": "undecided (the interval includes 0)"}[c["word"]]
+                           "undecided": _undecided(c)}[c["word"]]
                 s = f"{task}: {ga} − {gb}, {words}: {stat_text(c, nd, scale, unit)}: {verdict}."
         out.append(_row(question, task, f"{ga} vs {gb}", meas, c, s))
     return out
@@ -314,6 +315,13 @@ def _native(figs: pl.DataFrame, group: str) -> str:
     return NATIVE_EXITS.get(k or "", "—")
 
 
+def _undecided(c: dict) -> str:
+    """Why a comparison is undecided, in words."""
+    if c["method"] == "one seed, no interval":
+        return "undecided (one seed and no interval: more seeds would give one)"
+    return "undecided (the interval includes 0)"
+
+
 def _overall_row(question: str, task: str, rows: list[dict]) -> list[dict]:
     """One sentence over a pair's measures: where the intervals decide a difference, and where they do not."""
     tested = [r for r in rows if r["word"] not in ("untestable",) and r["measure"] in MEASURES]
@@ -326,7 +334,7 @@ def _overall_row(question: str, task: str, rows: list[dict]) -> list[dict]:
         s = (f"{task}: {subject.replace(' vs ', ' differs from ')} in {', '.join(differs)}"
              + (f"; no decided difference in {', '.join(same)}" if same else "") + ".")
     else:
-        s = f"{task}: {subject}: no measured difference is decided (every interval includes 0 or is exactly 0)."
+        s = f"{task}: {subject}: no measured difference is decided."
     return [_row(question, task, subject, "overall", {"word": "differs" if differs else "undecided",
                                                        "n": max(int(r["n"] or 0) for r in tested)}, s)]
 
@@ -362,7 +370,8 @@ def collapse_rows(table: pl.DataFrame | None, tasks: Sequence[str], collapse_tol
                     + " points against fixed depth at the same mean loops")
                 verdict = {"collapses": f"collapses to one loop (the whole interval ≤ {cut:g})",
                            "does not collapse": f"does not collapse (the whole interval > {cut:g})",
-                           "undecided": f"undecided (the interval straddles {cut:g})"}[word]
+                           "undecided": f"undecided (the interval straddles {cut:g})" if has
+                           else "undecided (no interval)"}[word]
                 s = (f"{task}: {name} ({r['regime']}, {r['rules']}) exits at {iv} mean loops ({how}, "
                      f"n = {r['n_seeds']} seed{'s' if r['n_seeds'] != 1 else ''}; {r['n_collapsed']} of them ≤ {cut:g}) "
                      f"at {acc} test accuracy{dtext}: {verdict}.")
@@ -391,7 +400,7 @@ def router_rows(router: pl.DataFrame | None, level: float = 0.95) -> list[dict]:
         matched = all(r["router_within_delta"] is not False and r["baseline_within_delta"] is not False for r in rs)
         verdict = {"higher": "the router exits later — [FP]'s finding reproduced",
                    "lower": "the router exits earlier — [FP]'s finding not reproduced",
-                   "undecided": "undecided (the interval includes 0)",
+                   "undecided": _undecided(c),
                    "equal": "no difference (equal in every seed)", "untestable": "not testable"}[c["word"]]
         acc = (f"; test accuracy {100 * float(sub['router_accuracy'].mean()):.1f} % vs "  # type: ignore[arg-type]
                f"{100 * float(sub['baseline_accuracy'].mean()):.1f} %")  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ def native_rule(regime_kind: str | None, rules: list[str]) -> str | None:
     return own if own in rules else None
 
 
-def _native_filter(df: pl.DataFrame, rule: str | None) -> pl.DataFrame:
+def native_filter(df: pl.DataFrame, rule: str | None) -> pl.DataFrame:
     """``df``'s native-kind rows reduced to the model's native gate (:func:`native_rule`)."""
     if rule == "*":
         return df
@@ -76,7 +76,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
     best_i = _chosen_interval(best)
     best_gate, best_post = best_chosen(chosen, ["gate"]), best_chosen(chosen, ["posthoc"])
     own = native_rule(model.get("regime_kind"), chosen.filter(pl.col("kind") == "native")["rule"].to_list())
-    nat_row = best_chosen(_native_filter(chosen, own), ["native"])
+    nat_row = best_chosen(native_filter(chosen, own), ["native"])
     native = _chosen_interval(nat_row)
     orc = _iv(oracle.get("depth"))
     gates_run = bool(chosen.filter(pl.col("kind") == "gate").height)
@@ -97,7 +97,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
     dx_fixed, _ = dx_best(dxx, ["fixed"])
     dx_post, dx_post_rule = dx_best(dxx, ["posthoc"])
     dx_gate, _ = dx_best(dxx, ["gate"])
-    dx_nat, _ = dx_best(_native_filter(dxx, own), ["native"])
+    dx_nat, _ = dx_best(native_filter(dxx, own), ["native"])
     row = {
         "model": model["model"], "group": split_seed(model["model"])[0], "seed": split_seed(model["model"])[1],
         "task": model.get("task"), "regime": model.get("regime"),
