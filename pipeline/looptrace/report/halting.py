@@ -21,8 +21,8 @@ def collapse_text(row: dict, collapse_tol: float) -> str:
     if row.get("collapsed") is None:
         return "—"
     cut = 1.0 + collapse_tol
-    lo, hi, est = row.get("loops_lo"), row.get("loops_hi"), row["loops"]
-    has = lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi)
+    lo, hi, est = _f(row.get("loops_lo")), _f(row.get("loops_hi")), float(row["loops"])
+    has = math.isfinite(lo) and math.isfinite(hi)
     if has:
         word = "yes" if hi <= cut else "no" if lo > cut else "undecided"
     else:
