@@ -77,7 +77,7 @@ def test_halting_profile_runs_end_to_end_on_tiny_params(tmp_path):
     summary = (art / "diagnose" / "summary.md").read_text()
     assert "## Halting methods at matched compute" in summary
     # issue 26 item 6: the findings in words, every question answered or said untestable, never "nan"
-    assert "## Halting findings" in summary and summary.count("### Do") == 3
+    assert "## Halting findings" in summary and summary.count("\n### ") == 5
     findings = json.loads((art / "diagnose" / "metrics.json").read_text())["halting_findings"]
     assert {f["question"] for f in findings} == {"memory", "head_vs_joint", "flow", "collapse", "router"}
     # each regime's verdict reads its own exit
