@@ -470,7 +470,7 @@ def test_summary_markdown_from_numbers():
     assert "the native gate at 3.75 [3.50, 4.00] is higher than it" in md
     assert "- t-joint (joint): ρ = 0.88 (n = 4 difficulty levels; no interval)." in md  # loop null row, not loop 1
     assert "| t-joint | entropy | 90.0 | 6.0 | 3.0 | 1.0 |" in md
-    assert "(a) [AD]" in md and "untestable — no fixed-prior (uniform/geometric) model in this run" in md
+    assert "(a) [AD]" in md and "untestable — no fixed-prior (uniform/geometric, or decoupled RecurTrace) model in this run" in md
     assert not re.search(r"\b(None|nan|inf)\b", md)
     cfg1 = DiagnoseConfig(spearman_loop=1)
     assert "ρ = 0.10 (n = 4 difficulty levels; no interval)" in summary_markdown(verdicts, claims, sp, cfg1)

@@ -11,6 +11,7 @@ native exit, and the report its page.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -73,4 +74,17 @@ def test_halting_profile_runs_end_to_end_on_tiny_params(tmp_path):
     assert dict(zip(native["regime"], native["rules"], strict=True)) == {
         "joint": "q_exit", "recurtrace": "gate_step", "recurtrace_flow": "gate_step", "recurtrace_mem": "gate_step",
         "act": "act_exit"}
-    assert "## Halting methods at matched compute" in (art / "diagnose" / "summary.md").read_text()
+    summary = (art / "diagnose" / "summary.md").read_text()
+    assert "## Halting methods at matched compute" in summary
+    # issue 26 item 6: the findings in words, every question answered or said untestable, never "nan"
+    assert "## Halting findings" in summary and summary.count("\n### ") == 5
+    findings = json.loads((art / "diagnose" / "metrics.json").read_text())["halting_findings"]
+    assert {f["question"] for f in findings} == {"memory", "head_vs_joint", "flow", "collapse", "router"}
+    # each regime's verdict reads its own exit
+    verdicts = pl.read_parquet(art / "diagnose" / "verdicts.parquet")
+    assert dict(zip(verdicts["regime"], verdicts["native_rule"], strict=True)) == {
+        "geometric": None, "joint": "q_exit", "recurtrace": "gate_step", "recurtrace_flow": "gate_step",
+        "recurtrace_mem": "gate_step", "act": "act_exit"}
+    page = (art / "report" / "index.html").read_text()
+    assert "<h2>Halting methods at matched compute</h2>" in page
+    assert "<h2>Counterfactual faithfulness of halting signals</h2>" in page

@@ -69,7 +69,7 @@ import polars as pl
 
 from looptrace.config import InputError, MissingInputError
 from looptrace.diagnose.claims import ad_claims
-from looptrace.diagnose.config import DiagnoseConfig
+from looptrace.diagnose.config import DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.faithfulness import (
     faithfulness_frame,
     faithfulness_metrics,
@@ -186,7 +186,13 @@ def model_rows(models: Sequence[str], readouts_root: Path | str, gates_root: Pat
         rm = read_json(mpath)
         info = {"model": model, "task": rm.get("task"), "regime": rm.get("regime"),
                 "regime_kind": rm.get("regime_kind"), "n_loops": rm.get("n_loops")}
-        meta_rows.append({k: info[k] for k in ("model", "task", "regime", "regime_kind", "n_loops")})
+        rdef = rm.get("regime_def") if isinstance(rm.get("regime_def"), dict) else None
+        # [AD]'s claims: whether the trajectory was trained by a fixed prior alone, and its architecture (a
+        # regime's pinned loop memory; None = the model section's, the same for every such model of a run)
+        meta_rows.append({**{k: info[k] for k in ("model", "task", "regime", "regime_kind", "n_loops")},
+                          "fixed_prior": fixed_prior_trajectory(info["regime_kind"], rdef),
+                          "loop_memory": None if rdef is None or rdef.get("loop_memory") is None
+                          else bool(rdef["loop_memory"])})
         outs = [("readouts", _read_rule_outputs(readouts_root / model, "readouts"))]
         g = _read_rule_outputs(gates_root / model, "gates")
         if g is not None:
@@ -257,7 +263,8 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
     """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
     # n_loops: the claims' across-seed depth intervals stay within [1, T] (issue 25); without it they were unbounded
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
-                                              "regime_kind": pl.String, "n_loops": pl.Int64})
+                                              "regime_kind": pl.String, "n_loops": pl.Int64,
+                                              "fixed_prior": pl.Boolean, "loop_memory": pl.Boolean})
     dx_df = pl.concat(dx_all, how="diagonal_relaxed")
     claims = ad_claims(meta_df, dx_df, cfg, gates_present)
     frames = {

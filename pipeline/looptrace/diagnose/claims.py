@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from looptrace.diagnose.config import AD_REFERENCE, FIXED_PRIOR_KINDS, DiagnoseConfig
+from looptrace.diagnose.config import AD_REFERENCE, FIXED_PRIOR_KINDS, DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.stats import _f, _group_ci, dx_best, with_val_columns
 from looptrace.diagnose.words import _CMP_WORDS, _dx_ci, _seed_pairs, _seeds_word
 from looptrace.intervals import Interval, compare, paired_difference, seeds_needed
 from looptrace.project import split_seed
 from looptrace.rules.builtin import CONFIDENCE_RULES
+from looptrace.rules.native_halting import NATIVE_EXITS
 
 
 def _status(c: str, good: str, bad: str) -> str:
@@ -124,16 +125,31 @@ def _groups(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig) -> _Group
     dxx = with_val_columns(dx.filter(pl.col("x") == x))
     meta = meta.with_columns(group=pl.col("model").map_elements(lambda m: split_seed(m)[0], return_dtype=pl.String),
                              seed=pl.col("model").map_elements(lambda m: split_seed(m)[1], return_dtype=pl.Int64))
+    if "fixed_prior" not in meta.columns:  # no regime definitions: each kind's defaults (fixed_prior_trajectory)
+        meta = meta.with_columns(fixed_prior=pl.col("regime_kind").map_elements(
+            fixed_prior_trajectory, return_dtype=pl.Boolean).fill_null(False))
+    if "loop_memory" not in meta.columns:
+        meta = meta.with_columns(loop_memory=pl.lit(None, dtype=pl.Boolean))
     groups = list(dict.fromkeys(meta["group"].to_list()))
     ginfo = {g: meta.filter(pl.col("group") == g).row(0, named=True) for g in groups}
     members = {g: meta.filter(pl.col("group") == g)["model"].to_list() for g in groups}
-    fixed_prior = [g for g in groups if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS]
+    # trajectories trained by a fixed prior alone (the claims are about the trajectory's training objective): the
+    # fixed-prior kinds and decoupled RecurTrace heads (SPEC §7 "[AD]'s claims")
+    fixed_prior = [g for g in groups if ginfo[g]["fixed_prior"]]
     joint = [g for g in groups if ginfo[g]["regime_kind"] == "joint"]
     bounds: dict[str, tuple[float, float] | None] = {}
     for g in groups:
         T = ginfo[g].get("n_loops")
         bounds[g] = (1.0, float(T)) if T is not None and float(T) > 1 else None
     return _Groups(xs, dxx, meta, ginfo, members, fixed_prior, joint, bounds)
+
+
+def _kind_words(info: dict) -> str:
+    """A group's regime kind, and for a kind that is not a fixed prior by name whether its trajectory counts as one."""
+    k = info["regime_kind"]
+    if k in FIXED_PRIOR_KINDS or k == "joint":
+        return str(k)
+    return f"{k}, trajectory {'under a fixed prior (head decoupled)' if info['fixed_prior'] else 'not fixed-prior'}"
 
 
 def _claim_a(ctx: _Groups, level: float) -> dict:
@@ -160,7 +176,8 @@ def _claim_a(ctx: _Groups, level: float) -> dict:
     status = _overall(res) if res else "untestable"
     head = (f"(a) [AD]: fixed-prior trajectories with confidence readouts reach a lower {xs} than fixed depth "
             f"([AD]: {AD_REFERENCE['confidence_d95']} vs {AD_REFERENCE['fixed_d95']} at D@95). On our models: {status}"
-            + ("" if res else " — no fixed-prior (uniform/geometric) model in this run") + ".")
+            + ("" if res else " — no fixed-prior (uniform/geometric, or decoupled RecurTrace) model in this run")
+            + ".")
     return {"claim": "a", "status": status, "sentences": [head, *sent], "details": det}
 
 
@@ -176,15 +193,19 @@ def _claim_b(ctx: _Groups, level: float) -> dict:
             seed = split_seed(m)[1]
             # peers: fixed-prior models of the same task and training seed, so the comparison is between
             # regimes, not between initialisations; the peer's rule is chosen on val over all peers' rules
-            peers = meta.filter((pl.col("task") == task) & pl.col("regime_kind").is_in(list(FIXED_PRIOR_KINDS))
+            # (and the same architecture: the regime's pinned loop memory, None = the model section's)
+            mem = ginfo[g]["loop_memory"]
+            peers = meta.filter((pl.col("task") == task) & pl.col("fixed_prior")
                                 & (pl.col("seed").is_null() if seed is None else pl.col("seed") == seed)
+                                & (pl.col("loop_memory").is_null() if mem is None else pl.col("loop_memory") == mem)
                                 )["model"].to_list()
             sub = dxx.filter(pl.col("model").is_in(peers))
             post, rule = dx_best(sub, ["posthoc"])
             peer = (sub.filter((pl.col("rule") == rule) & (pl.col("kind") == "posthoc"))
                     .with_columns(_v=pl.col("val_d_at").fill_null(math.inf).fill_nan(math.inf))
                     .sort("_v", "model")["model"][0]) if rule else None
-            per.append((m, best(m, ["native"])[0], post, rule, peer, peers))
+            # the joint gate's own exit (the rule it was trained for: PonderNet's Q-exit), not the best native rule
+            per.append((m, best(m, ["native"], [NATIVE_EXITS["joint"]])[0], post, rule, peer, peers))
         if not any(p[5] for p in per):
             res.append("untestable")
             sent.append(f"{g}: no fixed-prior model of task {task} to compare with.")
@@ -232,14 +253,14 @@ def _claim_c(ctx: _Groups, cfg: DiagnoseConfig, gates_present: bool, level: floa
             # weak needs the interval to rule out a gain of gap_tol (or a gate that cannot reach X at all)
             strength = {"lower": "strong", "higher": "weak", "within tolerance": "weak",
                         "untestable": "weak"}.get(c, "within noise")  # untestable: neither reaches X
-            expect = "strong" if ginfo[g]["regime_kind"] in FIXED_PRIOR_KINDS else "weak"
+            expect = "strong" if ginfo[g]["fixed_prior"] else "weak"
             st = "within noise" if strength == "within noise" else "holds" if strength == expect else "does not hold"
             res.append(st)
             rules = ", ".join(dict.fromkeys(p[2] for p in per))
             det.append({"group": g, "n_seeds": len(per), "regime_kind": ginfo[g]["regime_kind"], "gate_rules": rules,
                         "gate_dx": gate.to_dict(), "fixed_dx": fix.to_dict(), "comparison": c, "strength": strength,
                         "expected": expect, "result": st, "paired_difference": diff, "seeds_needed": need})
-            sent.append(f"{g} ({ginfo[g]['regime_kind']}, {_seeds_word(len(per))}): best refit gate ({rules}) {xs} = "
+            sent.append(f"{g} ({_kind_words(ginfo[g])}, {_seeds_word(len(per))}): best refit gate ({rules}) {xs} = "
                         f"{_dx_ci(gate)} vs fixed {_dx_ci(fix)}{_paired_words(diff, need)} — {strength} (strong = lower by at least "
                         f"{cfg.gap_tol:g} loops with disjoint intervals); [AD] expects {expect}: {st}"
                         + (f" (per seed, gate vs fixed: {_seed_pairs([(p[0], p[1], p[3]) for p in per])})"

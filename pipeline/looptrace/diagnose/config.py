@@ -12,6 +12,24 @@ CLASSES = ("correct", "trajectory", "readout_early", "readout_overthinking")
 #: Regime kinds with a fixed depth prior ([AD]'s "fixed-prior" trajectories).
 FIXED_PRIOR_KINDS = ("uniform", "geometric")
 
+
+def fixed_prior_trajectory(regime_kind: str | None, regime_def: dict | None = None) -> bool:
+    """Whether a model's *trajectory* was trained by a fixed depth prior alone ([AD]'s "fixed-prior"
+    trajectories, where a claim is about the trajectory's training objective; SPEC §7 "[AD]'s claims"): the
+    fixed-prior kinds, and a RecurTrace model whose halting head is decoupled (``recurtrace`` with ``detach``
+    true, the default: its trajectory loss is Σ π_t ℓ_t under the fixed prior π and the head's gradient stops at
+    the state, [RT]/[AD]). Not ``recurtrace`` with ``detach: false`` (the head's BCE reaches the trajectory),
+    ``joint`` or ``act`` (halting and trajectory trained together), ``final``.
+
+    Args:
+        regime_kind: the regime's kind (readouts' metrics.json ``regime_kind``).
+        regime_def: the regime's definition as the params file gives it (metrics.json ``regime_def``; a field
+            left out has its default).
+    """
+    if regime_kind in FIXED_PRIOR_KINDS:
+        return True
+    return regime_kind == "recurtrace" and (regime_def or {}).get("detach", True) is not False
+
 #: [AD]'s headline numbers (SPEC §9), quoted beside ours.
 AD_REFERENCE = {"confidence_d95": 1.38, "fixed_d95": 2.50, "native_d95": 4.49}
 
@@ -43,6 +61,9 @@ class DiagnoseConfig:
         halting_table: also write the halting methods' matched-compute table (``halting_table.parquet`` and a
             summary.md section; :mod:`looptrace.diagnose.halting_table`). Off by default (profiles/halting).
         collapse_tol: loops; a method whose mean loops is ≤ 1 + this "collapses to one loop" (halting table).
+        convergence_signal, convergence_eps, convergence_kind: the convergence depth of the halting findings
+            (geometry's convergence.parquet: signal, one of geometry.eps, first | settled; SPEC §2), with
+            ``halting_table`` only (:mod:`looptrace.diagnose.halting_findings`).
     """
 
     x: float = 95.0
@@ -58,6 +79,9 @@ class DiagnoseConfig:
     router_baselines: tuple[str, ...] = ("argmax_stable", "kl_prev")
     halting_table: bool = field(default=False, metadata=OMIT_DEFAULT)
     collapse_tol: float = field(default=0.1, metadata=OMIT_DEFAULT)
+    convergence_signal: str = field(default="kl_prev", metadata=OMIT_DEFAULT)
+    convergence_eps: float = field(default=0.001, metadata=OMIT_DEFAULT)
+    convergence_kind: str = field(default="settled", metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
@@ -78,6 +102,8 @@ class DiagnoseConfig:
                               f"{self.faithfulness_resamples}")
         if not 0.0 < self.faithfulness_alpha < 1.0:
             raise ConfigError(f"diagnose.faithfulness_alpha must be in (0, 1), got {self.faithfulness_alpha}")
+        if self.convergence_kind not in ("first", "settled"):
+            raise ConfigError(f"diagnose.convergence_kind must be first or settled, got {self.convergence_kind!r}")
         if self.collapse_tol < 0:
             raise ConfigError(f"diagnose.collapse_tol must be ≥ 0 loops, got {self.collapse_tol}")
         if self.spearman_loop is not None and self.spearman_loop < 1:

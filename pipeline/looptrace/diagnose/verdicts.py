@@ -25,7 +25,27 @@ from looptrace.diagnose.stats import (
 from looptrace.diagnose.words import _pct, _seeds_word, _verdict_sentence, check_verdict
 from looptrace.intervals import MAX_SEEDS, Difference, Interval, paired_difference, seeds_needed
 from looptrace.project import split_seed
+from looptrace.rules.native_halting import NATIVE_EXITS
 from looptrace.rules.scoring import best_chosen
+
+
+def native_rule(regime_kind: str | None, rules: list[str]) -> str | None:
+    """The rule that is "the native gate" of a model: its regime's own exit (the rule its head was trained for,
+    :data:`looptrace.rules.native_halting.NATIVE_EXITS`: joint → q_exit, recurtrace → gate_step, act → act_exit)
+    when the kind has one — None when that rule was not run (another native-kind rule read on the same gate is a
+    different halting method, never a stand-in); for a kind without an entry (an adapter's run, whose regime is
+    not looptrace's), every native-kind rule of ``rules`` stays a candidate (returns "*": the best on val)."""
+    own = NATIVE_EXITS.get(regime_kind or "")
+    if own is None:
+        return "*"
+    return own if own in rules else None
+
+
+def native_filter(df: pl.DataFrame, rule: str | None) -> pl.DataFrame:
+    """``df``'s native-kind rows reduced to the model's native gate (:func:`native_rule`)."""
+    if rule == "*":
+        return df
+    return df.filter((pl.col("kind") != "native") | (pl.col("rule") == (rule or "")))
 
 
 def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, failures: pl.DataFrame,
@@ -55,7 +75,8 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
     best = best_chosen(chosen, ["posthoc", "gate"])
     best_i = _chosen_interval(best)
     best_gate, best_post = best_chosen(chosen, ["gate"]), best_chosen(chosen, ["posthoc"])
-    nat_row = best_chosen(chosen, ["native"])
+    own = native_rule(model.get("regime_kind"), chosen.filter(pl.col("kind") == "native")["rule"].to_list())
+    nat_row = best_chosen(native_filter(chosen, own), ["native"])
     native = _chosen_interval(nat_row)
     orc = _iv(oracle.get("depth"))
     gates_run = bool(chosen.filter(pl.col("kind") == "gate").height)
@@ -76,7 +97,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
     dx_fixed, _ = dx_best(dxx, ["fixed"])
     dx_post, dx_post_rule = dx_best(dxx, ["posthoc"])
     dx_gate, _ = dx_best(dxx, ["gate"])
-    dx_nat, _ = dx_best(dxx, ["native"])
+    dx_nat, _ = dx_best(native_filter(dxx, own), ["native"])
     row = {
         "model": model["model"], "group": split_seed(model["model"])[0], "seed": split_seed(model["model"])[1],
         "task": model.get("task"), "regime": model.get("regime"),
@@ -87,6 +108,7 @@ def verdict(model: dict, chosen: pl.DataFrame, dx: pl.DataFrame, oracle: dict, f
         "best_accuracy": _f(best["test_accuracy"]) if best else math.nan,
         "best_posthoc_rule": best_post["rule"] if best_post else None,
         "best_gate_rule": best_gate["rule"] if best_gate else None,
+        "native_rule": nat_row["rule"] if nat_row else None,
         **_cols("fixed_depth", fixed), **_cols("best_depth", best_i), **_cols("native_depth", native),
         **_cols("oracle_depth", orc), **_cols("best_posthoc_depth", _chosen_interval(best_post)),
         **_cols("best_gate_depth", _chosen_interval(best_gate)),
@@ -154,6 +176,7 @@ def group_verdicts(verdicts: pl.DataFrame, cfg: DiagnoseConfig, level: float = 0
         counts = {v: sum(r["verdict"] == v for r in rs) for v in VERDICTS}
         seed_v = ", ".join(f"{k} × {v}" for v, k in counts.items() if k)
         rules = ", ".join(dict.fromkeys(r["best_rule"] or "none" for r in rs))
+        native_rules = ", ".join(dict.fromkeys(r["native_rule"] for r in rs if r.get("native_rule")))
         gates_run = any(r.get("best_gate_rule") for r in rs)
         need = None
         if d["blocking"] is not None and n > 1:
@@ -176,6 +199,7 @@ def group_verdicts(verdicts: pl.DataFrame, cfg: DiagnoseConfig, level: float = 0
                "seeds": ", ".join(str(r["seed"]) for r in rs if r.get("seed") is not None),
                "n_loops": int(T) if math.isfinite(T) else None,
                "verdict": d["verdict"], "reason": d["reason"], "seed_verdicts": seed_v, "best_rules": rules,
+               "native_rules": native_rules or None,
                "evidence": f"{g}: {d['verdict']} — {why}.", "gap_tol": cfg.gap_tol,
                "blocking": d["blocking"], "seeds_needed": need,
                **{f"cmp_{k}": d[k] for k in COMPARISONS}}

@@ -14,6 +14,7 @@ import polars as pl
 from looptrace.diagnose.stats import with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.report.inputs import Inputs, ReportConfig
+from looptrace.rules.native_halting import NATIVE_EXITS
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import best_chosen
 
@@ -22,7 +23,11 @@ FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes
 #: Failure classes of SPEC §7 in plotting order, with their colours.
 FAILURE_CLASSES = (("correct", "#4c9f50"), ("trajectory", "#7f7f7f"), ("readout_early", "#e39b2d"),
                    ("readout_overthinking", "#c44e52"))
-_REGIME_COLOURS = {"final": "#7f7f7f", "uniform": "#1f77b4", "geometric": "#2ca02c", "joint": "#d62728"}
+_REGIME_COLOURS = {"final": "#7f7f7f", "uniform": "#1f77b4", "geometric": "#2ca02c", "joint": "#d62728",
+                   "recurtrace": "#9467bd", "act": "#8c564b"}
+#: Regimes named as in profiles/halting (issue 26), several of one kind: a colour per name, the same in every figure.
+_REGIME_NAME_COLOURS = {"recurtrace": "#9467bd", "recurtrace_flow": "#e377c2", "recurtrace_mem": "#17becf",
+                        "act": "#8c564b"}
 
 
 #: Figure width in inches: at the default ``report.dpi`` (110) 1155 px, inside the page's 1180 px column, so a
@@ -47,10 +52,35 @@ def _plt():
     return plt
 
 
-def _regime_colour(kind: str, i: int) -> str | tuple[float, float, float, float]:
-    import matplotlib
+def regime_colours(meta: pl.DataFrame) -> dict[str, str]:
+    """One colour per regime of the run, the same in every figure: the regime's name colour (the halting
+    profile's regimes), else its kind's, else the next tab10 colour no other regime has (so two regimes of one kind
+    never share a colour).
 
-    return _REGIME_COLOURS.get(kind) or matplotlib.colormaps["tab10"](i % 10)
+    Args:
+        meta: the report's model metadata (regime, regime_kind), in model order.
+
+    Returns:
+        regime -> hex colour.
+    """
+    import matplotlib
+    from matplotlib.colors import to_hex
+
+    out: dict[str, str] = {}
+    pairs = dict.fromkeys(zip(meta["regime"].to_list(), meta["regime_kind"].to_list(), strict=True))
+    spare = [to_hex(matplotlib.colormaps["tab10"](k)) for k in range(10)]
+    for regime, kind in pairs:
+        if regime in out:
+            continue
+        used = set(out.values())
+        c = _REGIME_NAME_COLOURS.get(regime)
+        if c is None or c in used:
+            c = _REGIME_COLOURS.get(kind)
+        if c is None or c in used:
+            c = next((x for x in spare if x not in used and x not in _REGIME_NAME_COLOURS.values()),
+                     spare[len(out) % 10])
+        out[regime] = c
+    return out
 
 
 def _save(fig, path: Path, dpi: int) -> Path:
@@ -136,6 +166,7 @@ def fig_accuracy_per_loop(inp: Inputs, out: Path, dpi: int, seed_lines: bool = F
     if inp.acc_per_loop is None:
         return None
     plt = _plt()
+    colours = regime_colours(inp.meta)
     tasks = _tasks(inp.meta)
     ncol = min(3, len(tasks))
     nrow = math.ceil(len(tasks) / ncol)
@@ -143,13 +174,13 @@ def fig_accuracy_per_loop(inp: Inputs, out: Path, dpi: int, seed_lines: bool = F
     handles: dict[str, object] = {}
     for k, task in enumerate(tasks):
         ax = axes[k // ncol, k % ncol]
-        for i, (regime, models) in enumerate(_groups_of(inp.meta, task)):
+        for regime, models in _groups_of(inp.meta, task):
             T = max(int(m["n_loops"]) for m in models)
             vals = np.full((len(models), T), np.nan)
             for s, m in enumerate(models):
                 d = inp.acc_per_loop.filter(pl.col("model") == m["model"]).sort("loop")
                 vals[s, d["loop"].to_numpy() - 1] = 100 * d["accuracy"].to_numpy()
-            h = _band(ax, np.arange(1, T + 1), vals, _regime_colour(models[0]["regime_kind"], i), regime,
+            h = _band(ax, np.arange(1, T + 1), vals, colours[regime], regime,
                       bounds=(0.0, 100.0), seed_lines=seed_lines)
             handles.setdefault(f"{regime} ({_seeds_label(len(models))})", h)
         ax.set(title=task, xlabel="loop t", ylabel="test accuracy (%)")
@@ -168,6 +199,7 @@ def fig_step_geometry(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False
     if inp.loop_summary is None:
         return None
     plt = _plt()
+    colours = regime_colours(inp.meta)
     tasks = _tasks(inp.meta)
     metrics = (("step_norm", r"step norm $\|\Delta_t\|_2$"), ("step_cos", r"$\cos(\Delta_t, \Delta_{t-1})$"))
     ncol = min(3, len(tasks))
@@ -181,7 +213,7 @@ def fig_step_geometry(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False
     for j, task in enumerate(tasks):
         for r, (metric, label) in enumerate(metrics):
             ax = axes[2 * (j // ncol) + r, j % ncol]
-            for i, (regime, models) in enumerate(_groups_of(inp.meta, task)):
+            for regime, models in _groups_of(inp.meta, task):
                 T = max(int(m["n_loops"]) for m in models)
                 vals = np.full((len(models), T), np.nan)
                 for s, m in enumerate(models):
@@ -190,7 +222,7 @@ def fig_step_geometry(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False
                         vals[s, d["loop"].to_numpy() - 1] = d["median"].to_numpy()
                 if not np.isfinite(vals).any():
                     continue
-                h = _band(ax, np.arange(1, T + 1), vals, _regime_colour(models[0]["regime_kind"], i), regime,
+                h = _band(ax, np.arange(1, T + 1), vals, colours[regime], regime,
                           bounds=(-1.0, 1.0) if metric == "step_cos" else None, log=metric == "step_norm",
                           seed_lines=seed_lines)
                 handles.setdefault(f"{regime} ({_seeds_label(len(models))})", h)
@@ -209,6 +241,7 @@ def fig_convergence(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Path
     if inp.convergence is None:
         return None
     plt = _plt()
+    colours = regime_colours(inp.meta)
     tasks = _tasks(inp.meta)
     ncol = min(3, len(tasks))
     blocks = math.ceil(len(tasks) / ncol)
@@ -226,13 +259,13 @@ def fig_convergence(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Path
         names = [m["model"] for _, ms in groups for m in ms]
         levels = sorted(conv.filter(pl.col("model").is_in(names) & (pl.col("group_by") == "difficulty"))
                         ["order"].unique().to_list())
-        for i, (regime, models) in enumerate(groups):
+        for regime, models in groups:
             vals = np.full((len(models), len(levels)), np.nan)
             for s, m in enumerate(models):
                 d = conv.filter((pl.col("model") == m["model"]) & (pl.col("group_by") == "difficulty"))
                 for o, v in zip(d["order"].to_list(), d["mean_depth"].to_list(), strict=True):
                     vals[s, levels.index(o)] = np.nan if v is None else v
-            h = _band(ax, np.asarray(levels, dtype=float), vals, _regime_colour(models[0]["regime_kind"], i), regime,
+            h = _band(ax, np.asarray(levels, dtype=float), vals, colours[regime], regime,
                       bounds=(1.0, T + 1.0))
             handles.setdefault(f"{regime} ({_seeds_label(len(models))})", h)
         hc = ax.axhline(T + 1, color="k", lw=0.8, ls=":")
@@ -252,7 +285,7 @@ def fig_convergence(inp: Inputs, cfg: ReportConfig, out: Path, dpi: int) -> Path
             mean, lo, hi = seed_band(vals, (1.0, T + 1.0))
             xs = np.arange(len(types)) + (i - (len(groups) - 1) / 2) * width
             err = None if not np.isfinite(lo).any() else np.vstack([mean - lo, hi - mean])
-            ax.bar(xs, mean, width=width, color=_regime_colour(models[0]["regime_kind"], i), yerr=err, capsize=3)
+            ax.bar(xs, mean, width=width, color=colours[_regime], yerr=err, capsize=3)
         ax.set_xticks(np.arange(len(types)), types)
         ax.axhline(T + 1, color="k", lw=0.8, ls=":")
         ax.set(xlabel="token type", ylabel="mean convergence depth")
@@ -266,11 +299,15 @@ _HIGHLIGHT = {"fixed": "black", "oracle": "#e6b800", "native": "#d62728"}
 _BEST_COLOURS = ("#1f77b4", "#9467bd", "#17becf", "#8c564b")
 _GATE_COLOURS = ("#2ca02c", "#bcbd22", "#e377c2")
 _USER_COLOURS = ("#ff7f0e", "#7f3fbf")
+#: The native exits' colours when a figure has several (reds: the native family; q_exit keeps the native red).
+_NATIVE_COLOURS = {"q_exit": "#d62728", "gate_step": "#8b0000", "act_exit": "#ff9896"}
+_NATIVE_SPARE = ("#fb6a4a", "#a50f15", "#fcbba1")
 
 
 def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dict[str, tuple[str, str]]:
     """The handful of Pareto curves the report's text talks about, each with its role and colour: fixed depth,
-    the oracle, the native gate, the val-chosen best post-hoc rule of every seed
+    the oracle, the native gate (with several native exits on the figure, each its own red and role: whose own exit
+    it is, :data:`~looptrace.rules.native_halting.NATIVE_EXITS`), the val-chosen best post-hoc rule of every seed
     (:func:`looptrace.rules.scoring.best_chosen`), the best refit gate of every seed, and every user rule
     (``module:function`` post-hoc rules). Everything else is drawn grey.
 
@@ -282,8 +319,14 @@ def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dic
         rule -> (role, colour), in legend order.
     """
     out: dict[str, tuple[str, str]] = {}
+    natives = [r for r, k in kinds.items() if k == "native"]
     for rule, kind in kinds.items():
-        if kind in ("fixed", "oracle", "native"):
+        if kind == "native" and len(natives) > 1:  # several readings of the gate (issue 26): whose exit each is
+            own = [k for k, r in NATIVE_EXITS.items() if r == rule]
+            extra = [c for c in _NATIVE_SPARE if c not in _NATIVE_COLOURS.values()]
+            out[rule] = ("native head, own exit of " + ", ".join(own) if own else "native head, other reading",
+                         _NATIVE_COLOURS.get(rule) or extra[natives.index(rule) % len(extra)])
+        elif kind in ("fixed", "oracle", "native"):
             out[rule] = ({"fixed": "fixed depth", "oracle": "oracle ceiling", "native": "native gate"}[kind],
                          _HIGHLIGHT[kind])
     best: list[str] = []

@@ -10,6 +10,7 @@ from typing import cast
 import polars as pl
 
 from looptrace.diagnose.stats import dx_best, with_val_columns
+from looptrace.diagnose.verdicts import native_filter, native_rule
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.project import split_seed
 from looptrace.report.inputs import Inputs, ReportConfig
@@ -67,7 +68,9 @@ def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
         figs: dict[str, Interval | None] = {}
         figs["dx_fixed"], _ = dx_best(dx, ["fixed"])
         figs["dx_best_posthoc"], dx_rule = dx_best(dx, ["posthoc"])
-        figs["dx_native"], _ = dx_best(dx, ["native"])
+        # the regime's own exit, as diagnose's verdict reads it (issue 26: not the best of every native rule)
+        own = native_rule(m["regime_kind"], dx.filter(pl.col("kind") == "native")["rule"].to_list())
+        figs["dx_native"], _ = dx_best(native_filter(dx, own), ["native"])
         figs["dx_best_gate"], _ = dx_best(dx, ["gate"])
         best = best_chosen(with_val_columns(ch), ["posthoc"]) if ch.height else None
         gate = best_chosen(with_val_columns(ch), ["gate"]) if ch.height else None

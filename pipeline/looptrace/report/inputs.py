@@ -66,6 +66,8 @@ class Inputs:
         cross_regime: gates' cross-regime table.
         latency: latency.parquet; latency_metrics: its metrics.json.
         generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
+        halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``; issue 26), collapse_tol: the
+            diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
         missing: input -> what to run.
     """
 
@@ -87,6 +89,9 @@ class Inputs:
     claims: dict | None = None
     generate: pl.DataFrame | None = None
     generate_metrics: dict | None = None
+    halting_table: pl.DataFrame | None = None
+    collapse_tol: float | None = None
+    faithfulness: pl.DataFrame | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -194,7 +199,15 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         elif name != "verdict_groups":  # diagnose outputs before issue 12 have no group table
             missing[f"diagnose/{name}.parquet"] = "run the diagnose stage"
     if (ddir / "metrics.json").is_file():
-        inp.claims = read_json(ddir / "metrics.json").get("claims")
+        dm = read_json(ddir / "metrics.json")
+        inp.claims = dm.get("claims")
+        inp.collapse_tol = ((dm.get("params") or {}).get("collapse_tol"))
+    # issue 26: the halting methods' table (opt-in in diagnose, so no "missing" note) and the faithfulness tests
+    for name in ("halting_table", "faithfulness"):
+        p = ddir / f"{name}.parquet"
+        if p.is_file():
+            f = read_parquet(p)
+            setattr(inp, name, f.filter(pl.col("model").is_in(list(models))) if "model" in f.columns else f)
     if (ddir / "summary.md").is_file():
         inp.summary = (ddir / "summary.md").read_text()
     cr = root / "gates" / "cross_regime.parquet"

@@ -13,6 +13,15 @@ import polars as pl
 from markdown.treeprocessors import Treeprocessor
 
 from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings
+from looptrace.report.halting import (
+    FAITH_COLUMNS,
+    FAITH_INTRO,
+    HALTING_COLUMNS,
+    collapse_tol_of,
+    faithfulness_groups,
+    halting_intro,
+    halting_rows,
+)
 from looptrace.report.headline import (
     HEADLINE_FIGURES,
     _fmt,
@@ -106,6 +115,20 @@ _CAPTIONS = {
 }
 
 
+def halting_html(inp: Inputs) -> list[str]:
+    """The page's sections on the halting methods (issue 26; :mod:`looptrace.report.halting`): the matched-compute
+    table when diagnose wrote one, the faithfulness tests when diagnose ran them."""
+    parts = []
+    if inp.halting_table is not None and inp.halting_table.height:
+        tol = collapse_tol_of(inp.collapse_tol)
+        parts += ["<h2>Halting methods at matched compute</h2>", f"<p>{html.escape(halting_intro(tol))}</p>",
+                  _table(halting_rows(inp.halting_table, tol), [(c, h, None) for c, h in HALTING_COLUMNS])]
+    if inp.faithfulness is not None and inp.faithfulness.height:
+        parts += ["<h2>Counterfactual faithfulness of halting signals</h2>", f"<p>{html.escape(FAITH_INTRO)}</p>",
+                  _table(faithfulness_groups(inp.faithfulness), [(c, h, None) for c, h in FAITH_COLUMNS])]
+    return parts
+
+
 def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: pl.DataFrame, out_dir: Path,
                 groups: pl.DataFrame | None = None) -> str:
     """The page: headline tables (per task × regime across seeds, and per model; every figure with its 95 %
@@ -160,6 +183,7 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
                   "wall time of full-depth decoding / early exit in the same run; ideal = T / mean exit depth; "
                   "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
                   _table(gt, gcols)]
+    parts += halting_html(inp)  # issue 26: the halting methods' table and the faithfulness tests
     if inp.loop_summary is not None:
         inf = nonfinite_table(inp.loop_summary)
         parts += ["<h2>Non-finite values</h2>", f"<p>{html.escape(_nonfinite_text(inf))}</p>"]

@@ -8,6 +8,7 @@ import typer
 
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
+from looptrace.diagnose.halting_findings import findings_markdown, halting_findings, model_figures
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
 from looptrace.diagnose.loopmap_models import loopmap_models
 from looptrace.errors import user_errors
@@ -51,6 +52,11 @@ def main(
                 table = halting_table(names, readouts_root, gates_root, cfg.collapse_tol, ivc.level)
                 frames = {**frames, "halting_table": table}
                 summary += "\n" + halting_table_markdown(table, cfg.collapse_tol)
+                # item 6's findings in words, from these numbers (SPEC §7 "Halting findings")
+                figs, fronts = model_figures(names, readouts_root, geometry_root, frames["verdicts"], cfg)
+                found = halting_findings(figs, fronts, table, frames["convergence_router"], cfg, ivc.level)
+                summary += "\n" + findings_markdown(found, cfg)
+                metrics = {**metrics, "halting_findings": found}
             # issue 27: only models dumped with dump.contraction; none (the default) -> nothing written
             loopmap, loopmap_words = loopmap_models(names, dump_root, base.seed)
             if loopmap is not None:
