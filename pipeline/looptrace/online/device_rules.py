@@ -194,10 +194,13 @@ def device_rule(rule: OnlineRule | None) -> DeviceRule | None:
     """The device form of an online rule (module docstring), or None where it has none (the host form is used).
 
     Args:
-        rule: an online rule; only :class:`~looptrace.online.engine.RegistryRule` of a signal rule (a logit
+        rule: an online rule (a :class:`DeviceRule` is returned as it is); only
+            :class:`~looptrace.online.engine.RegistryRule` of a signal rule (a logit
             signal, or a step signal of :data:`DEVICE_STEP_SIGNALS` without two-hit) or of the built-in
             ``q_exit`` has one.
     """
+    if isinstance(rule, DeviceRule):
+        return rule
     if type(rule) is not RegistryRule:  # a subclass may compute its signal its own way
         return None
     r = rule.rule

@@ -165,7 +165,8 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
     tokens = torch.zeros((B, new_tokens), dtype=torch.int64, device=dev)
     depth = torch.zeros((B, new_tokens), dtype=torch.int64, device=dev)
     logprob = torch.zeros((B, new_tokens), dtype=torch.float64, device=dev)
-    needs_z = rule is not None and rule.needs_logits
+    host = rule.host if isinstance(rule, DeviceRule) else rule  # (a device rule given: its host rule for redoes)
+    needs_z = host is not None and host.needs_logits
     dec.reset(prompts, S0 + new_tokens - 1)
     t0 = time.perf_counter()
     dec.prefill(prompts[:, :-1])
@@ -173,7 +174,7 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
     cur = prompts[:, -1]
     work = redone = 0
     flags = _StopFlags(T, dev) if rule is not None else None  # (each loop's flag is put before it is read)
-    drule = device_rule(rule) if device_rules else None
+    drule = device_rule(rule) if device_rules else None  # (a DeviceRule given: itself)
     for n in range(new_tokens):
         inj, h0 = dec.start(cur)
         if drule is not None:  # the decision on the device; a row it cannot certify: the position again, on the host
@@ -183,11 +184,11 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
             d_host = both[:B]
             if any(both[B:]):
                 redone += 1
-                h, d, h_exit, z_exit, _, w = _position(dec, rule, inj, h0, flags, B, T, needs_z)
+                h, d, h_exit, z_exit, _, w = _position(dec, host, inj, h0, flags, B, T, needs_z)
                 work += w
                 d_host = d.tolist()
         else:
-            h, d, h_exit, z_exit, _, w = _position(dec, rule, inj, h0, flags, B, T, needs_z)
+            h, d, h_exit, z_exit, _, w = _position(dec, host, inj, h0, flags, B, T, needs_z)
             work += w
             # One host read per position: rows grouped by exit depth (the KV policy and the token readouts need them).
             d_host = d.tolist()
