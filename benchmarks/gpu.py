@@ -159,8 +159,20 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
     def bare() -> None:
         bare_forward(adapter, batches)
 
+    import looptrace.capture.dump as D
+
+    made: list = []  # the dumps' device -> host transfers (capture/transfer.py): their copies' CUDA-event times
+    real_transfer = D.transfer_for
+
     def dump() -> None:
-        dump_split(adapter, data, store, cfg, progress=False)
+        def spy(device):
+            made.append(real_transfer(device))
+            return made[-1]
+        D.transfer_for = spy
+        try:
+            dump_split(adapter, data, store, cfg, progress=False)
+        finally:
+            D.transfer_for = real_transfer
 
     def fresh() -> None:
         shutil.rmtree(store, ignore_errors=True)
@@ -175,6 +187,7 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
         return None
     seq: list[tuple[str, float, int]] = []
     size = 0
+    made.clear()
     for r in range(args.reps + 1):
         seq.append(("bare", *clock(bare)))
         if r == args.reps or left() < 2 * (t_bare + t_dump) + 5:
@@ -199,22 +212,26 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
            "dump_s": statistics.median(dumps), "dump/bare": statistics.median(rel), "reps": len(rel),
            "range": (min(rel), max(rel)), "store_gb": size / 1e9, "raw_state_gb": raw / 1e9,
            "write_gbs": size / 1e9 / statistics.median(dumps), "plain_gbs": size / 1e9 / t_plain,
-           "peak_bare_gb": peak["bare"] / 1e9, "peak_dump_gb": peak["dump"] / 1e9, "hash_s": t_hash}
+           "peak_bare_gb": peak["bare"] / 1e9, "peak_dump_gb": peak["dump"] / 1e9, "hash_s": t_hash,
+           # device -> pinned host copies on the side stream (0 on a CPU: the synchronous form copies nothing)
+           "d2h_ms": statistics.median([t.copy_ms for t in made]) if made else 0.0,
+           "d2h_gb": statistics.median([t.bytes for t in made]) / 1e9 if made else 0.0}
     return res
 
 
 def print_dump(rows: list[dict]) -> None:
     print(f"  {'model':7s} {'tokens':>7s} {'bare s':>7s} {'dump s':>7s} {'dump/bare':>9s} {'(range)':>13s} "
           f"{'store MB':>8s} {'write GB/s':>10s} {'plain GB/s':>10s} {'w/plain':>7s} {'peak GB bare':>12s} "
-          f"{'dump':>6s} {'ratio':>6s} {'hash s':>6s}")
+          f"{'dump':>6s} {'ratio':>6s} {'hash s':>6s} {'d2h GB':>6s} {'d2h ms':>7s}")
     for r in rows:
         ratio = r["peak_dump_gb"] / r["peak_bare_gb"] if r["peak_bare_gb"] else float("nan")  # nan: no device
         print(f"  {r['model']:7s} {r['tokens']:7d} {r['bare_s']:7.3f} {r['dump_s']:7.3f} {r['dump/bare']:9.3f} "
               f"{r['range'][0]:6.3f}-{r['range'][1]:6.3f} {r['store_gb'] * 1e3:8.1f} {r['write_gbs']:10.2f} "
               f"{r['plain_gbs']:10.2f} {r['write_gbs'] / r['plain_gbs']:7.3f} {r['peak_bare_gb']:12.2f} "
-              f"{r['peak_dump_gb']:6.2f} {ratio:6.2f} {r['hash_s']:6.2f}")
+              f"{r['peak_dump_gb']:6.2f} {ratio:6.2f} {r['hash_s']:6.2f} {r['d2h_gb']:6.2f} {r['d2h_ms']:7.1f}")
     print("  (hash s: the weights' sha256 in the dump's fingerprint, included in dump s; write GB/s: bytes on disk / "
-          "dump wall; plain: a write() of as many bytes in the same directory)")
+          "dump wall; plain: a write() of as many bytes in the same directory; d2h: the device -> pinned host copies "
+          "of one dump on the side stream, overlapping the next batch's compute, summed CUDA-event time; 0 on a CPU)")
 
 
 # ----------------------------------------------------------------------------------------------
