@@ -27,6 +27,13 @@ reads the logits, once for full depth), rule (signals + comparison), KV (share c
 realised / ideal = 1 − Σ_p excess_p / t_exit with excess_p = t_exit,p − (d̄/T)·t_full,p (what phase p costs
 beyond its proportional share), the table's last column says how much of the ratio each phase takes away.
 
+With ``--lookahead`` (default) each rule is also timed on the lookahead path (no per-loop host read,
+:mod:`looptrace.online.lookahead`) — with the rule decided on the device (:mod:`looptrace.online.device_rules`)
+and, for a rule that has a device form, also with the rule on the host (the path before the device forms) — paired,
+tokens and depths asserted equal; printed: lookahead / per-loop time, device rule / host rule time (every repeat),
+and the per-phase breakdown of each path. ``--rules ...,q_exit`` builds the model with a linear gate
+(``--gate auto``); thresholds are calibrated on the rule's score (q_exit: the halting CDF).
+
 Cores obtained = process CPU seconds / wall seconds over the timed section (the machine may be shared).
 
 Usage: ``python benchmarks/generate.py [--d-model 1024 --layers 8 --loops 8 --vocab 32000 --prompts 2

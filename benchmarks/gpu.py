@@ -24,6 +24,12 @@ For each model it prints:
    ``entropy``, ``rel_step`` (thresholds calibrated on a full-depth decode for a mean exit depth of T/2, as
    benchmarks/generate.py) and the native Q-exit ``q_exit`` at q = ``--q`` (random gates: no calibration). Reported:
    tokens/s, mean exit depth d, ideal = T/d, realised = t_full / t_rule (median of paired repeats), realised/ideal.
+   Each rule runs on the per-loop path (``<rule>``), on the lookahead path with the rule decided on the device
+   (``<rule>+la``: looptrace.online.lookahead + device_rules) and, where the rule has a device form, on the lookahead
+   path with the rule on the host (``<rule>+la/h``); then a per-phase table at batch 1, policy share (embed, block,
+   readout, rule, kv, python in ms per token, each timed call between two synchronisations) for the three paths,
+   with each path's total over the per-loop path's. The dump table also gives the device → host copies of one dump
+   (capture/transfer.py: bytes and summed CUDA-event time on the side stream).
 
 Without CUDA (or with ``--device cpu``) the same code runs at a tiny shape on the CPU in well under a minute and
 says that no device was used: that is the smoke run of tests/test_benchmarks.py. Every section checks the time left
