@@ -27,6 +27,13 @@ reads the logits, once for full depth), rule (signals + comparison), KV (share c
 realised / ideal = 1 − Σ_p excess_p / t_exit with excess_p = t_exit,p − (d̄/T)·t_full,p (what phase p costs
 beyond its proportional share), the table's last column says how much of the ratio each phase takes away.
 
+With ``--lookahead`` (default) each rule is also timed on the lookahead path (no per-loop host read,
+:mod:`looptrace.online.lookahead`) — with the rule decided on the device (:mod:`looptrace.online.device_rules`)
+and, for a rule that has a device form, also with the rule on the host (the path before the device forms) — paired,
+tokens and depths asserted equal; printed: lookahead / per-loop time, device rule / host rule time (every repeat),
+and the per-phase breakdown of each path. ``--rules ...,q_exit`` builds the model with a linear gate
+(``--gate auto``); thresholds are calibrated on the rule's score (q_exit: the halting CDF).
+
 Cores obtained = process CPU seconds / wall seconds over the timed section (the machine may be shared).
 
 Usage: ``python benchmarks/generate.py [--d-model 1024 --layers 8 --loops 8 --vocab 32000 --prompts 2
@@ -48,8 +55,10 @@ import torch
 
 from looptrace.models.decoders import decoder_for
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
+from looptrace.online.device_rules import device_rule
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens
+from looptrace.online.lookahead import decode_tokens_lookahead
 from looptrace.online.signals import LiveSignals
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
@@ -88,6 +97,8 @@ def calibrate(dec, prompts: torch.Tensor, new_tokens: int, rule_name: str, targe
         sig += [np.stack(r, axis=1) for r in probe.rows]  # per token: [1, T−1]
     s = np.concatenate(sig, axis=0)
     s = np.concatenate([s, np.full((s.shape[0], 1), np.nan)], axis=1)  # loop T: always exits there
+    with np.errstate(invalid="ignore"):  # (the NaN column of loop T)
+        s = rule.score_of({rule.signals[0]: s})  # the rule's score of its signal (q_exit: the halting CDF)
     v = np.unique(s[np.isfinite(s)])
     cand = np.concatenate([(v[:-1] + v[1:]) / 2, v[[0, -1]]])
     d = exit_depths(s, cand, rule.op, rule.min_loop, rule.two_hit).mean(axis=1)
@@ -101,25 +112,29 @@ def calibrate(dec, prompts: torch.Tensor, new_tokens: int, rule_name: str, targe
 
 
 class Timed:
-    """A decoder (or rule) proxy that adds the wall time of the named methods to ``acc[phase]``."""
+    """A decoder (or rule) proxy that adds the wall time of the named methods to ``acc[phase]`` (``sync``: called
+    before and after each, e.g. ``torch.cuda.synchronize``: each phase's own cost, without overlap)."""
 
-    def __init__(self, inner, acc: dict, phases: dict[str, str]):
+    def __init__(self, inner, acc: dict, phases: dict[str, str], sync=None):
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_acc", acc)
         object.__setattr__(self, "_phases", phases)
+        object.__setattr__(self, "_sync", sync or _nothing)
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
         phase = self._phases.get(name)
         if phase is None or not callable(attr):
             return attr
-        acc = self._acc
+        acc, sync = self._acc, self._sync
 
         def timed(*a, **k):
+            sync()
             t0 = time.perf_counter()
             try:
                 return attr(*a, **k)
             finally:
+                sync()
                 acc[phase] += time.perf_counter() - t0
         return timed
 
@@ -131,16 +146,46 @@ DEC_PHASES = {"start": "embed", "step": "block", "readout": "readout", "share": 
 PHASES = ("embed", "block", "readout", "rule", "kv", "python")
 
 
-def breakdown(dec, prompts, new_tokens, factory, lookahead: bool = False) -> tuple[dict[str, float], np.ndarray]:
+def _nothing() -> None:
+    pass
+
+
+def timed_methods(obj, acc: dict, phase: str, names: tuple[str, ...], sync=None):
+    """``obj`` with its methods ``names`` timed into ``acc[phase]`` (in place: its class, hence isinstance, kept)."""
+    sync = sync or _nothing
+    for nm in names:
+        f = getattr(obj, nm)
+
+        def timed(*a, __f=f, **k):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return __f(*a, **k)
+            finally:
+                sync()
+                acc[phase] += time.perf_counter() - t0
+        setattr(obj, nm, timed)
+    return obj
+
+
+def breakdown(dec, prompts, new_tokens, factory, lookahead: bool = False,
+              device_rules: bool = False, sync=None) -> tuple[dict[str, float], np.ndarray]:
     """Seconds per phase (summed over prompts; prefill excluded) of one instrumented decode at batch 1, and the
-    exit depths (``lookahead``: the path without per-loop host reads, :mod:`looptrace.online.lookahead`)."""
+    exit depths (``lookahead``: the path without per-loop host reads, :mod:`looptrace.online.lookahead`;
+    ``device_rules``: its rule decided on the device, :mod:`looptrace.online.device_rules`; ``sync``: a device's
+    synchronise, called around every timed call — see :class:`Timed`)."""
     acc: dict[str, float] = defaultdict(float)
-    tdec = Timed(dec, acc, DEC_PHASES)
+    tdec = Timed(dec, acc, DEC_PHASES, sync)
     total, depths = 0.0, []
     for i in range(prompts.shape[0]):
-        rule = None if factory is None else Timed(factory(), acc, {"fires": "rule", "reset": "rule",
-                                                                   "compact": "rule"})
-        r = decode_tokens(tdec, prompts[i:i + 1], new_tokens, rule, lookahead=lookahead)
+        drule = device_rule(factory()) if factory is not None and lookahead and device_rules else None
+        if drule is not None:
+            rule = timed_methods(drule, acc, "rule", ("decide", "fires", "reset"), sync)
+        else:
+            rule = None if factory is None else Timed(factory(), acc, {"fires": "rule", "reset": "rule",
+                                                                       "compact": "rule"}, sync)
+        r = (decode_tokens_lookahead(tdec, prompts[i:i + 1], new_tokens, rule, device_rules=device_rules)
+             if lookahead else decode_tokens(tdec, prompts[i:i + 1], new_tokens, rule))
         total += r.seconds
         depths.append(r.exit_depth)
     out = {p: acc[p] for p in PHASES}
@@ -158,7 +203,7 @@ def build_model(args) -> LoopedTransformer:
     torch.manual_seed(args.seed)
     cfg = ModelConfig(vocab_size=args.vocab, block_size=args.prompt_len + args.new_tokens, d_model=args.d_model,
                       n_head=args.heads, n_prelude=args.prelude, n_coda=args.coda,
-                      groups=(GroupConfig(args.layers, args.loops),), loop_form=args.loop_form)
+                      groups=(GroupConfig(args.layers, args.loops),), loop_form=args.loop_form, gate=args.gate)
     return LoopedTransformer(cfg).eval()
 
 
@@ -181,6 +226,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--rules", default="top1,entropy")
+    ap.add_argument("--gate", default="auto", help="halting gate of the model (auto: linear when q_exit is timed)")
     ap.add_argument("--policy", default="share")
     ap.add_argument("--target-frac", type=float, default=0.5, help="calibrated mean exit depth / T")
     ap.add_argument("--repeats", type=int, default=3)
@@ -194,6 +240,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.smoke:
         vars(args).update(SMOKE)
+    if args.gate == "auto":
+        args.gate = "linear" if "q_exit" in args.rules.split(",") else "none"
     torch.set_num_threads(args.threads)
     wall0, cpu0 = time.perf_counter(), time.process_time()
 
@@ -204,7 +252,7 @@ def main() -> None:
     print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()} ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs visible), torch {torch.__version__}, {args.threads} threads")
     print(f"# model: d_model {args.d_model}, {args.heads} heads, loop block {args.layers} layers x T = {T}, prelude "
-          f"{args.prelude}, coda {args.coda}, vocab {args.vocab}, loop_form {args.loop_form}; {n_params / 1e6:.0f}M "
+          f"{args.prelude}, coda {args.coda}, vocab {args.vocab}, loop_form {args.loop_form}, gate {args.gate}; {n_params / 1e6:.0f}M "
           f"params ({loop_params / 1e6:.0f}M in the block); random init, seed {args.seed}; float32, CPU")
     print(f"# decode: batch 1, {args.prompts} prompts x {args.prompt_len} tokens, {N} new tokens each; KV policy "
           f"{args.policy}; {args.repeats} paired repeats")
@@ -213,12 +261,13 @@ def main() -> None:
     dec = decoder_for(model, args.policy)
     rules = args.rules.split(",")
 
-    def run(factory, lookahead: bool = False):
+    def run(factory, lookahead: bool = False, device_rules: bool = True):
         out = []
         t0 = time.perf_counter()
         for i in range(prompts.shape[0]):
-            out.append(decode_tokens(dec, prompts[i:i + 1], N, None if factory is None else factory(),
-                                     lookahead=lookahead))
+            rule = None if factory is None else factory()
+            out.append(decode_tokens_lookahead(dec, prompts[i:i + 1], N, rule, device_rules=device_rules)
+                       if lookahead else decode_tokens(dec, prompts[i:i + 1], N, rule))
         return time.perf_counter() - t0 - sum(r.prefill_seconds for r in out), out
 
     # full depth (warm-up and the quality reference), then each rule's calibration
@@ -230,18 +279,24 @@ def main() -> None:
         thr[name] = (tau, d_off)
         factories[name] = lambda name=name, tau=tau: RegistryRule(name, tau, "float32")
     print(f"# calibrated thresholds (target mean depth {args.target_frac * T:.1f}): " + ", ".join(
-        f"{n} {get_rule(n).signals[0]} {get_rule(n).op} {tau:.6g} (offline depth {d:.2f})" for n, (tau, d) in thr.items()))
+        f"{n} {get_rule(n).op} {tau:.6g} (offline depth {d:.2f})" for n, (tau, d) in thr.items()))
 
     # paired timing
     twall0, tcpu0 = time.perf_counter(), time.process_time()
     times: dict[str | None, list[float]] = {None: [], **{n: [] for n in rules}}
     la_times: dict[str, list[float]] = {n: [] for n in rules}  # the same rule, lookahead path (issue 28 item 2)
+    # ... and the lookahead path with the rule on the host (signals in numpy, a host read per loop: the path before
+    # online/device_rules.py), for the rules that have a device form
+    dev_rules = [n for n in rules if device_rule(factories[n]()) is not None] if args.lookahead else []
+    host_times: dict[str, list[float]] = {n: [] for n in dev_rules}
     last: dict[str, list] = {}
     run(None)
     for n in rules:
         run(factories[n])
         if args.lookahead:
             run(factories[n], True)
+        if n in dev_rules:
+            run(factories[n], True, False)
     for _ in range(args.repeats):
         times[None].append(run(None)[0])
         for n in rules:
@@ -252,6 +307,11 @@ def main() -> None:
                 la_times[n].append(s_la)
                 assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.exit_depth, b.exit_depth)
                            for a, b in zip(runs_la, last[n], strict=True)), f"{n}: lookahead changed the tokens"
+            if n in dev_rules:
+                s_h, runs_h = run(factories[n], True, False)
+                host_times[n].append(s_h)
+                assert all(np.array_equal(a.tokens, b.tokens) and np.array_equal(a.exit_depth, b.exit_depth)
+                           for a, b in zip(runs_h, last[n], strict=True)), f"{n}: device rule changed the tokens"
     twall, tcpu = time.perf_counter() - twall0, time.process_time() - tcpu0
     n_tok = args.prompts * N
     t_full = statistics.median(times[None])
@@ -272,6 +332,11 @@ def main() -> None:
         r_la = statistics.median(a / b for a, b in zip(la_times[n], times[n], strict=True))
         print(f"# {n}: lookahead path (no per-loop host read; same tokens and depths, asserted) / per-loop path "
               f"time = {r_la:.3f} (median of paired repeats; on a CPU the speculative loop is pure cost)")
+        if n in dev_rules:
+            r_d = [a / b for a, b in zip(la_times[n], host_times[n], strict=True)]
+            print(f"# {n}: lookahead, rule decided on the device / the same with the rule on the host = "
+                  f"{statistics.median(r_d):.3f} (paired repeats {', '.join(f'{x:.3f}' for x in r_d)}; same tokens "
+                  "and depths, asserted)")
     print(f"# timed section: {twall:.1f} s wall, {tcpu:.1f} s CPU -> {tcpu / twall:.2f} cores obtained")
 
     # per-phase breakdown (instrumented runs; each rule right after its own full-depth run, so that load drift on
@@ -279,10 +344,14 @@ def main() -> None:
     loops_full = n_tok * T
     print("\nper-phase cost, ms per token (instrumented run; per loop = / loops run); excess_p = t_exit,p − "
           "(d/T)·t_full,p, its share of t_exit is what phase p takes off realised/ideal")
-    for n, la in [(n, la) for n in rules for la in ((False, True) if args.lookahead else (False,))]:
+    variants = [(n, la, dv) for n in rules
+                for la, dv in ((False, False), *(((True, False), (True, True)) if n in dev_rules else ((True, True),)))
+                if la <= args.lookahead]
+    for n, la, dv in variants:
         bfull, _ = breakdown(dec, prompts, N, None)
-        b, depth = breakdown(dec, prompts, N, factories[n], la)
-        label = f"{n} (lookahead)" if la else n
+        b, depth = breakdown(dec, prompts, N, factories[n], la, dv)
+        label = n if not la else f"{n} (lookahead, rule on the {'device' if dv else 'host'})" if n in dev_rules \
+            else f"{n} (lookahead)"
         d = float(depth.mean())
         te, tf = sum(b.values()), sum(bfull.values())
         loops = float(depth.sum())

@@ -24,6 +24,12 @@ For each model it prints:
    ``entropy``, ``rel_step`` (thresholds calibrated on a full-depth decode for a mean exit depth of T/2, as
    benchmarks/generate.py) and the native Q-exit ``q_exit`` at q = ``--q`` (random gates: no calibration). Reported:
    tokens/s, mean exit depth d, ideal = T/d, realised = t_full / t_rule (median of paired repeats), realised/ideal.
+   Each rule runs on the per-loop path (``<rule>``), on the lookahead path with the rule decided on the device
+   (``<rule>+la``: looptrace.online.lookahead + device_rules) and, where the rule has a device form, on the lookahead
+   path with the rule on the host (``<rule>+la/h``); then a per-phase table at batch 1, policy share (embed, block,
+   readout, rule, kv, python in ms per token, each timed call between two synchronisations) for the three paths,
+   with each path's total over the per-loop path's. The dump table also gives the device → host copies of one dump
+   (capture/transfer.py: bytes and summed CUDA-event time on the side stream).
 
 Without CUDA (or with ``--device cpu``) the same code runs at a tiny shape on the CPU in well under a minute and
 says that no device was used: that is the smoke run of tests/test_benchmarks.py. Every section checks the time left
@@ -159,8 +165,20 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
     def bare() -> None:
         bare_forward(adapter, batches)
 
+    import looptrace.capture.dump as D
+
+    made: list = []  # the dumps' device -> host transfers (capture/transfer.py): their copies' CUDA-event times
+    real_transfer = D.transfer_for
+
     def dump() -> None:
-        dump_split(adapter, data, store, cfg, progress=False)
+        def spy(device):
+            made.append(real_transfer(device))
+            return made[-1]
+        D.transfer_for = spy
+        try:
+            dump_split(adapter, data, store, cfg, progress=False)
+        finally:
+            D.transfer_for = real_transfer
 
     def fresh() -> None:
         shutil.rmtree(store, ignore_errors=True)
@@ -175,6 +193,7 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
         return None
     seq: list[tuple[str, float, int]] = []
     size = 0
+    made.clear()
     for r in range(args.reps + 1):
         seq.append(("bare", *clock(bare)))
         if r == args.reps or left() < 2 * (t_bare + t_dump) + 5:
@@ -199,22 +218,26 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
            "dump_s": statistics.median(dumps), "dump/bare": statistics.median(rel), "reps": len(rel),
            "range": (min(rel), max(rel)), "store_gb": size / 1e9, "raw_state_gb": raw / 1e9,
            "write_gbs": size / 1e9 / statistics.median(dumps), "plain_gbs": size / 1e9 / t_plain,
-           "peak_bare_gb": peak["bare"] / 1e9, "peak_dump_gb": peak["dump"] / 1e9, "hash_s": t_hash}
+           "peak_bare_gb": peak["bare"] / 1e9, "peak_dump_gb": peak["dump"] / 1e9, "hash_s": t_hash,
+           # device -> pinned host copies on the side stream (0 on a CPU: the synchronous form copies nothing)
+           "d2h_ms": statistics.median([t.copy_ms for t in made]) if made else 0.0,
+           "d2h_gb": statistics.median([t.bytes for t in made]) / 1e9 if made else 0.0}
     return res
 
 
 def print_dump(rows: list[dict]) -> None:
     print(f"  {'model':7s} {'tokens':>7s} {'bare s':>7s} {'dump s':>7s} {'dump/bare':>9s} {'(range)':>13s} "
           f"{'store MB':>8s} {'write GB/s':>10s} {'plain GB/s':>10s} {'w/plain':>7s} {'peak GB bare':>12s} "
-          f"{'dump':>6s} {'ratio':>6s} {'hash s':>6s}")
+          f"{'dump':>6s} {'ratio':>6s} {'hash s':>6s} {'d2h GB':>6s} {'d2h ms':>7s}")
     for r in rows:
         ratio = r["peak_dump_gb"] / r["peak_bare_gb"] if r["peak_bare_gb"] else float("nan")  # nan: no device
         print(f"  {r['model']:7s} {r['tokens']:7d} {r['bare_s']:7.3f} {r['dump_s']:7.3f} {r['dump/bare']:9.3f} "
               f"{r['range'][0]:6.3f}-{r['range'][1]:6.3f} {r['store_gb'] * 1e3:8.1f} {r['write_gbs']:10.2f} "
               f"{r['plain_gbs']:10.2f} {r['write_gbs'] / r['plain_gbs']:7.3f} {r['peak_bare_gb']:12.2f} "
-              f"{r['peak_dump_gb']:6.2f} {ratio:6.2f} {r['hash_s']:6.2f}")
+              f"{r['peak_dump_gb']:6.2f} {ratio:6.2f} {r['hash_s']:6.2f} {r['d2h_gb']:6.2f} {r['d2h_ms']:7.1f}")
     print("  (hash s: the weights' sha256 in the dump's fingerprint, included in dump s; write GB/s: bytes on disk / "
-          "dump wall; plain: a write() of as many bytes in the same directory)")
+          "dump wall; plain: a write() of as many bytes in the same directory; d2h: the device -> pinned host copies "
+          "of one dump on the side stream, overlapping the next batch's compute, summed CUDA-event time; 0 on a CPU)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,15 +245,23 @@ def print_dump(rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def gen_section(model, args, clock: Clock, left: Callable[[], float]) -> list[dict]:
-    """Early-exit decoding of one model: every policy it has × batch size × rule, against full depth."""
+def gen_section(model, args, clock: Clock, left: Callable[[], float],
+                breakdowns: list[dict] | None = None) -> list[dict]:
+    """Early-exit decoding of one model: every policy it has × batch size × rule, against full depth (and, into
+    ``breakdowns``, the per-phase cost at batch 1 with policy share of each rule on each path)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from generate import calibrate  # benchmarks/generate.py: the threshold for a mean exit depth of T/2
+    from generate import (  # benchmarks/generate.py (calibrate: a mean exit depth of T/2)
+        PHASES,
+        breakdown,
+        calibrate,
+    )
 
     from looptrace.models.decode import DecodeUnsupported
     from looptrace.models.decoders import decoder_for
+    from looptrace.online.device_rules import device_rule
     from looptrace.online.engine import RegistryRule
     from looptrace.online.generate import decode_tokens
+    from looptrace.online.lookahead import decode_tokens_lookahead
 
     info = model.info
     T = info.n_loops
@@ -260,21 +291,27 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float]) -> list[di
                 continue
             p = prompts[:B] if B > 1 else prompts[: args.prompts]
 
-            def run(rule_name: str | None, la: bool = False, p=p, B=B, dec=dec,
+            def run(rule_name: str | None, la: bool = False, dv: bool = True, p=p, B=B, dec=dec,
                     rules=rules) -> tuple[float, np.ndarray, np.ndarray]:
                 """Seconds (decode only), exit depths, tokens of one pass over the prompts at batch B (``la``: the
-                lookahead path, no host read per loop: looptrace.online.lookahead)."""
+                lookahead path, no host read per loop: looptrace.online.lookahead; ``dv``: its rule decided on the
+                device where it has a device form, looptrace.online.device_rules)."""
                 out = []
                 for i in range(0, p.shape[0], B):
                     rule = None if rule_name is None else RegistryRule(rule_name, rules[rule_name], "float32")
-                    out.append(decode_tokens(dec, p[i:i + B], args.new_tokens, rule, lookahead=la))
+                    out.append(decode_tokens_lookahead(dec, p[i:i + B], args.new_tokens, rule, device_rules=dv)
+                               if la else decode_tokens(dec, p[i:i + B], args.new_tokens, rule))
                 return (sum(r.seconds for r in out), np.concatenate([r.exit_depth for r in out]),
                         np.concatenate([r.tokens for r in out]))
 
             clock(lambda: run(None))  # warm-up
             # the lookahead path too (issue 28 item 2), where the policy allows it (Ouro's native runs every loop)
             la_ok = policy != "native" or dec.native == "compact"
-            times: dict[str | None, list[float]] = {None: [], **{r: [] for r in rules}, **{f"{r}+la": [] for r in rules}}
+            # '+la': the lookahead path with the rule decided on the device where it can be (the default); '+la/h':
+            # the same with the rule on the host (numpy signals, a host read per loop), for the rules with a device form
+            dv_rules = {r for r in rules if device_rule(RegistryRule(r, rules[r], "float32")) is not None}
+            times: dict[str | None, list[float]] = {None: [], **{r: [] for r in rules}, **{f"{r}+la": [] for r in rules},
+                                                    **{f"{r}+la/h": [] for r in dv_rules}}
             last: dict[str, tuple[np.ndarray, np.ndarray]] = {}
             full_tok = None
             for _ in range(args.gen_reps):
@@ -288,11 +325,17 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float]) -> list[di
                         s, depth, tok = run(r, True)
                         times[f"{r}+la"].append(s)
                         last[f"{r}+la"] = (depth, tok)
+                    if la_ok and r in dv_rules:
+                        s, depth, tok = run(r, True, False)
+                        times[f"{r}+la/h"].append(s)
+                        last[f"{r}+la/h"] = (depth, tok)
+                        assert np.array_equal(tok, last[f"{r}+la"][1]), f"{r}: the device rule changed the tokens"
             n_tok = p.shape[0] * args.new_tokens
             t_full = statistics.median(times[None])
             rows.append({"model": info.name, "policy": policy, "batch": B, "rule": "full", "thr": float("nan"),
                          "depth": float(T), "ideal": 1.0, "real": 1.0, "tok_s": n_tok / t_full, "agree": 1.0})
-            for r in [v for name in rules for v in ((name, f"{name}+la") if la_ok else (name,))]:
+            for r in [v for name in rules for v in ((name, f"{name}+la", *((f"{name}+la/h",) if name in dv_rules else ()))
+                                                       if la_ok else (name,))]:
                 depth, tok = last[r]
                 d = float(depth.mean())
                 real = statistics.median(f / e for f, e in zip(times[None], times[r], strict=True))
@@ -300,14 +343,46 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float]) -> list[di
                              "depth": d,
                              "ideal": T / d, "real": real, "tok_s": n_tok / statistics.median(times[r]),
                              "agree": float((tok == full_tok).mean())})
+            if breakdowns is None or B != 1 or policy != "share":
+                continue
+            # per-phase cost (issue 28 item 2): block, head (readout), rule, KV policy, python; each timed call
+            # between two synchronisations on a device (its own cost: the overlap is in the table above)
+            sync = torch.cuda.synchronize if dev.type == "cuda" else None
+            for r in rules:
+                if left() < 15:
+                    print(f"  {info.name} breakdown {r}: skipped (time)")
+                    break
+
+                def factory(r=r, rules=rules):
+                    return RegistryRule(r, rules[r], "float32")
+                paths = [("per-loop", False, False), *((("la/h", True, False),) if r in dv_rules else ()),
+                         ("la", True, True)]
+                base = None
+                for path, la, dv in paths:
+                    b, depth = breakdown(dec, p, args.new_tokens, factory, la, dv, sync)
+                    tot = sum(b.values())
+                    base = tot if base is None else base
+                    breakdowns.append({"model": info.name, "name": r, "path": path, "depth": float(depth.mean()),
+                                       **{k: 1e3 * b[k] / n_tok for k in PHASES}, "total": 1e3 * tot / n_tok,
+                                       "vs": tot / base})
     return rows
 
 
+def print_breakdown(rows: list[dict]) -> None:
+    from generate import PHASES
+
+    print(f"  {'model':7s} {'rule':9s} {'path':8s} {'depth':>5s} " + " ".join(f"{p:>7s}" for p in PHASES)
+          + f" {'total':>8s} {'/per-loop':>9s}   (ms per token)")
+    for r in rows:
+        print(f"  {r['model']:7s} {r['name']:9s} {r['path']:8s} {r['depth']:5.2f} "
+              + " ".join(f"{r[p]:7.3f}" for p in PHASES) + f" {r['total']:8.3f} {r['vs']:9.3f}")
+
+
 def print_gen(rows: list[dict]) -> None:
-    print(f"  {'model':7s} {'policy':9s} {'batch':>5s} {'rule':11s} {'thr':>9s} {'depth':>6s} {'ideal':>6s} "
+    print(f"  {'model':7s} {'policy':9s} {'batch':>5s} {'rule':13s} {'thr':>9s} {'depth':>6s} {'ideal':>6s} "
           f"{'real':>6s} {'r/ideal':>7s} {'tok/s':>8s} {'agree':>6s}")
     for r in rows:
-        print(f"  {r['model']:7s} {r['policy']:9s} {r['batch']:5d} {r['rule']:11s} {r['thr']:9.4g} {r['depth']:6.2f} "
+        print(f"  {r['model']:7s} {r['policy']:9s} {r['batch']:5d} {r['rule']:13s} {r['thr']:9.4g} {r['depth']:6.2f} "
               f"{r['ideal']:5.2f}x {r['real']:5.2f}x {r['real'] / r['ideal']:7.2f} {r['tok_s']:8.1f} {r['agree']:6.2f}")
 
 
@@ -378,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     models = []
     dump_rows: list[dict] = []
     gen_rows: list[dict] = []
+    bd_rows: list[dict] = []
     try:
         t0 = time.perf_counter()
         looped = build_looped(shape, block, dev, dtype)
@@ -407,8 +483,11 @@ def main(argv: list[str] | None = None) -> int:
             if left() < 15:
                 print(f"  {m.info.name}: skipped (time)")
                 continue
-            gen_rows += gen_section(m, args, clock, left)
+            gen_rows += gen_section(m, args, clock, left, bd_rows)
         print_gen(gen_rows)
+        print("\n== per-phase cost at batch 1, policy share: per-loop path, lookahead with the rule on the host (la/h) "
+              "and on the device (la) ==")
+        print_breakdown(bd_rows)
     finally:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)

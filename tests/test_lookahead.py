@@ -22,6 +22,7 @@ from looptrace.models.decode import DecodeUnsupported
 from looptrace.models.decoders import decoder_for
 from looptrace.online.engine import RegistryRule
 from looptrace.online.generate import decode_tokens
+from looptrace.online.lookahead import decode_tokens_lookahead
 from tests import hf_helpers as H
 from tests.test_generate import HandRule, _thresholds, own_model, prompts_of
 
@@ -127,13 +128,14 @@ def _count_reads(monkeypatch) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("rule_name", ["top1", "entropy", "hand"])
+@pytest.mark.parametrize("rule_name", ["top1", "entropy", "rel_step", "q_exit", "hand"])
 def test_lookahead_reads_the_host_a_fixed_number_of_times_per_token(monkeypatch, rule_name):
     """Per generated token: 1 read (the position's exit depths, ``tolist``; and the KV cache's share reads its
     row list, a host tensor, for keys and values, per exit-depth group); per decode: 3 ``cpu`` + 3 ``numpy``
-    (the results) + 1 ``numpy`` (the stop flags' host view). Nothing per loop from the driver: the same count at
-    T = 3 and 8. ``entropy``'s signal itself reads one flag per evaluation (``_all_finite``, the dump's fast-path
-    check in signals/logits.py), counted separately."""
+    (the results) + 1 ``numpy`` (the stop flags' host view). Nothing per loop: the same count at T = 3 and 8, for
+    the rules decided on the device too (looptrace.online.device_rules: ``entropy`` without its finiteness read,
+    ``rel_step`` and ``q_exit`` in float64 torch; no position redone). With ``device_rules=False`` ``entropy``'s
+    signal reads one flag per evaluation (``_all_finite``, the dump's fast-path check in signals/logits.py)."""
     N = 4
     for T in (3, 8):
         m = own_model(T=T)
@@ -147,7 +149,8 @@ def test_lookahead_reads_the_host_a_fixed_number_of_times_per_token(monkeypatch,
                 def rule(depth=depth):
                     return HandRule(depth)
             else:
-                thr = _thresholds(dec, p, N, RULES[rule_name])
+                thr = (_q_threshold(dec, p, N) if rule_name == "q_exit"
+                       else _thresholds(dec, p, N, RULES[rule_name]))
 
                 def rule(thr=thr):
                     return RegistryRule(rule_name, thr, "float32")
@@ -159,10 +162,15 @@ def test_lookahead_reads_the_host_a_fixed_number_of_times_per_token(monkeypatch,
             groups = sum(sum(1 for dd in np.unique(r.exit_depth[:, n]) if dd < T and (r.exit_depth[:, n] == dd).sum() < B)
                          for n in range(N))
             want = {"tolist": N + 2 * groups, "cpu": 3, "numpy": 3 + 1}
-            if rule_name == "entropy":  # the signal's own finiteness check (signals/logits.py), per rule evaluation:
-                # loops 1..d_max of each position (the last loop forces the exit without the rule)
-                want["__bool__"] = int(np.minimum(r.exit_depth.max(axis=0), T - 1).sum())
             assert counts == want, (T, B, counts)
+            assert r.redone == 0
+            if rule_name == "entropy":  # the host form: the signal's own finiteness check (signals/logits.py), per
+                # rule evaluation: loops 1..d_max of each position (the last loop forces the exit without the rule)
+                with monkeypatch.context() as mp:
+                    counts = _count_reads(mp)
+                    r = decode_tokens_lookahead(dec, p, N, rule(), device_rules=False)
+                want["__bool__"] = int(np.minimum(r.exit_depth.max(axis=0), T - 1).sum())
+                assert counts == want, (T, B, counts)
             assert r.exit_depth.max() <= T
             with monkeypatch.context() as mp:
                 counts_old = _count_reads(mp)

@@ -54,6 +54,7 @@ from looptrace.capture import contraction as _contraction
 from looptrace.capture import layers as _layers
 from looptrace.capture.contraction import ContractionConfig
 from looptrace.capture.encode import encode_states_counted
+from looptrace.capture.transfer import Transfer, resolve, take_rows, transfer_for
 from looptrace.config import BaseConfig, ConfigError, InputError, to_dict
 from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator, Superseded, shard_range
 from looptrace.io.precision import resolve_state_dtype
@@ -407,8 +408,10 @@ def state_dtype(adapter: LoopedModelAdapter, cfg: DumpConfig) -> str:
 @torch.inference_mode()
 def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
              k: int | None, hidden_dtype: str, contraction: ContractionConfig | None = None,
-             layers: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
-    """Every token-axis array of one batch of sequences: name -> [n_scored, ...] numpy."""
+             layers: tuple[int, ...] = (), tx: Transfer | None = None) -> dict[str, Any]:
+    """Every token-axis array of one batch of sequences: name -> [n_scored, ...] numpy (``tx``: the device's
+    arrays come back through it, possibly still being copied: :func:`looptrace.capture.transfer.resolve`)."""
+    tx = tx or Transfer("cpu")  # (synchronous: tensor.cpu().numpy())
     info = adapter.info
     T = info.n_loops
     dev = adapter.device
@@ -424,11 +427,11 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     where = f"dump of '{info.name}', sequences {rows.start}..{rows.stop - 1}"
     # range-checked cast to the stored representation before selecting (half the bytes to gather; float16
     # overflow is an error, bfloat16 is kept as bits), with each row's NaN/Inf count for the chunk marker
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, Any] = {}
     nonfinite = np.zeros(int(keep.sum()), dtype=np.int64)
     for name, x in (("hidden", st.hidden), ("hidden_init", st.hidden_init)):
-        enc, bad = encode_states_counted(x.reshape(-1, *x.shape[2:]), hidden_dtype, f"{where}: '{name}'")
-        out[name] = enc if all_scored else enc[keep.reshape(-1)]  # hidden [n, T, D], hidden_init [n, D]
+        enc, bad = encode_states_counted(x.reshape(-1, *x.shape[2:]), hidden_dtype, f"{where}: '{name}'", tx.copy)
+        out[name] = enc if all_scored else take_rows(enc, keep.reshape(-1))  # hidden [n, T, D], hidden_init [n, D]
         if bad is not None:
             nonfinite += bad if all_scored else bad[keep.reshape(-1)]
     if layers:
@@ -439,7 +442,7 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     if info.has_gate:
         if st.gate_logits is None:
             raise InputError(f"adapter '{info.name}' declares a gate but returned no gate logits")
-        out["gate_logit"] = sel(st.gate_logits.float()).cpu().numpy()
+        out["gate_logit"] = tx.copy(sel(st.gate_logits.float()))
     if contraction is not None:
         out.update(_contraction.capture_arrays(adapter, st, contraction, rows.start or 0, sel))
     target = torch.from_numpy(data.targets[rows][keep].astype(np.int64)).to(dev)
@@ -459,12 +462,12 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
             zs.append(top.values)
             ids_k.append(top.indices.to(torch.int32))
     for name, vs in per_loop.items():
-        out[name] = torch.stack(vs, dim=1).cpu().numpy()
+        out[name] = tx.copy(torch.stack(vs, dim=1))
     if k is None:
-        out["logits"] = torch.stack(zs, dim=1).cpu().numpy()
+        out["logits"] = tx.copy(torch.stack(zs, dim=1))
     else:
-        out["topk_logits"] = torch.stack(zs, dim=1).cpu().numpy()
-        out["topk_ids"] = torch.stack(ids_k, dim=1).cpu().numpy()
+        out["topk_logits"] = tx.copy(torch.stack(zs, dim=1))
+        out["topk_ids"] = tx.copy(torch.stack(ids_k, dim=1))
     b_idx, p_idx = np.nonzero(keep)  # row-major: (sequence, position) order, matching hidden[m]
     out["target"] = data.targets[rows][keep].astype(np.int64)
     out["token_id"] = data.tokens[rows][keep].astype(np.int64)
@@ -799,6 +802,9 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
         asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put, buffers)
         total = int(cum[min((b1 + 1) * cfg.batch_size, len(data))] - cum[b0 * cfg.batch_size])
         bar = tqdm(total=total, unit="tok", desc=f"dump {label}", disable=None if progress else True, leave=False)
+        # on a device, batch b's host copies are resolved after batch b + 1 is captured (capture/transfer.py)
+        tx = transfer_for(adapter.device)
+        pending: list[dict] = []
         try:
             for b in range(b0, b1 + 1):
                 rows = slice(b * cfg.batch_size, min((b + 1) * cfg.batch_size, len(data)))
@@ -807,10 +813,18 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
                     continue
                 chunks = range(lo // ct, (hi - 1) // ct + 1)
                 if all(done[c] for c in chunks):  # nothing left to write in this batch
+                    while pending:
+                        asm.add(resolve(pending.pop(0)))
                     asm.pos = hi
                 else:
-                    asm.add(_capture(adapter, data, mask, rows, k_top, hidden_dtype, cfg.contraction, cfg.layers))
+                    pending.append(_capture(adapter, data, mask, rows, k_top, hidden_dtype, cfg.contraction,
+                                            cfg.layers, tx))
+                    while len(pending) > int(tx.asynchronous):
+                        asm.add(resolve(pending.pop(0)))
                 bar.update(hi - lo)
+            while pending:
+                asm.add(resolve(pending.pop(0)))
+            tx.settle()
         except BaseException:
             # let the writer finish the chunks already queued (their markers keep them), then stop
             bg.stop()

@@ -7,11 +7,13 @@ becomes exactly the bytes :func:`looptrace.io.precision.encode_states` would sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from looptrace.capture.transfer import Pending
 from looptrace.io.precision import (
     STATE_DTYPES,
     PrecisionError,
@@ -30,7 +32,8 @@ def _max_finite_abs(t: torch.Tensor) -> float:
     return float(a.max()) if a.numel() else 0.0
 
 
-def encode_states_counted(x: Any, dtype: str, what: str) -> tuple[np.ndarray, np.ndarray | None]:
+def encode_states_counted(x: Any, dtype: str, what: str,
+                          host: Callable[[torch.Tensor], Any] | None = None) -> tuple[Any, np.ndarray | None]:
     """States → the stored numpy array for ``dtype``, plus the non-finite count of each row.
 
     The common case costs the cast and one reduction over its result: a finite ``torch.aminmax`` of the
@@ -43,9 +46,13 @@ def encode_states_counted(x: Any, dtype: str, what: str) -> tuple[np.ndarray, np
             :func:`looptrace.io.precision.encode_states`).
         dtype: ``float16`` | ``bfloat16`` | ``float32``.
         what: names the array in an error message.
+        host: how the stored tensor reaches the host (default ``tensor.cpu().numpy()``; the dump's
+            :meth:`looptrace.capture.transfer.Transfer.copy`, whose :class:`~looptrace.capture.transfer.Pending`
+            copies are returned as they are).
 
     Returns:
-        (stored array [row, ...], [row] int64 non-finite count per row, or None when there is none).
+        (stored array [row, ...] (or its pending copy), [row] int64 non-finite count per row, or None when there is
+        none).
 
     Raises:
         PrecisionError: an unknown dtype, or a finite value beyond float16's range for ``float16``.
@@ -67,9 +74,18 @@ def encode_states_counted(x: Any, dtype: str, what: str) -> tuple[np.ndarray, np
             if dtype == "float16":
                 check_max_abs(_max_finite_abs(t), dtype, what)
             counts = (~torch.isfinite(e)).reshape(e.shape[0], -1).sum(-1).cpu().numpy().astype(np.int64)
+    if host is None:
+        if dtype == "bfloat16":
+            return e.contiguous().view(torch.int16).cpu().numpy().view(np.uint16), counts
+        return e.cpu().numpy(), counts
     if dtype == "bfloat16":
-        return e.contiguous().view(torch.int16).cpu().numpy().view(np.uint16), counts
-    return e.cpu().numpy(), counts
+        a = host(e.contiguous().view(torch.int16))
+        return (a.then(_as_uint16) if isinstance(a, Pending) else a.view(np.uint16)), counts
+    return host(e), counts
+
+
+def _as_uint16(a: np.ndarray) -> np.ndarray:
+    return a.view(np.uint16)
 
 
 __all__ = ["encode_states_counted"]

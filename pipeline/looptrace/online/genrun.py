@@ -21,6 +21,8 @@ class GenRun:
         row_loops: loop steps computed over rows and positions (decode only; recompute's skipped loops included).
         seconds: wall time of the decoding (prefill excluded).
         prefill_seconds: wall time of the prefill.
+        redone: positions decoded twice (the lookahead path with a device rule: a row whose device decision was
+            not certain, so the position was run again with the host rule; its loops are in ``row_loops``).
     """
 
     tokens: np.ndarray
@@ -29,3 +31,4 @@ class GenRun:
     row_loops: int
     seconds: float
     prefill_seconds: float
+    redone: int = 0

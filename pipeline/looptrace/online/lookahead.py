@@ -25,8 +25,11 @@ cost (there is nothing to overlap), so ``decode_tokens`` keeps the per-loop path
 
 Supports the ``share`` and ``recompute`` policies (and ``native`` where the model's native mode is ``compact``);
 Huginn's lockstep and Ouro's all-loops native modes keep the per-loop path. A rule whose signal is computed on
-the host (the step signals, e.g. ``rel_step``: float64 numpy, bit-identical to the store's) still copies h_t to
-the host every loop; the driver adds none.
+the host (the step signals, e.g. ``rel_step``, and ``q_exit``: float64 numpy, bit-identical to the store's) is
+decided on the device by its device form (:mod:`looptrace.online.device_rules`: the same decisions, certified;
+a position where a row's decision is not certain is run again with the host rule), so no loop waits for the
+host; a rule without one (a refit gate, ``argmax_stable``, a user's history rule) still copies h_t to the host
+every loop; the driver adds none.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptrace.models.decode import DecodeUnsupported, LoopDecoder
+from looptrace.online.device_rules import DeviceRule, device_rule
 from looptrace.online.genrun import GenRun
 
 if TYPE_CHECKING:
@@ -77,9 +81,60 @@ def _rows(idx: list[int], batch: int, device: torch.device) -> tuple[torch.Tenso
     return r, (None if len(idx) == batch else r)
 
 
+def _position(dec: LoopDecoder, rule: OnlineRule | None, inj: torch.Tensor | None, h: torch.Tensor,
+              flags: _StopFlags | None, B: int, T: int, needs_z: bool):
+    """The loops of one position from h_0 = ``h``, each loop's stop flag read after the next loop is enqueued.
+
+    ``rule``: a host rule (``fires``) or a :class:`~looptrace.online.device_rules.DeviceRule` (``decide``: its
+    uncertain rows are gathered in ``pending``; the caller then redoes the position with the host rule).
+
+    Returns:
+        (h at the last loop run [B, 1, D], exit depths [B] int64 (T where no row fired), exit states [B, 1, D],
+        exit readouts [B, 1, V] or None, pending [B] bool (a device rule's uncertain undecided rows), row loops run).
+    """
+    dev = h.device
+    if rule is not None:
+        rule.reset(dec, h)
+    decide = rule.decide if isinstance(rule, DeviceRule) else None
+    und = torch.ones(B, dtype=torch.bool, device=dev)
+    pending = torch.zeros(B, dtype=torch.bool, device=dev)
+    d = torch.full((B,), T, dtype=torch.int64, device=dev)  # exit depth (1-based); T until a row fires
+    h_exit = torch.zeros_like(h)  # the state each row exited with (rows still undecided: garbage)
+    z_exit = None  # the readout at the exit ([B, 1, V], logit rules)
+    work = 0
+    for t in range(T):
+        h = dec.step(t, h, inj, None)
+        work += B
+        last = t == T - 1
+        if rule is None:
+            continue
+        assert flags is not None  # made with the rule
+        if t > 0 and not flags.get(t - 1):  # every row decided at loop t: this loop was speculative
+            break
+        z = dec.readout(h, t, None) if (needs_z or last) else None
+        if last:
+            fire = und
+        elif decide is not None:
+            cond, unc = decide(t + 1, h, z, dec)
+            fire = cond.reshape(-1) & und
+            if unc is not None:
+                pending = pending | (unc.reshape(-1) & und)
+        else:
+            fire = rule.fires(t + 1, h, z, dec).reshape(-1) & und
+        f3 = fire[:, None, None]
+        d = torch.where(fire, t + 1, d)
+        h_exit = torch.where(f3, h, h_exit)
+        if z is not None:
+            z_exit = z if z_exit is None else torch.where(f3, z, z_exit)
+        und = und & ~fire
+        if not last:
+            flags.put(t, und)
+    return h, d, h_exit, z_exit, pending, work
+
+
 @torch.inference_mode()
 def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, rule: OnlineRule | None = None,
-                            force: torch.Tensor | None = None) -> GenRun:
+                            force: torch.Tensor | None = None, device_rules: bool = True) -> GenRun:
     """Greedy decoding with early exit, the stop decision of loop t read after loop t+1 is enqueued.
 
     Same arguments and result as :func:`looptrace.online.generate.decode_tokens` (module docstring for the
@@ -91,6 +146,9 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
         new_tokens: tokens to emit per row.
         rule: the online exit rule (reset at every position; fires after loop t), or None for full depth.
         force: [batch, new_tokens] tokens to feed back instead of the emitted ones (teacher forcing).
+        device_rules: decide on the device where the rule has a device form
+            (:func:`looptrace.online.device_rules.device_rule`: the host's decisions, certified; a position with an
+            uncertain row is redone with ``rule``, counted in ``GenRun.redone``); False: ``rule`` itself.
 
     Returns:
         :class:`~looptrace.online.generate.GenRun` (numpy arrays).
@@ -107,45 +165,35 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
     tokens = torch.zeros((B, new_tokens), dtype=torch.int64, device=dev)
     depth = torch.zeros((B, new_tokens), dtype=torch.int64, device=dev)
     logprob = torch.zeros((B, new_tokens), dtype=torch.float64, device=dev)
-    needs_z = rule is not None and rule.needs_logits
+    host = rule.host if isinstance(rule, DeviceRule) else rule  # (a device rule given: its host rule for redoes)
+    needs_z = host is not None and host.needs_logits
     dec.reset(prompts, S0 + new_tokens - 1)
     t0 = time.perf_counter()
     dec.prefill(prompts[:, :-1])
     t1 = time.perf_counter()
     cur = prompts[:, -1]
-    work = 0
+    work = redone = 0
     flags = _StopFlags(T, dev) if rule is not None else None  # (each loop's flag is put before it is read)
+    drule = device_rule(rule) if device_rules else None  # (a DeviceRule given: itself)
     for n in range(new_tokens):
-        inj, h = dec.start(cur)
-        if rule is not None:
-            rule.reset(dec, h)
-        und = torch.ones(B, dtype=torch.bool, device=dev)
-        d = torch.full((B,), T, dtype=torch.int64, device=dev)  # exit depth (1-based); T until a row fires
-        h_exit = torch.zeros_like(h)  # the state each row exited with (rows still undecided: garbage)
-        z_exit = None  # the readout at the exit ([B, 1, V], logit rules)
-        for t in range(T):
-            h = dec.step(t, h, inj, None)
-            work += B
-            last = t == T - 1
-            if rule is None:
-                continue
-            assert flags is not None  # made with the rule
-            if t > 0 and not flags.get(t - 1):  # every row decided at loop t: this loop was speculative
-                break
-            z = dec.readout(h, t, None) if (needs_z or last) else None
-            fire = und if last else rule.fires(t + 1, h, z, dec).reshape(-1) & und
-            f3 = fire[:, None, None]
-            d = torch.where(fire, t + 1, d)
-            h_exit = torch.where(f3, h, h_exit)
-            if z is not None:
-                z_exit = z if z_exit is None else torch.where(f3, z, z_exit)
-            und = und & ~fire
-            if not last:
-                flags.put(t, und)
+        inj, h0 = dec.start(cur)
+        if drule is not None:  # the decision on the device; a row it cannot certify: the position again, on the host
+            h, d, h_exit, z_exit, pending, w = _position(dec, drule, inj, h0, flags, B, T, needs_z)
+            both = torch.cat([d, pending.to(torch.int64)]).tolist()  # the position's one host read
+            work += w
+            d_host = both[:B]
+            if any(both[B:]):
+                redone += 1
+                h, d, h_exit, z_exit, _, w = _position(dec, host, inj, h0, flags, B, T, needs_z)
+                work += w
+                d_host = d.tolist()
+        else:
+            h, d, h_exit, z_exit, _, w = _position(dec, host, inj, h0, flags, B, T, needs_z)
+            work += w
+            # One host read per position: rows grouped by exit depth (the KV policy and the token readouts need them).
+            d_host = d.tolist()
         if rule is None:  # full depth: every row exits at T with the last loop's readout
             z_exit = dec.readout(h, T - 1, None)
-        # One host read per position: rows grouped by exit depth (the KV policy and the token readouts need them).
-        d_host = d.tolist()
         groups: dict[int, list[int]] = {}
         for i, di in enumerate(d_host):
             groups.setdefault(di, []).append(i)
@@ -179,7 +227,7 @@ def decode_tokens_lookahead(dec: LoopDecoder, prompts: torch.Tensor, new_tokens:
         torch.cuda.synchronize(dev)
     t2 = time.perf_counter()
     return GenRun(tokens=tokens.cpu().numpy(), exit_depth=depth.cpu().numpy(), logprob=logprob.cpu().numpy(),
-                  row_loops=work, seconds=t2 - t1, prefill_seconds=t1 - t0)
+                  row_loops=work, seconds=t2 - t1, prefill_seconds=t1 - t0, redone=redone)
 
 
 __all__ = ["decode_tokens_lookahead"]

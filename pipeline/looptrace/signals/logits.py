@@ -147,6 +147,8 @@ class LoopStats:
         final_logits: [..., vocab] z_T (any float dtype; used in float32); needed for ``kl_final``.
         target: [...] target ids (int, each in [0, vocab)); needed for ``target_logprob``.
         names: the signals to compute (default every one of :data:`STAT_NAMES`, as the dump stores).
+        check_finite: read whether the logits are finite (one host read per loop) to skip the p = 0 mask;
+            False: always mask (the same values, :func:`_masked_dot`; nothing read to the host).
 
     Example::
 
@@ -156,7 +158,7 @@ class LoopStats:
     """
 
     def __init__(self, final_logits: torch.Tensor | None = None, target: torch.Tensor | None = None,
-                 names: Sequence[str] = STAT_NAMES):
+                 names: Sequence[str] = STAT_NAMES, check_finite: bool = True):
         unknown = [n for n in names if n not in STAT_NAMES]
         if unknown:
             raise ValueError(f"LoopStats: unknown signal '{unknown[0]}'; known: {', '.join(STAT_NAMES)}")
@@ -193,6 +195,9 @@ class LoopStats:
         self._prev_p: torch.Tensor | None = None
         self._prev_finite = False
         self._started = False
+        # False: never read the finiteness flag to the host (always the masked sums: the same values, see
+        # _masked_dot; a decode loop on a device then waits for nothing; looptrace.online.device_rules)
+        self._check_finite = bool(check_finite)
 
     def update(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """Signals of the next loop t (1, 2, ... in order).
@@ -211,7 +216,7 @@ class LoopStats:
         p = logp.exp() if logp is not None and (any(n in names for n in ("entropy", "kl_prev", "kl_final"))
                                                  or self._keep_p) else None
         # finite logits: finite log-probabilities, no mask needed in the sums (only the sums need to know)
-        finite = _all_finite(z) if self._need_finite else False
+        finite = _all_finite(z) if self._need_finite and self._check_finite else False
         z_top, top = z.max(dim=-1) if self._need_top else (None, None)  # [...], [...]
         prev = self._started
         out: dict[str, torch.Tensor] = {}
