@@ -511,13 +511,14 @@ class DoryAdapter(HFAdapter):
 
     def loop_layers(self, group: int) -> list[nn.Module]:
         """The recurrent layers ``[P, P + R)``."""
-        return list(self.model.model.layers[self.P:self.P + self.R])
+        base: Any = self.model.model  # transformers' DoryModel (attributes mypy cannot see through nn.Module)
+        return list(base.layers[self.P:self.P + self.R])
 
     def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
         """``DoryModel``'s loop: h ← R(norm(h) + norm(h_0)) (h_0 the prelude output), the recurrent layers called
         with the arguments the model's own forward gave them at this loop."""
         calls = self._step_context(h, loop)["calls"]
-        base = self.model.model
+        base: Any = self.model.model
         x = base.norm(h) + base.norm(h0)
         for layer, call in zip(self.loop_layers(0), calls[loop * self.R:(loop + 1) * self.R], strict=True):
             x = _replay(layer, call, x)
@@ -573,7 +574,8 @@ class RetrofitAdapter(HFAdapter):
 
     def loop_layers(self, group: int) -> list[nn.Module]:
         """The looped block ``[start, end)``."""
-        return list(self.model.model.layers[self.start:self.end])
+        base: Any = self.model.model  # a decoder's base model (model.layers)
+        return list(base.layers[self.start:self.end])
 
     def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
         """One pass through the block, each layer called with the arguments of its call in the model's forward
@@ -710,7 +712,7 @@ class OuroAdapter(HFAdapter):
 
     def loop_layers(self, group: int) -> list[nn.Module]:
         """``OuroModel.layers[:num_hidden_layers]`` (every step runs them all)."""
-        base = self.model.model
+        base: Any = self.model.model  # OuroModel (remote code)
         return list(base.layers[: base.config.num_hidden_layers])
 
     def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
@@ -725,7 +727,8 @@ class OuroAdapter(HFAdapter):
                              f"{L} layers x {self.info.n_loops} steps; the checkpoint's code loops differently")
         for layer, call in zip(layers, calls[loop * L:(loop + 1) * L], strict=True):
             h = _replay(layer, call, h)
-        return self.model.model.norm(h)
+        base: Any = self.model.model
+        return base.norm(h)
 
     def _readout(self, h, loop):
         return self.model.get_output_embeddings()(h)
@@ -828,7 +831,8 @@ class HuginnAdapter(HFAdapter):
         why = self.loop_step_refusal()
         if why:
             raise NotImplementedError(why.replace("(no Jacobian to take)", "(and each sequence runs alone)"))
-        return list(self.model.transformer.core_block)
+        m: Any = self.model  # RavenForCausalLM (remote code)
+        return list(m.transformer.core_block)
 
     def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
         """Huginn's own ``iterate_one_step(e, h, block_idx, current_step=loop)`` — the body of the published method
@@ -847,7 +851,8 @@ class HuginnAdapter(HFAdapter):
         if h0 is not self._h0 and not (h0.shape == self._h0.shape and torch.equal(h0, self._h0)):
             raise ValueError(f"adapter '{self.info.name}' (huginn): loop_step's h0 is not the hidden_init of the last "
                              "states() call (the injection e is kept from that call)")
-        step = getattr(type(self.model).iterate_one_step, "__wrapped__", type(self.model).iterate_one_step)
+        method: Any = type(self.model).iterate_one_step  # type: ignore[attr-defined]  # remote code's method
+        step = getattr(method, "__wrapped__", method)
         x, _, _ = step(self.model, st["e"], h, block_idx=st["block_idx"][loop].clone(), current_step=loop)
         return x
 
