@@ -828,9 +828,10 @@ class HuginnAdapter(HFAdapter):
     def loop_layers(self, group: int) -> list[nn.Module]:
         """``transformer.core_block`` (refused with test-time noise: then every sequence runs alone, and a layer's
         k-th call is not the batch's k-th loop)."""
-        why = self.loop_step_refusal()
-        if why:
-            raise NotImplementedError(why.replace("(no Jacobian to take)", "(and each sequence runs alone)"))
+        if self._noisy():
+            raise NotImplementedError(f"adapter '{self.info.name}' (huginn): with test_time_noise > 0 the sequences "
+                                      "run one at a time, so a layer's k-th call is not the batch's loop k; set the "
+                                      "checkpoint's test_time_noise to 0 for dump.layers")
         m: Any = self.model  # RavenForCausalLM (remote code)
         return list(m.transformer.core_block)
 
