@@ -295,20 +295,24 @@ def _stripped(args: tuple, kwargs: dict) -> Call:
     return (), {k: v for k, v in kwargs.items() if k != "hidden_states"}
 
 
-def _normal(x: Any) -> Any:
-    """``x`` with every inference-mode tensor cloned outside inference mode (tuples, lists, dicts walked).
+def _normal(x: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """``x`` with every inference-mode tensor cloned outside inference mode (tuples, lists, dicts walked; a tensor
+    shared by several recorded calls — the mask, the rotary tables — is cloned once).
 
     :meth:`HFAdapter.states` runs under ``torch.inference_mode``, so what it keeps for the loop step (the
     injection, recorded masks, rotary tables) are inference tensors, which autograd may not save for backward."""
+    memo = {} if memo is None else memo
     if isinstance(x, torch.Tensor):
         if not x.is_inference():
             return x
-        with torch.inference_mode(False):
-            return x.clone()
+        if id(x) not in memo:
+            with torch.inference_mode(False):
+                memo[id(x)] = x.clone()
+        return memo[id(x)]
     if isinstance(x, tuple | list):
-        return type(x)(_normal(v) for v in x)
+        return type(x)(_normal(v, memo) for v in x)
     if isinstance(x, dict):
-        return {k: _normal(v) for k, v in x.items()}
+        return {k: _normal(v, memo) for k, v in x.items()}
     return x
 
 
