@@ -183,3 +183,63 @@ def test_ouro_cached_generate_equals_uncached_greedy():
         plain = m(input_ids=ids, use_cache=False).logits
     report("ouro generate", tokens_equal=float(torch.equal(gen, seq)), cached_vs_uncached_logits=diff(cached, plain))
     assert torch.equal(gen, seq) and diff(cached, plain) <= TOL
+
+
+# ----------------------------------------------------------------------------------------------- loop step (issue 27)
+
+@pytest.mark.parametrize("name", ["huginn", "ouro"])
+def test_loop_step_and_layers_are_the_real_models_own(name):
+    """The adapters' differentiable loop step, iterated from h_0, reproduces the states bit for bit; its per-layer
+    outputs are the layer outputs hooked in the real model's own forward; ρ (power method through the step) equals
+    the exact diagonal-block singular value of the reverse-mode Jacobian (float64)."""
+    from looptrace.capture.contraction import ContractionConfig, contraction_stats
+
+    path = _dir(name)
+    a = load_adapter(AdapterConfig(kind=name, path=str(path), trust_remote_code=True))
+    m = a.model
+    ids = _ids(b=2, s=8, vocab=m.config.vocab_size - 1)
+    st = a.states(ids)
+    T, layers = a.info.n_loops, a.loop_layers(0)
+    seen: list[torch.Tensor] = []
+    hooks = [lay.register_forward_hook(lambda mod, i, o: seen.append(o[0] if isinstance(o, tuple) else o))
+             for lay in layers]
+    try:
+        with torch.no_grad():
+            if name == "huginn":
+                own = []
+                for i in range(2):
+                    seen.clear()
+                    with torch.random.fork_rng():
+                        torch.manual_seed(sequence_seed(0, ids[i]))
+                        m(input_ids=ids[i:i + 1], num_steps=T)
+                    own.append(list(seen))
+                flat = [torch.cat([o[k] for o in own]) for k in range(len(own[0]))]
+            else:
+                m.model(input_ids=ids, use_cache=False)
+                flat = list(seen)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    L = len(layers)
+    d = {"step states": 0.0, "step layers vs own forward": 0.0}
+    h = st.hidden_init
+    for t in range(T):
+        with torch.enable_grad():
+            h, outs = a.loop_step_layers(h, st.hidden_init, t)
+        d["step states"] = max(d["step states"], diff(h, st.hidden[:, :, t]))
+        d["step layers vs own forward"] = max(d["step layers vs own forward"],
+                                              *(diff(x, y) for x, y in zip(outs, flat[t * L:(t + 1) * L], strict=True)))
+        h = h.detach()
+    a.model.double()
+    a.dtype = torch.float64
+    st = a.states(ids)
+    out = contraction_stats(lambda x, t: a.loop_step(x, st.hidden_init, t), st.hidden_init, st.hidden,
+                            ContractionConfig(power_iters=300, position_chunk=8))
+    x = st.hidden[:, :, 0].clone()
+    J = torch.autograd.functional.jacobian(lambda y: a.loop_step(y, st.hidden_init, 1), x)
+    want = torch.stack([torch.stack([torch.linalg.matrix_norm(J[b, i, :, b, i, :], ord=2) for i in range(8)])
+                        for b in range(2)])
+    d["rho vs exact block SVD (rel)"] = float(((out["contraction"][:, :, 1].double() - want) / want).abs().max())
+    report(f"{name} loop step", **d)
+    assert d["step states"] == 0.0 and d["step layers vs own forward"] == 0.0, d
+    assert d["rho vs exact block SVD (rel)"] <= 1e-5, d

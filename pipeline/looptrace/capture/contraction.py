@@ -195,7 +195,8 @@ def contraction_stats(step: StepFn, hidden_init: torch.Tensor, hidden: torch.Ten
 
 
 def check_adapter(adapter: LoopedModelAdapter) -> None:
-    """Refuse, before anything is written, an adapter that exposes no loop step (``loop_step``).
+    """Refuse, before anything is written, an adapter that exposes no loop step (``loop_step``) or refuses it for
+    this model (``loop_step_refusal``).
 
     Raises:
         ConfigError: one line naming the adapter and the fix.
@@ -203,6 +204,9 @@ def check_adapter(adapter: LoopedModelAdapter) -> None:
     if type(adapter).loop_step is LoopedModelAdapter.loop_step:
         raise ConfigError(f"dump.contraction: adapter '{adapter.info.name}' ({type(adapter).__name__}) exposes no "
                           "loop step to differentiate; set dump.contraction: null for this model")
+    why = adapter.loop_step_refusal()
+    if why:
+        raise ConfigError(f"dump.contraction: {why}; or set dump.contraction: null for this model")
 
 
 def capture_arrays(adapter: LoopedModelAdapter, states: States, cfg: ContractionConfig, first_row: int,

@@ -93,6 +93,11 @@ class LoopedModelAdapter(ABC):
         raise NotImplementedError(f"adapter '{self.info.name}' ({type(self).__name__}) exposes no loop step; "
                                   "dump.contraction needs one: set dump.contraction: null")
 
+    def loop_step_refusal(self) -> str | None:
+        """Why this model's :meth:`loop_step` cannot be differentiated although the adapter has one (one line), or
+        None. E.g. Huginn with test-time noise: its loop map draws fresh noise every loop."""
+        return None
+
     def loop_layers(self, group: int) -> list[torch.nn.Module]:
         """The layers of looped group ``group``'s block, in order (each runs once per loop of the group; its
         forward's output is that layer's state, ``dump.layers``, :mod:`looptrace.capture.layers`)."""

@@ -287,6 +287,42 @@ def _replay(layer: nn.Module, call: Call, h: torch.Tensor, block: torch.Tensor |
     return out[0] if isinstance(out, tuple) else out
 
 
+def _stripped(args: tuple, kwargs: dict) -> Call:
+    """A recorded call without its state (``_replay`` puts one back): the log then keeps masks and position
+    embeddings alive, not every intermediate state of the batch."""
+    if args:
+        return (None, *args[1:]), dict(kwargs)
+    return (), {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+
+def _normal(x: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """``x`` with every inference-mode tensor cloned outside inference mode (tuples, lists, dicts walked; a tensor
+    shared by several recorded calls — the mask, the rotary tables — is cloned once).
+
+    :meth:`HFAdapter.states` runs under ``torch.inference_mode``, so what it keeps for the loop step (the
+    injection, recorded masks, rotary tables) are inference tensors, which autograd may not save for backward."""
+    memo = {} if memo is None else memo
+    if isinstance(x, torch.Tensor):
+        if not x.is_inference():
+            return x
+        if id(x) not in memo:
+            with torch.inference_mode(False):
+                memo[id(x)] = x.clone()
+        return memo[id(x)]
+    if isinstance(x, tuple | list):
+        return type(x)(_normal(v, memo) for v in x)
+    if isinstance(x, dict):
+        return {k: _normal(v, memo) for k, v in x.items()}
+    return x
+
+
+def _recording_calls(layers: list[nn.Module], log: list[Call]):
+    """Forward pre-hooks that log every call of ``layers`` (state stripped), in call order."""
+    def pre(_module, args, kwargs):
+        log.append(_stripped(args, kwargs))
+    return _hooks(*(layer.register_forward_pre_hook(pre, with_kwargs=True) for layer in layers))
+
+
 @dataclass
 class _Context:
     """What the per-loop readout needs from the last :meth:`states` call (same batch)."""
@@ -295,6 +331,7 @@ class _Context:
     coda: list[Call]
     hidden: torch.Tensor | None = None        # [batch, seq, loop, d_model] (content check)
     blocks: list[torch.Tensor] | None = None  # Inkling2Loop: block states after each pass
+    step: dict[str, Any] | None = None        # what the loop step needs (loop_step; normal tensors on first use)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,6 +382,39 @@ class HFAdapter(LoopedModelAdapter):
     def _reference(self, ids: torch.Tensor) -> tuple[int, torch.Tensor]:
         """(0-based loop, the model's own forward logits [batch, seq, vocab]) for the exit-path check."""
         return self.info.n_loops - 1, self.model(input_ids=ids, use_cache=False).logits
+
+    # -- the loop step (contraction, interventions) and the loop block's layers (dump.layers) ------------------
+    # A kind that implements loop_step / loop_layers defines them itself (the dump checks whether the class
+    # overrides the interface's), with what states() recorded of the batch in self._ctx.step.
+
+    def loop_step_layers(self, h: torch.Tensor, h0: torch.Tensor, loop: int
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """:meth:`loop_step` and the outputs of every layer of the loop block during it, in order (each
+        [batch, seq, d_model]; differentiable like the step)."""
+        outs: list[torch.Tensor] = []
+
+        def record(_module, _inputs, output) -> None:
+            outs.append(output[0] if isinstance(output, tuple) else output)
+
+        with _hooks(*(layer.register_forward_hook(record) for layer in self.loop_layers(0))):
+            out = self.loop_step(h, h0, loop)
+        return out, outs
+
+    def _step_context(self, h: torch.Tensor, loop: int) -> dict[str, Any]:
+        """What :meth:`states` kept of the batch for the loop step, as normal (non-inference) tensors.
+
+        Raises:
+            ValueError: no states() yet, another batch's shape, or a loop out of range.
+        """
+        ctx = self._ctx
+        if ctx is None or ctx.step is None or tuple(h.shape[:2]) != ctx.shape:
+            raise ValueError(f"adapter '{self.info.name}': loop_step needs the states() of the same batch first "
+                             f"(got h of shape {tuple(h.shape)})")
+        if not 0 <= loop < self.info.n_loops:
+            raise ValueError(f"loop {loop} out of range 0..{self.info.n_loops - 1}")
+        if not ctx.step.get("_normal"):
+            ctx.step = {**_normal(ctx.step), "_normal": True}
+        return ctx.step
 
     # -- interface ---------------------------------------------------------------------------
     @property
@@ -434,13 +504,29 @@ class DoryAdapter(HFAdapter):
         coda: list[Call] = []
         last = base.layers[self.P + self.R - 1]
         first = base.layers[self.P - 1] if self.P > 0 else base.embed_tokens
+        calls: list[Call] = []  # the recurrent layers' calls, every loop (the loop step replays them)
         with _hooks(last.register_forward_hook(lambda m, a, o: loops.append(o)),
                     first.register_forward_hook(lambda m, a, o: init.append(o) if not init else None)), \
-                _recording(base.layers, range(L - self.C, L), coda):
+                _recording_calls(self.loop_layers(0), calls), _recording(base.layers, range(L - self.C, L), coda):
             base(input_ids=ids, use_cache=False)
         hidden = torch.stack(loops, dim=2)
-        self._ctx = _Context(tuple(ids.shape), coda)
+        self._ctx = _Context(tuple(ids.shape), coda, step={"calls": calls})
         return States(hidden=hidden, hidden_init=init[0])
+
+    def loop_layers(self, group: int) -> list[nn.Module]:
+        """The recurrent layers ``[P, P + R)``."""
+        base: Any = self.model.model  # transformers' DoryModel (attributes mypy cannot see through nn.Module)
+        return list(base.layers[self.P:self.P + self.R])
+
+    def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
+        """``DoryModel``'s loop: h ← R(norm(h) + norm(h_0)) (h_0 the prelude output), the recurrent layers called
+        with the arguments the model's own forward gave them at this loop."""
+        calls = self._step_context(h, loop)["calls"]
+        base: Any = self.model.model
+        x = base.norm(h) + base.norm(h0)
+        for layer, call in zip(self.loop_layers(0), calls[loop * self.R:(loop + 1) * self.R], strict=True):
+            x = _replay(layer, call, x)
+        return x
 
     def _readout(self, h, loop):
         base = self.model.model
@@ -486,8 +572,22 @@ class RetrofitAdapter(HFAdapter):
             for i, call in zip(range(self.start, self.end), block, strict=True):
                 h = _replay(base.layers[i], call, h)
             loops.append(h)
-        self._ctx = _Context(tuple(ids.shape), calls[self.end - self.start:])
+        self._ctx = _Context(tuple(ids.shape), calls[self.end - self.start:],
+                             step={"calls": [_stripped(*c) for c in block]})
         return States(hidden=torch.stack(loops, dim=2), hidden_init=h0)
+
+    def loop_layers(self, group: int) -> list[nn.Module]:
+        """The looped block ``[start, end)``."""
+        base: Any = self.model.model  # a decoder's base model (model.layers)
+        return list(base.layers[self.start:self.end])
+
+    def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
+        """One pass through the block, each layer called with the arguments of its call in the model's forward
+        (exactly what :meth:`states` replays)."""
+        calls = self._step_context(h, loop)["calls"]
+        for layer, call in zip(self.loop_layers(0), calls, strict=True):
+            h = _replay(layer, call, h)
+        return h
 
     def _readout(self, h, loop):
         base = self.model.model
@@ -604,13 +704,35 @@ class OuroAdapter(HFAdapter):
 
     def _states(self, ids):
         init: list[torch.Tensor] = []
+        calls: list[Call] = []  # every layer call of every step (the loop step replays them)
         emb = self.model.get_input_embeddings()
-        with _hooks(emb.register_forward_hook(lambda m, a, o: init.append(o) if not init else None)):
+        with _hooks(emb.register_forward_hook(lambda m, a, o: init.append(o) if not init else None)), \
+                _recording_calls(self.loop_layers(0), calls):
             out = self.model.model(input_ids=ids, use_cache=False)
         hs, gates = self._split(out)
         g = torch.stack([x.reshape(*x.shape[:2], -1)[..., 0].float() for x in gates], dim=2)  # exact for bf16/fp16
-        self._ctx = _Context(tuple(ids.shape), [])
+        self._ctx = _Context(tuple(ids.shape), [], step={"calls": calls})
         return States(hidden=torch.stack(hs, dim=2), hidden_init=init[0], gate_logits=g)
+
+    def loop_layers(self, group: int) -> list[nn.Module]:
+        """``OuroModel.layers[:num_hidden_layers]`` (every step runs them all)."""
+        base: Any = self.model.model  # OuroModel (remote code)
+        return list(base.layers[: base.config.num_hidden_layers])
+
+    def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
+        """``OuroModel``'s step ``current_ut = loop``: its layers, each called with the arguments (masks, rotary
+        tables, ``current_ut``...) the model's own forward gave it at this step, then ``norm`` (the normed state
+        is both h_t and the next step's input)."""
+        calls = self._step_context(h, loop)["calls"]
+        layers = self.loop_layers(0)
+        L = len(layers)
+        if len(calls) != L * self.info.n_loops:
+            raise InputError(f"adapter '{self.info.name}' (ouro): the forward made {len(calls)} layer calls, expected "
+                             f"{L} layers x {self.info.n_loops} steps; the checkpoint's code loops differently")
+        for layer, call in zip(layers, calls[loop * L:(loop + 1) * L], strict=True):
+            h = _replay(layer, call, h)
+        base: Any = self.model.model
+        return base.norm(h)
 
     def _readout(self, h, loop):
         return self.model.get_output_embeddings()(h)
@@ -678,8 +800,9 @@ class HuginnAdapter(HFAdapter):
         return float(getattr(self.model.config, "test_time_noise", 0) or 0) > 0
 
     def _iterate(self, e, x, block_idx):
-        loops = []
+        loops, self._block_idx = [], []
         for t in range(self.info.n_loops):
+            self._block_idx.append(block_idx.clone())  # the step's block_idx input (the loop step passes it again)
             x, block_idx, _ = self.model.iterate_one_step(e, x, block_idx=block_idx.clone(), current_step=t)
             loops.append(x)
         return torch.stack(loops, dim=2)
@@ -695,8 +818,48 @@ class HuginnAdapter(HFAdapter):
                     rows.append(self._iterate(e[i:i + 1], h0[-1], block_idx))
         h0 = torch.cat(h0, dim=0)
         hidden = torch.cat(rows, dim=0) if rows else self._iterate(e, h0, block_idx)
-        self._ctx = _Context(tuple(ids.shape), [])
+        self._ctx = _Context(tuple(ids.shape), [], step=None if rows else {"e": e, "block_idx": self._block_idx})
+        self._h0 = h0
         return States(hidden=hidden, hidden_init=h0)
+
+    def loop_step_refusal(self) -> str | None:
+        if self._noisy():
+            return (f"adapter '{self.info.name}' (huginn): with test_time_noise > 0 every loop adds a fresh random "
+                    "draw, so the loop map is not a function of the state alone (no Jacobian to take); set the "
+                    "checkpoint's test_time_noise to 0")
+        return None
+
+    def loop_layers(self, group: int) -> list[nn.Module]:
+        """``transformer.core_block`` (refused with test-time noise: then every sequence runs alone, and a layer's
+        k-th call is not the batch's k-th loop)."""
+        if self._noisy():
+            raise NotImplementedError(f"adapter '{self.info.name}' (huginn): with test_time_noise > 0 the sequences "
+                                      "run one at a time, so a layer's k-th call is not the batch's loop k; set the "
+                                      "checkpoint's test_time_noise to 0 for dump.layers")
+        m: Any = self.model  # RavenForCausalLM (remote code)
+        return list(m.transformer.core_block)
+
+    def loop_step(self, h: torch.Tensor, h0: torch.Tensor, loop: int) -> torch.Tensor:
+        """Huginn's own ``iterate_one_step(e, h, block_idx, current_step=loop)`` — the body of the published method
+        without its ``@torch.no_grad`` (``__wrapped__``), so that JVPs and VJPs flow — with the prelude output e and
+        the block index :meth:`states` used for this batch. ``h0`` must be that call's ``hidden_init`` (Huginn's
+        random initial state is not the injection: e is, and it is kept from the same call).
+
+        Raises:
+            ConfigError: test-time noise (:meth:`loop_step_refusal`).
+            ValueError: ``h0`` is not the last :meth:`states` call's.
+        """
+        why = self.loop_step_refusal()
+        if why:
+            raise ConfigError(why)
+        st = self._step_context(h, loop)
+        if h0 is not self._h0 and not (h0.shape == self._h0.shape and torch.equal(h0, self._h0)):
+            raise ValueError(f"adapter '{self.info.name}' (huginn): loop_step's h0 is not the hidden_init of the last "
+                             "states() call (the injection e is kept from that call)")
+        method: Any = type(self.model).iterate_one_step  # type: ignore[attr-defined]  # remote code's method
+        step = getattr(method, "__wrapped__", method)
+        x, _, _ = step(self.model, st["e"], h, block_idx=st["block_idx"][loop].clone(), current_step=loop)
+        return x
 
     def _readout(self, h, loop):
         return self.model.predict_from_latents(h).logits

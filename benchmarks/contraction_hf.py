@@ -1,0 +1,117 @@
+"""Benchmark of ``dump.contraction`` and ``dump.layers`` through an HF adapter's loop step (issue 27): the cost ratio
+to a plain dump of the same adapter, measured in the same run.
+
+The model is one of the adapter tests' tiny checkpoints (tests/hf_helpers.py: the Huginn / Ouro stand-ins of the
+published code, or transformers' own Dory), built in a temporary directory and loaded through ``load_adapter`` like
+any checkpoint; every run dumps the same random token batches to a fresh in-memory store. Runs, interleaved and
+repeated ``--reps`` times (plain, iters₁, plain, iters₂, ...; each contraction run divided by the mean of the plain
+dumps just before and after it, the ratio the median over repetitions), after one untimed warm-up of each. Then
+``dump.layers: [0, 1]`` to on-disk stores: bytes and wall as ratios to the plain on-disk dump (one run each).
+
+    python benchmarks/contraction_hf.py [--kind ouro|huginn|dory] [--sequences 64] [--seq-len 16] [--iters 1 2]
+                                        [--threads 2] [--reps 2] [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = {"sequences": 4, "seq_len": 5, "iters": [1], "reps": 1, "threads": 1}
+
+
+def build(kind: str, where: Path):
+    """The tiny checkpoint of the adapter tests, loaded as an adapter."""
+    sys.path.insert(0, str(REPO))
+    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from tests import hf_helpers as H
+
+    if kind == "dory":
+        return load_adapter(AdapterConfig(kind="dory", path=str(H.build_dory(where / "dory"))))
+    path = (H.build_ouro if kind == "ouro" else H.build_huginn)(where / kind)
+    return load_adapter(AdapterConfig(kind=kind, path=str(path), trust_remote_code=True))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=("ouro", "huginn", "dory"), default="ouro")
+    ap.add_argument("--sequences", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--iters", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="a tiny run (seconds) that checks the benchmark still runs")
+    args = ap.parse_args()
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
+    torch.set_num_threads(args.threads)
+
+    from looptrace.capture.contraction import ContractionConfig
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.io.store.location import memory_store
+    from looptrace.tasks import TaskBatch
+
+    tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-contraction-hf-"))
+    try:
+        adapter = build(args.kind, tmp)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, adapter.info.vocab_size - 4, (args.sequences, args.seq_len))
+        zeros = np.zeros_like(tokens)
+        data = TaskBatch(tokens=tokens, targets=rng.integers(0, 4, tokens.shape), difficulty=zeros, token_type=zeros)
+        base = {"batch_size": args.batch, "chunk_tokens": 4096, "hidden_dtype": "float32"}
+        runs = {"plain": DumpConfig(**base)}
+        for n in args.iters:
+            runs[f"iters={n}"] = DumpConfig(**base, contraction=ContractionConfig(power_iters=n))
+
+        def timed(name: str) -> float:
+            t0 = time.perf_counter()
+            dump_split(adapter, data, memory_store(), runs[name], progress=False)
+            return time.perf_counter() - t0
+
+        for name in runs:  # warm-up, untimed
+            timed(name)
+        plain: list[float] = []
+        ratios: dict[str, list[float]] = {n: [] for n in runs if n != "plain"}
+        for _ in range(args.reps):
+            before = timed("plain")
+            plain.append(before)
+            for name in ratios:
+                t = timed(name)
+                after = timed("plain")
+                plain.append(after)
+                ratios[name].append(t / ((before + after) / 2))
+                before = after
+        info = adapter.info
+        print(f"contraction_hf benchmark: {args.kind} ({info.n_loops} loops, d_model {info.d_model}, "
+              f"{len(adapter.loop_layers(0))} loop-block layers), {args.sequences} sequences x {args.seq_len} "
+              f"positions, {args.threads} threads, {args.reps} reps")
+        print(f"plain dump: {statistics.median(plain):.3f} s (median)")
+        for name, r in ratios.items():
+            print(f"  power_iters={name.split('=')[1]}: contraction dump / plain dump = {statistics.median(r):.2f}x")
+        res = {}
+        for name, layers in (("plain", ()), ("layers", (0, 1))):
+            path = tmp / f"{name}.zarr"
+            t0 = time.perf_counter()
+            dump_split(adapter, data, path, DumpConfig(**base, layers=layers), progress=False)
+            res[name] = (time.perf_counter() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+        (tp, bp), (tl, bl) = res["plain"], res["layers"]
+        print(f"dump.layers [0, 1]: store {bl / 2**20:.2f} MiB vs plain {bp / 2**20:.2f} MiB = {bl / bp:.2f}x bytes, "
+              f"{tl / tp:.2f}x wall ({tl:.2f} s vs {tp:.2f} s, one run each)")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
