@@ -41,6 +41,7 @@ the host form: :func:`device_rule` returns None.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,15 +51,54 @@ from looptrace.online.signals import _ROUNDING
 from looptrace.rules.base import SIGNAL
 from looptrace.rules.builtin import QExitOnline
 from looptrace.signals.logits import STAT_NAMES, LoopStats
-from looptrace.signals.names import ALIASES
+from looptrace.signals.names import ALIASES, SIGNALS
 
 if TYPE_CHECKING:
     from looptrace.models.decode import LoopDecoder
     from looptrace.models.looped import LoopedTransformer
 
 _U = 2.0 ** -53  # unit roundoff of float64
-#: Step signals with a device form (their bound is derived in the module docstring).
-DEVICE_STEP_SIGNALS = ("step_norm", "rel_step", "state_cos_dist")
+#: name -> its device form f(h_t, h_{t−1}, ‖h_t‖, ‖h_{t−1}‖ or None, c) -> (value, bound e), [b, s] float64 each,
+#: with c = (8D + 64) u (the bound is derived in the module docstring). A step signal gets a device rule by
+#: registering its form here (:func:`_device_form`); the vocabulary stays in looptrace.signals.names.
+_DEVICE_FORMS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _device_form(name: str):
+    assert name in SIGNALS and SIGNALS[name].source == "states", name  # a step signal of the vocabulary
+    def register(fn):
+        _DEVICE_FORMS[name] = fn
+        return fn
+    return register
+
+
+@_device_form("state_cos_dist")
+def _state_cos_dist(hr, hp, nh, nhp, c):
+    nhp = nhp if nhp is not None else (hp * hp).sum(-1).sqrt()
+    den = nh * nhp
+    v = 1.0 - torch.where(den > 0, (hr * hp).sum(-1) / den, torch.full_like(nh, math.nan))
+    return v, c * (1.0 + v.abs())
+
+
+def _step_length(hr, hp):
+    d = hr - hp
+    return (d * d).sum(-1).sqrt()
+
+
+@_device_form("step_norm")
+def _step_norm(hr, hp, nh, nhp, c):
+    v = _step_length(hr, hp)
+    return v, c * v.abs()
+
+
+@_device_form("rel_step")
+def _rel_step(hr, hp, nh, nhp, c):
+    v = torch.where(nh > 0, _step_length(hr, hp) / nh, torch.full_like(nh, math.nan))
+    return v, c * v.abs()
+
+
+#: Step signals with a device form.
+DEVICE_STEP_SIGNALS = tuple(_DEVICE_FORMS)
 
 
 class DeviceRule(OnlineRule):
@@ -136,17 +176,7 @@ class _StepDeviceRule(DeviceRule):
         D = hr.shape[-1]
         c = (8 * D + 64) * _U
         nh = (hr * hr).sum(-1).sqrt()
-        nan = torch.full_like(nh, math.nan)
-        if self.sig == "state_cos_dist":
-            nhp = self._nh_prev if self._nh_prev is not None else (hp * hp).sum(-1).sqrt()
-            den = nh * nhp
-            v = 1.0 - torch.where(den > 0, (hr * hp).sum(-1) / den, nan)
-            e = c * (1.0 + v.abs())
-        else:
-            d = hr - hp
-            s = (d * d).sum(-1).sqrt()
-            v = s if self.sig == "step_norm" else torch.where(nh > 0, s / nh, nan)
-            e = c * v.abs()
+        v, e = _DEVICE_FORMS[self.sig](hr, hp, nh, self._nh_prev, c)
         self._prev, self._nh_prev = hr, nh
         return v, e
 
