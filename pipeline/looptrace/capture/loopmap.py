@@ -181,8 +181,8 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
 
     Returns:
         ``rho``, ``ftle``, ``rel_step``, ``entropy``, ``correct`` [token, loop]; ``sequence`` [token];
-        ``interventions``: list of (:class:`InterventionConfig`, measure -> [token, T − k]) in
-        :meth:`LoopmapConfig.interventions` order. Tokens are the scored positions, sequence-major.
+        ``interventions``: list of (:class:`InterventionConfig`, measure -> [token, T − k], and ``delta_norm``
+        [token] ‖δ‖) in :meth:`LoopmapConfig.interventions` order. Tokens are the scored positions, sequence-major.
     """
     n = tokens.shape[0]
     T = adapter.info.n_loops
@@ -190,7 +190,7 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
     icfgs = cfg.interventions(T, seed)
     parts: dict[str, list[np.ndarray]] = {k: [] for k in ("rho", "ftle", "rel_step", "entropy", "correct",
                                                           "sequence")}
-    effects: list[dict[str, list[np.ndarray]]] = [{m: [] for m in MEASURES} for _ in icfgs]
+    effects: list[dict[str, list[np.ndarray]]] = [{m: [] for m in (*MEASURES, "delta_norm")} for _ in icfgs]
     # near-equal batches (np.array_split): none of one sequence, so patching always has another to take from
     bounds = np.array_split(np.arange(n), max(1, -(-n // cfg.batch_size)))
     for rows in tqdm(bounds, desc="loop map", disable=None if progress else True, leave=False):
@@ -219,10 +219,10 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
         parts["sequence"].append(np.broadcast_to(rows[:, None], mask.shape)[mask])
         for icfg, acc in zip(icfgs, effects, strict=True):
             out = intervene(step, h0, st.hidden, icfg, readout=lambda h, t: adapter.readout(h, t))
-            for m in MEASURES:
+            for m in (*MEASURES, "delta_norm"):
                 acc[m].append(out[m][sel].cpu().numpy())
     res: dict = {k: np.concatenate(v) for k, v in parts.items()}
-    res["interventions"] = [(icfg, {m: np.concatenate(acc[m]).astype(np.float64) for m in MEASURES})
+    res["interventions"] = [(icfg, {m: np.concatenate(acc[m]).astype(np.float64) for m in (*MEASURES, "delta_norm")})
                             for icfg, acc in zip(icfgs, effects, strict=True)]
     return res
 
@@ -282,17 +282,24 @@ def window_tables(model: str, raw: dict, cfg: LoopmapConfig, seed: int, n_loops:
                   ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``windows`` (per intervention × measure × j: median and central interval over tokens; for ``flip`` the share
     of tokens flipped with a bootstrap interval over sequences) and ``window_length`` (the first j at or below the
-    measure's threshold; ``horizon`` + 1 when never)."""
+    measure's threshold; ``horizon`` + 1 when never).
+
+    A patched token whose donor's state equals its own (δ = 0: under causal attention, the same prefix) was not
+    intervened on, and is left out of the patch's statistics (``n_tokens`` counts those kept); a noise intervention
+    keeps every token (scale 0 is the size-0 intervention: every effect 0)."""
     thresholds = {"state": cfg.window_threshold, "linear": cfg.window_threshold, "kl": cfg.kl_threshold,
                   "flip": cfg.flip_threshold}
-    rs = Resampler(raw["sequence"], cfg.n_boot, seed, cfg.level) if cfg.n_boot else None
     rows, lengths = [], []
     for icfg, eff in raw["interventions"]:
+        keep = eff["delta_norm"] > 0 if icfg.kind == "patch" else np.ones(len(eff["delta_norm"]), dtype=bool)
+        rs = Resampler(raw["sequence"][keep], cfg.n_boot, seed, cfg.level) if cfg.n_boot and keep.any() else None
         key = {"model": model, "kind": icfg.kind, "scale": None if icfg.kind == "patch" else icfg.scale,
                "loop": icfg.loop}
         horizon = n_loops - icfg.loop
         for m in MEASURES:
-            e = eff[m]
+            e = eff[m][keep]
+            if not e.shape[0]:
+                continue  # every patch donor equal to its token: nothing was intervened on
             if m == "flip":
                 val = e.mean(axis=0)
                 lo = hi = np.full(horizon, np.nan)
