@@ -105,6 +105,7 @@ def test_linear_map_every_figure_in_closed_form():
     pl_ = frames["per_loop"]
     np.testing.assert_allclose(pl_["rho_median"].to_numpy(), A, rtol=1e-6)
     np.testing.assert_allclose(pl_["ftle_median"].to_numpy(), math.log(A), rtol=1e-6)
+    np.testing.assert_allclose(pl_["growth_median"].to_numpy(), math.log(A), rtol=1e-5)  # log ‖a·u‖ every loop
     assert pl_["share_rho_below_1"].to_list() == [1.0] * T
     assert frames["auc"].height == 8 and set(frames["auc"]["model"]) == {"lin"}
     assert words[0].startswith("The loop map contracts")

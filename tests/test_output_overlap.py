@@ -18,6 +18,7 @@ from tests.test_bad_inputs import REPO, _argv
 INPUTS = {
     "dump": ["--train-root"],
     "dynamics": ["--train-root"],
+    "loopmap": ["--train-root"],
     "geometry": ["--dump-root"],
     "readouts": ["--geometry-root"],
     "gates": ["--dump-root"],

@@ -57,7 +57,8 @@ MEASURES = ("state", "linear", "kl", "flip")
 
 PER_LOOP_SCHEMA = {"model": pl.String, "loop": pl.Int64, "rho_median": pl.Float64, "rho_lo": pl.Float64,
                    "rho_hi": pl.Float64, "share_rho_below_1": pl.Float64, "ftle_median": pl.Float64,
-                   "ftle_lo": pl.Float64, "ftle_hi": pl.Float64, "accuracy": pl.Float64, "n_tokens": pl.Int64}
+                   "ftle_lo": pl.Float64, "ftle_hi": pl.Float64, "growth_median": pl.Float64,
+                   "growth_lo": pl.Float64, "growth_hi": pl.Float64, "accuracy": pl.Float64, "n_tokens": pl.Int64}
 REGIME_SCHEMA = {"model": pl.String, "regime": pl.String, "ftle_median": pl.Float64, "ftle_lo": pl.Float64,
                  "ftle_hi": pl.Float64, "share_rho_below_1": pl.Float64, "share_lo": pl.Float64,
                  "share_hi": pl.Float64, "rho_median": pl.Float64, "n_sequences": pl.Int64, "n_tokens": pl.Int64,
@@ -97,7 +98,7 @@ class LoopmapConfig:
     """
 
     split: str = "test"
-    sequences: int = 64
+    sequences: int = 128
     batch_size: int = 64
     power_iters: int = 2
     position_chunk: int = 16
@@ -234,16 +235,21 @@ def _quantiles(x: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray, np.
 
 
 def per_loop_table(model: str, raw: dict, cfg: LoopmapConfig) -> pl.DataFrame:
-    """ρ_t over tokens and λ_t over sequences per loop (median, central interval), share ρ_t < 1, accuracy."""
+    """ρ_t over tokens and λ_t over sequences per loop (median, central interval), share ρ_t < 1, accuracy, and the
+    tangent's log growth at loop t alone, g_t = t·λ_t − (t − 1)·λ_{t−1} = log ‖J_t u_{t−1}‖ (λ_T is their mean: one
+    strongly stretching first loop can make it positive while every later loop contracts)."""
     rho = raw["rho"].astype(np.float64)
     _, first = np.unique(raw["sequence"], return_index=True)
     ftle = raw["ftle"].astype(np.float64)[first]  # one λ_t per sequence
     rm, rl, rh = _quantiles(rho, cfg.level)
     fm, fl, fh = _quantiles(ftle, cfg.level)
     T = rho.shape[1]
+    cum = ftle * np.arange(1, T + 1)  # Σ_{s≤t} log growth
+    gm, gl, gh = _quantiles(np.diff(cum, axis=1, prepend=0.0), cfg.level)
     return pl.DataFrame({"model": [model] * T, "loop": np.arange(1, T + 1), "rho_median": rm, "rho_lo": rl,
                          "rho_hi": rh, "share_rho_below_1": (rho < 1).mean(axis=0), "ftle_median": fm,
-                         "ftle_lo": fl, "ftle_hi": fh, "accuracy": raw["correct"].mean(axis=0),
+                         "ftle_lo": fl, "ftle_hi": fh, "growth_median": gm, "growth_lo": gl, "growth_hi": gh,
+                         "accuracy": raw["correct"].mean(axis=0),
                          "n_tokens": [rho.shape[0]] * T}, schema=PER_LOOP_SCHEMA)
 
 

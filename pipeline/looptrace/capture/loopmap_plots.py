@@ -48,11 +48,13 @@ def plot_rho_ftle(per_loop: pl.DataFrame, model: str, path: Path, dpi: int) -> P
                    label="central interval over tokens")
     a.plot(loop, per_loop["rho_median"].to_numpy(), "o-", label="median ρ_t")
     a.axhline(1.0, color="k", lw=1, ls=":", label="ρ = 1 (no certificate above)")
+    a.set_yscale("log")  # ρ spans orders of magnitude across loops (the first loop stretches most)
     a.set(xlabel="loop t", ylabel="ρ_t = σ_max(∂h_t[i]/∂h_{t−1}[i])", title=f"{model}: local contraction")
     a.legend(fontsize=8)
     b.fill_between(loop, per_loop["ftle_lo"].to_numpy(), per_loop["ftle_hi"].to_numpy(), alpha=0.25,
                    label="central interval over sequences")
     b.plot(loop, per_loop["ftle_median"].to_numpy(), "o-", label="median λ_t")
+    b.plot(loop, per_loop["growth_median"].to_numpy(), "s--", lw=1, label="median log growth at loop t alone")
     b.axhline(0.0, color="k", lw=1, ls=":", label="λ = 0 (contracting below)")
     b.set(xlabel="loop t", ylabel="FTLE λ_t (nats / loop)", title="finite-time Lyapunov exponent")
     b.legend(fontsize=8)
@@ -92,6 +94,7 @@ def plot_windows(windows: pl.DataFrame, lengths: pl.DataFrame, model: str, path:
             ax.set_yscale("log")  # a geometric decay ρ^j is a line
         elif m == "kl":
             ax.set_yscale("symlog", linthresh=1e-4)  # exactly 0 for a size-0 intervention
+            ax.set_ylim(bottom=0)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set(xlabel="loops j after the intervention", title=titles[m])
     axes[0].set_ylabel(model)
