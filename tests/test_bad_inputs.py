@@ -34,7 +34,7 @@ def _argv(stage: str, t: Path) -> list[str]:
     """The stage's command line with every root under ``t`` (model ``m``)."""
     roots = {"train": ["--train-root", t / "train"], "dump": ["--dump-root", t / "dump"],
              "geometry": ["--geometry-root", t / "geometry"], "readouts": ["--readouts-root", t / "readouts"],
-             "gates": ["--gates-root", t / "gates"]}
+             "gates": ["--gates-root", t / "gates"], "loopmap": ["--loopmap-root", t / "loopmap"]}
     argv = {
         "train": ["--task", "running_sum", "--regime", "uniform", "--out", t / "train"],
         "dump": ["--model", "m", *roots["train"], "--out", t / "dump"],
@@ -44,7 +44,7 @@ def _argv(stage: str, t: Path) -> list[str]:
         "readouts": ["--model", "m", *roots["geometry"], "--out", t / "readouts"],
         "gates": ["--models", "m", *roots["dump"], "--out", t / "gates"],
         "diagnose": ["--models", "m", *roots["readouts"], *roots["gates"], *roots["geometry"], *roots["dump"],
-                     "--out", t / "diagnose"],
+                     *roots["loopmap"], "--out", t / "diagnose"],
         "latency": ["--models", "m", *roots["train"], *roots["dump"], *roots["readouts"], *roots["gates"],
                     "--out", t / "latency"],
         "generate": ["--models", "m", *roots["train"], *roots["dump"], *roots["readouts"], *roots["gates"],

@@ -22,7 +22,7 @@ INPUTS = {
     "geometry": ["--dump-root"],
     "readouts": ["--geometry-root"],
     "gates": ["--dump-root"],
-    "diagnose": ["--readouts-root", "--gates-root", "--geometry-root", "--dump-root"],
+    "diagnose": ["--readouts-root", "--gates-root", "--geometry-root", "--dump-root", "--loopmap-root"],
     "latency": ["--train-root", "--dump-root", "--readouts-root", "--gates-root"],
     "generate": ["--train-root", "--dump-root", "--readouts-root", "--gates-root"],
     "report": [f"--root/{s}" for s in REPORT_READS],
