@@ -213,6 +213,22 @@ def test_stage_on_a_tiny_checkpoint_writes_every_output_and_the_same_bytes_twice
     assert set(wl["loop"]) == {1} and set(wl["kind"]) == {"noise", "patch"}  # k = 5 ≥ T = 4 skipped
     assert "Loop map: rs-joint" in (a / "summary.md").read_text()
 
+    # diagnose reads them: the regime row and the AUC rows as the stage wrote them, the stage's sentences
+    from looptrace.diagnose.loopmap_artifacts import loopmap_artifacts
+    from looptrace.diagnose.loopmap_models import LOOPMAP_SCHEMA
+
+    frame, text = loopmap_artifacts(["absent", "rs-joint"], tmp_path / "a")
+    assert frame is not None and dict(frame.schema) == LOOPMAP_SCHEMA and frame.height == 1 + 8
+    reg = pl.read_parquet(a / "regime.parquet").row(0, named=True)
+    row = frame.row(0, named=True)
+    assert row["model"] == "rs-joint" and row["failure"] is None
+    for k in ("regime", "ftle_median", "ftle_lo", "share_rho_below_1", "n_sequences"):
+        assert row[k] == reg[k], k
+    auc = pl.read_parquet(a / "auc.parquet")
+    assert frame.slice(1).select(auc.drop("model").columns).equals(auc.drop("model"))
+    assert "## Loop-map dynamics" in text and "**rs-joint**" in text and reg["words"] in text
+    assert loopmap_artifacts(["absent"], tmp_path / "a") == (None, "")
+
 
 def test_a_model_with_loop_memory_is_not_measured_and_says_why():
     class Mem(ScaledIdentity):
