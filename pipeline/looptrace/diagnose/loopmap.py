@@ -130,8 +130,10 @@ def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: L
     siv = "" if not np.isfinite(s_lo) else f" [{100 * s_lo:.0f}, {100 * s_hi:.0f}]"
     words = {"contracting": "contracts: perturbations die out loop after loop, so a convergence depth is well "
                             "defined and the certified exit can fire",
-             "expanding": "is in the expanding (chaotic) regime: perturbations grow, so its trajectory has no "
-                          "fixed point to converge to and the certified exit rarely or never fires",
+             # no claim about the certified exit here: it needs the per-token ρ_t < 1, which can hold on most
+             # pairs while λ_T > 0 (one strongly stretching loop); its share is the next sentence
+             "expanding": "is in the expanding (chaotic) regime: a perturbation grows over the T loops on "
+                          "median, so a convergence depth is not guaranteed",
              "marginal": "is marginal: neither clearly contracting nor clearly expanding at this interval"}[name]
     sentence = (f"The loop map {words} (median final FTLE {med:.3f}{iv} nats per loop over {len(seq_ids)} "
                 f"sequences; ρ_t < 1 on {100 * share:.0f}{siv} % of (token, loop) pairs).")
