@@ -195,7 +195,10 @@ def test_stage_on_a_tiny_checkpoint_writes_every_output_and_the_same_bytes_twice
     over.write_text("base: {threads: 1}\nloopmap: {sequences: 6, batch_size: 3, power_iters: 1, loops: [1, 5], "
                     "n_boot: 10, dpi: 200}\n")
     text = _run_stage(tmp_path, "a", over)
-    _run_stage(tmp_path, "b", over)
+    import matplotlib
+
+    with matplotlib.rc_context({"font.size": 17, "axes.grid": True}):  # another stage's global style (the report's)
+        _run_stage(tmp_path, "b", over)
     assert "rs-joint: loop map on 6 sequences" in text
     a, b = tmp_path / "a" / "rs-joint", tmp_path / "b" / "rs-joint"
     names = sorted(p.name for p in a.iterdir())

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import polars as pl
@@ -27,6 +29,18 @@ def _plt():
     return plt
 
 
+def _isolated(draw: Callable[..., Path]) -> Callable[..., Path]:
+    """Draw under matplotlib's default style: rcParams are process-global, and another stage run in the same process
+    (the report sets its fonts and grid) must not change these figures' bytes (same params → same bytes)."""
+    @functools.wraps(draw)
+    def wrapper(*args, **kwargs) -> Path:
+        plt = _plt()
+        with plt.style.context("default"):
+            return draw(*args, **kwargs)
+
+    return wrapper
+
+
 def _figure(ncols: int, dpi: int):
     plt = _plt()
     width = min(12.5, MAX_PX / dpi)  # inches: ≤ MAX_PX pixels
@@ -40,6 +54,7 @@ def _save(fig, path: Path, dpi: int) -> Path:
     return path
 
 
+@_isolated
 def plot_rho_ftle(per_loop: pl.DataFrame, model: str, path: Path, dpi: int) -> Path:
     """ρ_t and λ_t per loop (module docstring)."""
     fig, (a, b) = _figure(2, dpi)
@@ -65,6 +80,7 @@ def _label(r: dict) -> str:
     return f"{'patch' if r['kind'] == 'patch' else 'noise ' + format(r['scale'], 'g')} @ k={r['loop']}"
 
 
+@_isolated
 def plot_windows(windows: pl.DataFrame, lengths: pl.DataFrame, model: str, path: Path, dpi: int) -> Path:
     """Every intervention's decay with loops after it (module docstring)."""
     import matplotlib
