@@ -34,16 +34,17 @@ def _argv(stage: str, t: Path) -> list[str]:
     """The stage's command line with every root under ``t`` (model ``m``)."""
     roots = {"train": ["--train-root", t / "train"], "dump": ["--dump-root", t / "dump"],
              "geometry": ["--geometry-root", t / "geometry"], "readouts": ["--readouts-root", t / "readouts"],
-             "gates": ["--gates-root", t / "gates"]}
+             "gates": ["--gates-root", t / "gates"], "loopmap": ["--loopmap-root", t / "loopmap"]}
     argv = {
         "train": ["--task", "running_sum", "--regime", "uniform", "--out", t / "train"],
         "dump": ["--model", "m", *roots["train"], "--out", t / "dump"],
         "dynamics": ["--model", "m", *roots["train"], "--out", t / "dynamics"],
+        "loopmap": ["--model", "m", *roots["train"], "--out", t / "loopmap"],
         "geometry": ["--model", "m", *roots["dump"], "--out", t / "geometry"],
         "readouts": ["--model", "m", *roots["geometry"], "--out", t / "readouts"],
         "gates": ["--models", "m", *roots["dump"], "--out", t / "gates"],
         "diagnose": ["--models", "m", *roots["readouts"], *roots["gates"], *roots["geometry"], *roots["dump"],
-                     "--out", t / "diagnose"],
+                     *roots["loopmap"], "--out", t / "diagnose"],
         "latency": ["--models", "m", *roots["train"], *roots["dump"], *roots["readouts"], *roots["gates"],
                     "--out", t / "latency"],
         "generate": ["--models", "m", *roots["train"], *roots["dump"], *roots["readouts"], *roots["gates"],
@@ -298,6 +299,10 @@ CASES = [
     # dynamics
     Case("dyn-split", "dynamics", "`dynamics.probe_split: train`", ("dynamics.probe_split must be one of",),
          "dynamics: {probe_split: train}"),
+    # loopmap
+    Case("loopmap-split", "loopmap", "`loopmap.split: train`", ("loopmap.split must be one of",),
+         "loopmap: {split: train}"),
+    Case("loopmap-ckpt", "loopmap", "no `model.pt`", ("model.pt' not found; run `dvc repro train` first",)),
     # geometry
     Case("geo-eps", "geometry", "`geometry.eps: {kl_prev: [-1]}`", ("geometry.eps.kl_prev: give a non-empty list",),
          "geometry: {eps: {kl_prev: [-1]}}"),

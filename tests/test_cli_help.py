@@ -41,7 +41,7 @@ def test_root_help_is_for_users_and_lists_every_name(tmp_path, monkeypatch):
 def test_each_stage_lists_the_names_it_takes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert [s.name for s in STAGES] == [
-        "train", "dump", "dynamics", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report"]
+        "train", "dump", "dynamics", "loopmap", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report"]
     for stage in STAGES:
         name, blocks = stage.name, stage.help_blocks
         text = _help(name)

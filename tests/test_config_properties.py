@@ -152,6 +152,7 @@ def _cmd(stage: str, tmp: Path) -> list[str]:
     nothing = str(tmp / "nothing")
     roots = {"dump": ["--model", "running_sum-uniform-s0", "--train-root", nothing],
              "dynamics": ["--model", "running_sum-uniform-s0", "--train-root", nothing],
+             "loopmap": ["--model", "running_sum-uniform-s0", "--train-root", nothing],
              "geometry": ["--model", "running_sum-uniform-s0", "--dump-root", nothing],
              "readouts": ["--model", "running_sum-uniform-s0", "--geometry-root", nothing],
              "gates": ["--models", "running_sum-uniform-s0", "--dump-root", nothing],
@@ -164,7 +165,8 @@ def _cmd(stage: str, tmp: Path) -> list[str]:
 
 #: The sections each command reads (``base`` by all). ``train`` is left out here: a valid mutation would train a
 #: model (its section is covered by the loader property above and by tests/test_bad_inputs.py).
-STAGE_SECTIONS = {"dump": ["dump", "base"], "dynamics": ["dynamics", "dump", "base"], "geometry": ["geometry", "base"],
+STAGE_SECTIONS = {"dump": ["dump", "base"], "dynamics": ["dynamics", "dump", "base"], "loopmap": ["loopmap", "base"],
+                  "geometry": ["geometry", "base"],
                   "readouts": ["readouts", "calibration", "intervals", "base"],
                   "gates": ["gates", "calibration", "intervals", "base"],
                   "diagnose": ["diagnose", "calibration", "intervals", "base"],

@@ -122,6 +122,7 @@ def test_repository_params_and_profiles_are_valid():
     # The shipped params (alone and with each profile layered) load through every stage's section.
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig
+    from looptrace.capture.loopmap import LoopmapConfig
     from looptrace.diagnose import DiagnoseConfig
     from looptrace.geometry import GeometryConfig
     from looptrace.intervals import IntervalsConfig
@@ -130,7 +131,7 @@ def test_repository_params_and_profiles_are_valid():
     from looptrace.report import ReportConfig
 
     sections = {"base": BaseConfig, "train": TrainConfig, "dump": DumpConfig, "geometry": GeometryConfig,
-                "dynamics": DynamicsConfig, "calibration": CalibrationConfig, "intervals": IntervalsConfig,
+                "dynamics": DynamicsConfig, "loopmap": LoopmapConfig, "calibration": CalibrationConfig, "intervals": IntervalsConfig,
                 "readouts": ReadoutsConfig, "gates": GatesConfig, "diagnose": DiagnoseConfig,
                 "latency": LatencyConfig, "generate": GenerateConfig, "report": ReportConfig}
     layers = [[REPO / "params.yaml"]] + [[REPO / "params.yaml", p] for p in sorted(REPO.glob("profiles/*/params.yaml"))]

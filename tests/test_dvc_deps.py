@@ -330,9 +330,9 @@ def test_the_check_fails_on_the_pre_redesign_tree(tmp_path):
 
 def test_model_code_edit_leaves_analysis_stages_untouched():
     """Editing the looped transformer (pipeline/models/looped.py) changes only stages that run it: train, dump,
-    dynamics, latency and generate; never geometry, readouts, gates, diagnose or report."""
+    dynamics, loopmap, latency and generate; never geometry, readouts, gates, diagnose or report."""
     touched = {n for f, n, s in all_stages() if f == REPO / "dvc.yaml" and "pipeline/looptrace/models/looped.py" in code_deps(f, s)}
-    assert touched == {"train", "dump", "dynamics", "latency", "generate"}, touched
+    assert touched == {"train", "dump", "dynamics", "loopmap", "latency", "generate"}, touched
 
 
 def test_design_stage_table_lists_the_params_each_stage_reads():

@@ -1,7 +1,7 @@
 """End to end (slow): in a tiny copy of the project, changing only a ``gates`` parameter re-runs the
 ``gates`` stage and invalidates the stages downstream of it — never anything upstream (train, dump,
 geometry, readouts); editing the model's code (pipeline/looptrace/models/looped.py) changes only the stages that
-run the model (train, dump, dynamics, latency, generate).
+run the model (train, dump, dynamics, loopmap, latency, generate).
 
 The project is built in tmp_path from the repository's own dvc.yaml, params.yaml (shrunk to a tiny
 profile), pipeline/ and stages/. To stay within ~90 s on two shared cores, the first full run executes
@@ -38,6 +38,7 @@ TINY = {
               "checkpoint_fractions": [0.5]},
     "dump": {"sequences": {"fit": 24, "val": 16, "test": 16}, "batch_size": 16, "chunk_tokens": 64},
     "dynamics": {"enabled": False},
+    "loopmap": {"sequences": 8, "batch_size": 4, "power_iters": 1, "n_boot": 10, "dpi": 50},
     "gates": {"gates": ["logreg-oracle", "ponder-linear", "logreg-converged"], "cross_gates": ["logreg-oracle"],
               "pca_components": 4, "mlp_max_iter": 5, "ponder": {"epochs": 3}},
     "latency": {"batch_sizes": [8], "bs1_sequences": 2, "repeats": 1, "require_exact": False},
@@ -202,7 +203,7 @@ def test_gates_param_change_reruns_only_gates_and_downstream(tmp_path):
     source = model_py.read_text()
     model_py.write_text(source + "\n# an edit\n")
     runs_model = {n for n, st in dvc_yaml["stages"].items() if "pipeline/looptrace/models/looped.py" in _paths(st.get("deps"))}
-    assert runs_model == {"train", "dump", "dynamics", "latency", "generate"}, runs_model
+    assert runs_model == {"train", "dump", "dynamics", "loopmap", "latency", "generate"}, runs_model
     changed = _stage_names(_dvc(["status"], tmp_path, env), r"(?m)^(\S+):\s*$")
     assert changed == runs_model, f"dvc status after a model code edit lists {sorted(changed)}"
     model_py.write_text(source)

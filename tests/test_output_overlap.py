@@ -18,10 +18,11 @@ from tests.test_bad_inputs import REPO, _argv
 INPUTS = {
     "dump": ["--train-root"],
     "dynamics": ["--train-root"],
+    "loopmap": ["--train-root"],
     "geometry": ["--dump-root"],
     "readouts": ["--geometry-root"],
     "gates": ["--dump-root"],
-    "diagnose": ["--readouts-root", "--gates-root", "--geometry-root", "--dump-root"],
+    "diagnose": ["--readouts-root", "--gates-root", "--geometry-root", "--dump-root", "--loopmap-root"],
     "latency": ["--train-root", "--dump-root", "--readouts-root", "--gates-root"],
     "generate": ["--train-root", "--dump-root", "--readouts-root", "--gates-root"],
     "report": [f"--root/{s}" for s in REPORT_READS],

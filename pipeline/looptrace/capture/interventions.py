@@ -11,7 +11,8 @@ h_k + δ on every position of every sequence at once:
 Then h'_{k+j} = F_{k+j}(h'_{k+j−1}) through the model's own loop step, and per token and j = 1..T − k:
 
 - state effect e_j[i] = ‖h'_{k+j}[i] − h_{k+j}[i]‖ / ‖δ[i]‖ (h_{k+j} re-run from h_k by the same code) (1 at j = 0; the decay of the perturbation);
-- readout effect KL(p_{k+j} ‖ p'_{k+j}) of the exit readout at loop k + j;
+- readout effect KL(p_{k+j} ‖ p'_{k+j}) of the exit readout at loop k + j, and the argmax flip
+  1[argmax p'_{k+j} ≠ argmax p_{k+j}] (the answer changed);
 - linearised prediction ê_j[i] = ‖(J_{k+j} ⋯ J_{k+1} δ)[i]‖ / ‖δ[i]‖, the JVP chain of SPEC §2b's Jacobians
   (exact for a linear map: there e_j = ‖A^j δ‖/‖δ‖).
 
@@ -89,7 +90,8 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
         readout: (h_t, t) -> logits [batch, seq, vocab]; None = no readout effect.
 
     Returns:
-        ``state`` e_j, ``linear`` ê_j and (with ``readout``) ``kl`` — each [batch, seq, T − k] float32, column j − 1
+        ``state`` e_j, ``linear`` ê_j and (with ``readout``) ``kl`` and ``flip`` (0/1) — each [batch, seq, T − k]
+        float32, column j − 1
         for j = 1..T − k — and ``delta_norm`` [batch, seq] ‖δ‖.
     """
     T = hidden.shape[2]
@@ -106,7 +108,7 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
         # the reference re-runs loops k+1..T from h_k through the same code (and attention kernel) as the perturbed
         # run, so a size-0 intervention gives exactly zero effect instead of the kernels' rounding differences
         h_p, tangent, h_ref = h_k + delta, delta, h_k
-        state, linear, kl = [], [], []
+        state, linear, kl, flip = [], [], [], []
         for t in range(k, T):
             h_p = step(h_p, t)
             pushed = torch.func.jvp(lambda x, t=t: step(x, t), (h_ref,), (tangent,))
@@ -116,11 +118,13 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
             if readout is not None:
                 lp, lq = F.log_softmax(readout(h_ref, t).float(), -1), F.log_softmax(readout(h_p, t).float(), -1)
                 kl.append((lp.exp() * (lp - lq)).sum(-1))
+                flip.append((lp.argmax(-1) != lq.argmax(-1)).float())
         zero = (dn == 0)[..., None]  # no perturbation: no effect (not 0/0)
         out = {"state": torch.stack(state, -1).masked_fill(zero, 0.0).float(),
                "linear": torch.stack(linear, -1).masked_fill(zero, 0.0).float(), "delta_norm": dn.float()}
         if readout is not None:
             out["kl"] = torch.stack(kl, -1).float()
+            out["flip"] = torch.stack(flip, -1)
         return out
 
 

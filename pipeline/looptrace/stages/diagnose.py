@@ -10,6 +10,7 @@ from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, t
 from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
 from looptrace.diagnose.halting_findings import findings_markdown, halting_findings, model_figures
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
+from looptrace.diagnose.loopmap_artifacts import loopmap_artifacts
 from looptrace.diagnose.loopmap_models import loopmap_models
 from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
@@ -29,6 +30,8 @@ def main(
     geometry_root: Path = typer.Option(Path("artifacts/geometry"), help="root of the geometry stage's outputs"),
     dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores (loop-map "
                                    "diagnoses of test stores dumped with dump.contraction)"),
+    loopmap_root: Path = typer.Option(Path("artifacts/loopmap"), help="root of the loopmap stage's outputs (loop-map "
+                                      "diagnoses on a fixed sample of every model)"),
     out: Path = typer.Option(Path("artifacts/diagnose"), help="output directory"),
 ) -> None:
     """Trajectory vs readout failures per model × rule, and whether [AD]'s findings hold."""
@@ -41,7 +44,7 @@ def main(
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out, stage="diagnose", inputs={"--readouts-root": readouts_root, "--gates-root": gates_root,
                                                        "--geometry-root": geometry_root,
-                                                       "--dump-root": dump_root}):
+                                                       "--dump-root": dump_root, "--loopmap-root": loopmap_root}):
             names = model_names(params, models)
             meta = {"seed": base.seed, "params": {**to_dict(cfg), "intervals": to_dict(ivc)}, "versions": versions(),
                     "models_list": names}
@@ -59,6 +62,8 @@ def main(
                 metrics = {**metrics, "halting_findings": found}
             # issue 27: only models dumped with dump.contraction; none (the default) -> nothing written
             loopmap, loopmap_words = loopmap_models(names, dump_root, base.seed)
+            if loopmap is None:  # the default: the loopmap stage's fixed sample of every model
+                loopmap, loopmap_words = loopmap_artifacts(names, loopmap_root)
             if loopmap is not None:
                 frames = {**frames, "loopmap": loopmap}
                 summary += loopmap_words
