@@ -47,12 +47,17 @@ def test_halting_table_hand_case(tmp_path):
                ("top1", "posthoc", 1.2, 1.25, 0.8), ("entropy", "posthoc", 1.4, 1.3, 0.9)])
     _readouts(tmp_path, "rp-recurtrace-s1", "recurtrace", fixed[1],
               [("gate_step", "native", 2.1, 2.0, 0.9), ("q_exit", "native", 1.0, 1.0, 0.6),
-               ("top1", "posthoc", 1.5, 1.5, 0.85), ("entropy", "posthoc", 1.1, 1.05, 0.7)])
+               ("top1", "posthoc", 1.5, 1.5, 0.85), ("entropy", "posthoc", 1.1, 1.05, 0.7),
+               ("calm", "posthoc", 2.5, 2.4, 0.93)])  # CALM run on this seed only: its own row, one seed
     _readouts(tmp_path, "rp-act-s0", "act", fixed[0], [("act_exit", "native", 1.0, 1.04, 0.5),
                                                        ("top1", "posthoc", 1.0, 1.0, 0.5)])
     t = halting_table(["rp-recurtrace-s0", "rp-recurtrace-s1", "rp-act-s0"], tmp_path, None, collapse_tol=0.1)
     rt = t.filter(pl.col("regime") == "recurtrace")
-    assert rt["method"].to_list() == ["fixed 1", "fixed 2", "fixed 3", "native", "best post-hoc"]
+    assert rt["method"].to_list() == ["fixed 1", "fixed 2", "fixed 3", "native", "best post-hoc", "CALM"]
+    calm = rt.filter(pl.col("method") == "CALM").row(0, named=True)
+    # one seed: its own test point and bootstrap interval; Δ against fixed at 2.4 loops = 0.6·0.8 + 0.4·0.95
+    assert calm["rules"] == "calm" and calm["n_seeds"] == 1 and calm["loops"] == pytest.approx(2.4)
+    assert calm["accuracy_lo"] == pytest.approx(0.91) and calm["delta_matched"] == pytest.approx(0.93 - 0.86)
     nat = rt.filter(pl.col("method") == "native").row(0, named=True)
     assert nat["rules"] == "gate_step" and nat["n_seeds"] == 2 and nat["source"] == "[RT]"
     tq = student_t.ppf(0.975, 1)

@@ -8,6 +8,8 @@ One row per task × regime × method, over the training seeds of the group:
   ``gate_step``, ``act`` → ``act_exit``); absent for regimes without a head;
 - ``best post-hoc``: the post-hoc readout chosen on val (:func:`~looptrace.rules.scoring.best_chosen`, kind
   ``posthoc``; CALM's rule among them when the readouts ran it);
+- ``CALM``: CALM's own rule (``calm``: softmax response with its Learn-then-Test threshold, Schuster et al. 2022)
+  at its chosen point, when the readouts ran it — the comparable point [RT] reports for CALM;
 - ``best refit gate``: the refit gate chosen on val (when the gates stage ran).
 
 Figures (SPEC §4 "Headlines"): test accuracy and mean loops at the val-chosen point, each a 95 % interval —
@@ -33,6 +35,7 @@ from looptrace.config import MissingInputError
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
+from looptrace.rules.calm import CALM
 from looptrace.rules.native_halting import NATIVE_EXITS, REGIME_SOURCES
 from looptrace.rules.scoring import best_chosen
 
@@ -80,6 +83,9 @@ def _model_rows(model: str, readouts_root: Path, gates_root: Path | None) -> tup
         own = chosen.filter(pl.col("rule") == native)
         picks.append(("native", own.row(0, named=True) if own.height else None))
     picks.append(("best post-hoc", best_chosen(chosen, ["posthoc"])))
+    calm = chosen.filter(pl.col("rule") == CALM.name)
+    if calm.height:
+        picks.append(("CALM", calm.row(0, named=True)))
     gdir = None if gates_root is None else Path(gates_root) / model
     if gdir is not None and (gdir / "chosen.parquet").is_file():
         picks.append(("best refit gate", best_chosen(read_parquet(gdir / "chosen.parquet"))))
