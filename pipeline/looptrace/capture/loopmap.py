@@ -25,6 +25,7 @@ The cost is bounded by the sample: ``sequences`` × T × (2·``power_iters`` + 1
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,8 +190,7 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
     T = adapter.info.n_loops
     ccfg = ContractionConfig(power_iters=cfg.power_iters, position_chunk=cfg.position_chunk, seed=seed)
     icfgs = cfg.interventions(T, seed)
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in ("rho", "ftle", "rel_step", "entropy", "correct",
-                                                          "sequence")}
+    parts: defaultdict[str, list[np.ndarray]] = defaultdict(list)  # the Returns' [token, loop] / [token] arrays
     effects: list[dict[str, list[np.ndarray]]] = [{m: [] for m in (*MEASURES, "delta_norm")} for _ in icfgs]
     # near-equal batches (np.array_split): none of one sequence, so patching always has another to take from
     bounds = np.array_split(np.arange(n), max(1, -(-n // cfg.batch_size)))
