@@ -114,7 +114,7 @@ def input_roots(train_root, dump_root, readouts_root, gates_root) -> dict[str, o
 
 
 #: The stages whose outputs the report reads under ``--root`` (SPEC §10 layout).
-REPORT_READS = ("readouts", "gates", "geometry", "diagnose", "latency", "generate")
+REPORT_READS = ("readouts", "gates", "geometry", "diagnose", "latency", "generate", "loopmap")
 
 
 def report_inputs(root: str | os.PathLike) -> dict[str, os.PathLike]:

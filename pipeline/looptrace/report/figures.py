@@ -14,6 +14,7 @@ import polars as pl
 from looptrace.diagnose.stats import with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.report.inputs import Inputs, ReportConfig
+from looptrace.report.loopmap import decay_values, per_loop_values
 from looptrace.rules.native_halting import NATIVE_EXITS
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import best_chosen
@@ -638,6 +639,66 @@ def _slug(s: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", s)
 
 
+def fig_loopmap(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi: int, seed_lines: bool = False
+                ) -> Path | None:
+    """The loop-map figure (issue 27; the loopmap stage's tables, :mod:`looptrace.report.loopmap`): ρ_t, λ_t and
+    the noise decay by loop: rows = the three measures, columns = tasks, one line per regime
+    (geometric mean over seeds for ρ and the decay, plain mean for λ, each with the across-seed 95 % band)."""
+    if lm is None or "per_loop" not in lm:
+        return None
+    from looptrace.report.figures import (
+        FIG_W,
+        _band,
+        _groups_of,
+        _legend_below,
+        _plt,
+        _save,
+        _seeds_label,
+        _tasks,
+        regime_colours,
+    )
+
+    plt = _plt()
+    colours = regime_colours(inp.meta)
+    tasks = _tasks(inp.meta)
+    fig, axes = plt.subplots(3, len(tasks), figsize=(FIG_W, 9.6), squeeze=False, layout="constrained")
+    handles: dict[str, object] = {}
+    what = None
+    for c, task in enumerate(tasks):
+        for regime, metas in _groups_of(inp.meta, task):
+            names = [m["model"] for m in metas]
+            T = max(int(m["n_loops"]) for m in metas)
+            x = np.arange(1, T + 1)
+            rho = per_loop_values(lm, names, "rho_median", T)
+            if not np.isfinite(rho).any():
+                continue
+            h = _band(axes[0, c], x, rho, colours[regime], regime, log=True, seed_lines=seed_lines)
+            _band(axes[1, c], x, per_loop_values(lm, names, "ftle_median", T), colours[regime], regime,
+                  seed_lines=seed_lines)
+            state, what = decay_values(lm, names, "state", T)
+            if np.isfinite(state).any():
+                _band(axes[2, c], x, state, colours[regime], regime, log=True, seed_lines=seed_lines)
+                lin, _ = decay_values(lm, names, "linear", T)
+                _band(axes[2, c], x, lin, colours[regime], regime, log=True, ls="--", marker=None)
+            handles.setdefault(f"{regime} ({_seeds_label(len(names))})", h)
+        axes[0, c].axhline(1.0, color="k", lw=0.8, ls=":")
+        axes[1, c].axhline(0.0, color="k", lw=0.8, ls=":")
+        axes[0, c].set(title=task, ylabel="median ρ_t (local contraction)", yscale="log")
+        axes[1, c].set(ylabel="median λ_t (FTLE, nats per loop)")
+        axes[2, c].set(xlabel="loop t  /  loops j after the intervention (bottom)",
+                       ylabel="median relative state effect", yscale="log")
+        for r in range(3):
+            axes[r, c].xaxis.get_major_locator().set_params(integer=True)
+    from matplotlib.lines import Line2D
+
+    handles["linearised ‖J^j δ‖/‖δ‖ (dashed)"] = Line2D([], [], color="grey", ls="--")
+    _legend_below(fig, handles)
+    fig.suptitle("Loop map: contraction ρ_t (< 1 contracts), FTLE λ_t (< 0 contracts) and the decay of "
+                 + (what or "an intervention") + " (mean over seeds, 95 % band)")
+    return _save(fig, out / "loopmap.png", dpi)
+
+
+
 def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Path]:
     """Every figure whose inputs exist: name -> PNG path (inside ``fig_dir``)."""
     made: dict[str, Path | None] = {
@@ -650,4 +711,5 @@ def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Pat
     made["failure_classes"] = fig_failures(inp, fig_dir, cfg.dpi)
     made["cross_regime"] = fig_cross_regime(inp, cfg, fig_dir, cfg.dpi)
     made["latency"] = fig_latency(inp, fig_dir, cfg.dpi)
+    made["loopmap"] = fig_loopmap(inp, inp.loopmap, fig_dir, cfg.dpi, cfg.seed_lines)
     return {k: v for k, v in made.items() if v is not None}

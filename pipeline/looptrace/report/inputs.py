@@ -14,6 +14,7 @@ import polars as pl
 from looptrace.config import ConfigError, MissingInputError
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.io.parquet import read_verified
+from looptrace.report.loopmap import load_loopmap
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Inputs:
         generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
         halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``; issue 26), collapse_tol: the
             diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
+        loopmap: the loopmap stage's tables (:data:`looptrace.report.loopmap.TABLES`, issue 27), table -> rows.
         missing: input -> what to run.
     """
 
@@ -92,6 +94,7 @@ class Inputs:
     halting_table: pl.DataFrame | None = None
     collapse_tol: float | None = None
     faithfulness: pl.DataFrame | None = None
+    loopmap: dict[str, pl.DataFrame] | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -229,6 +232,9 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         inp.generate_metrics = read_json(gm) if gm.is_file() else None
     else:
         missing["generate/generate.parquet"] = "run the generate stage"
+    inp.loopmap = load_loopmap(root, list(models))
+    if inp.loopmap is None:
+        missing["loopmap/"] = "run the loopmap stage"
     return inp
 
 

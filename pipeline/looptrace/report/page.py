@@ -32,6 +32,9 @@ from looptrace.report.headline import (
 )
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.report.interactive import PLOTLY_JS, interactive_html
+from looptrace.report.loopmap import COLUMNS as LOOPMAP_COLUMNS
+from looptrace.report.loopmap import INTRO as LOOPMAP_INTRO
+from looptrace.report.loopmap import loopmap_rows
 
 
 class _ShiftHeadings(Treeprocessor):
@@ -110,6 +113,9 @@ _CAPTIONS = {
                        "(number = total error %; the rest is correct): trajectory = no loop is right, readout early = "
                        "exited before the first right loop, overthinking = exited after a right loop at a wrong one.",
     "cross_regime": "Offline gates fit on one model's frozen trajectories and applied to another's (SPEC §6).",
+    "loopmap": "The loop map by loop (loopmap stage, SPEC §2b): median local contraction ρ_t (top), median "
+               "finite-time Lyapunov exponent λ_t (middle), and the median relative effect of a noise intervention "
+               "j loops after it with its linearised prediction dashed (bottom); mean over seeds with the 95 % band.",
     "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
                "dashed line is 0.8 × ideal.",
 }
@@ -184,6 +190,9 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
                   "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
                   _table(gt, gcols)]
     parts += halting_html(inp)  # issue 26: the halting methods' table and the faithfulness tests
+    if inp.loopmap is not None:  # issue 27: the loopmap stage's regime, certified exit and windows per model
+        parts += ["<h2>Loop map</h2>", f"<p>{html.escape(LOOPMAP_INTRO)}</p>",
+                  _table(loopmap_rows(inp.loopmap), [(c, h, None) for c, h in LOOPMAP_COLUMNS])]
     if inp.loop_summary is not None:
         inf = nonfinite_table(inp.loop_summary)
         parts += ["<h2>Non-finite values</h2>", f"<p>{html.escape(_nonfinite_text(inf))}</p>"]
