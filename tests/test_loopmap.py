@@ -74,7 +74,12 @@ def test_regime_words():
     exp = regime(np.repeat(0.3 + 0.01 * rng.standard_normal(40), 3), np.full((120, 4), 1.5), seq, cfg)
     assert exp["regime"] == "expanding" and "chaotic" in exp["words"] and exp["share_rho_below_1"] == 0.0
     mar = regime(np.repeat(0.05 * rng.standard_normal(40), 3), np.full((120, 4), 0.9), seq, cfg)
-    assert mar["regime"] == "marginal"
+    assert mar["regime"] == "marginal" and "neither clearly" in mar["words"]
+    # λ_T clearly < 0 but ρ_t ≥ 1 on 3 of 4 loops: marginal, said as contracting over T loops, not loop by loop
+    rho = np.tile([0.5, 1.5, 1.5, 1.5], (120, 1))
+    glob = regime(np.repeat(-0.5 + 0.01 * rng.standard_normal(40), 3), rho, seq, cfg)
+    assert glob["regime"] == "marginal" and glob["share_rho_below_1"] == 0.25
+    assert "contracts over the T loops (λ_T < 0) but not loop by loop" in glob["words"]
     assert con["ftle_lo"] <= con["ftle_median"] <= con["ftle_hi"]
 
 

@@ -135,6 +135,11 @@ def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: L
              "expanding": "is in the expanding (chaotic) regime: a perturbation grows over the T loops on "
                           "median, so a convergence depth is not guaranteed",
              "marginal": "is marginal: neither clearly contracting nor clearly expanding at this interval"}[name]
+    if name == "marginal" and upper < -cfg.delta:
+        # λ_T < 0 with its interval but ρ_t < 1 on at most half the pairs: the trajectory contracts over the T
+        # loops while single loops stretch their top direction, so "neither" would misread the FTLE
+        words = ("is marginal: it contracts over the T loops (λ_T < 0) but not loop by loop — most single loops "
+                 "stretch their top direction (ρ_t ≥ 1), where the Banach certificate cannot apply")
     sentence = (f"The loop map {words} (median final FTLE {med:.3f}{iv} nats per loop over {len(seq_ids)} "
                 f"sequences; ρ_t < 1 on {100 * share:.0f}{siv} % of (token, loop) pairs).")
     return {"regime": name, "ftle_median": med, "ftle_lo": lo, "ftle_hi": hi, "share_rho_below_1": share,
