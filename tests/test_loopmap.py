@@ -1,6 +1,8 @@
 """Loop-map diagnoses (SPEC §2b): the certified bound on closed-form linear loop maps, the certified exit, the regime
 in words, failure AUCs against scikit-learn, and the whole report on a tiny model's contraction dump."""
 
+import math
+
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
@@ -98,6 +100,13 @@ def test_failure_auc_equals_sklearn_and_has_an_interval():
     inc = correct.any(axis=1)
     want = roc_auc_score((inc & ~correct[:, -1])[inc], score[inc])
     assert rd["auc"] == pytest.approx(want)
+    # fewer failures than min_class: no AUC (one failure's bootstrap interval is falsely narrow), n_pos still given
+    n_traj = row["n_pos"]
+    few = failure_auc({"s": score}, correct, seq, LoopMapConfig(n_boot=20, min_class=n_traj + 1))
+    fr = few.filter(few["failure"] == "trajectory").row(0, named=True)
+    assert math.isnan(fr["auc"]) and math.isnan(fr["auc_lo"]) and fr["n_pos"] == n_traj
+    ok = failure_auc({"s": score}, correct, seq, LoopMapConfig(n_boot=20, min_class=n_traj))
+    assert ok.filter(ok["failure"] == "trajectory")["auc"][0] == pytest.approx(row["auc"])
 
 
 def test_report_on_a_tiny_contraction_dump():

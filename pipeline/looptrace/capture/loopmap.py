@@ -95,6 +95,8 @@ class LoopmapConfig:
         delta: |median final FTLE| below this (interval included) reads as marginal.
         n_boot: bootstrap resamples over sequences (regime, AUC, flip share; 0 = no intervals).
         level: interval coverage (also of the central interval over tokens).
+        min_class: fewest failures (and non-failures) on the sample for a failure AUC (else NaN; one failure
+            gives a falsely narrow interval).
         dpi: figure resolution (figures are ≤ 1400 px wide at any dpi).
     """
 
@@ -114,12 +116,13 @@ class LoopmapConfig:
     delta: float = 0.02
     n_boot: int = 200
     level: float = 0.95
+    min_class: int = 10
     dpi: int = 100
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise ConfigError(f"loopmap.split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-        for key in ("sequences", "batch_size", "power_iters", "position_chunk", "dpi"):
+        for key in ("sequences", "batch_size", "power_iters", "position_chunk", "min_class", "dpi"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"loopmap.{key} must be >= 1, got {getattr(self, key)}")
         if self.patch and (self.batch_size < 2 or self.sequences < 2):
@@ -142,7 +145,8 @@ class LoopmapConfig:
 
     def diagnoses(self, seed: int) -> LoopMapConfig:
         """The :class:`~looptrace.diagnose.loopmap.LoopMapConfig` of the regime / frontier / AUC functions."""
-        return LoopMapConfig(eps=tuple(self.eps), delta=self.delta, n_boot=self.n_boot, level=self.level, seed=seed)
+        return LoopMapConfig(eps=tuple(self.eps), delta=self.delta, n_boot=self.n_boot, level=self.level, seed=seed,
+                             min_class=self.min_class)
 
     def interventions(self, n_loops: int, seed: int) -> list[InterventionConfig]:
         """The interventions run on a model with T = ``n_loops`` (loops k ≥ T skipped), in table order."""

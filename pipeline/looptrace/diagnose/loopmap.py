@@ -50,6 +50,10 @@ class LoopMapConfig:
         n_boot: bootstrap resamples over sequences (0 = no intervals).
         level: interval coverage.
         seed: bootstrap seed.
+        min_class: fewest tokens of each class (failures, non-failures) for an AUC: with fewer, the AUC is NaN —
+            one failure makes the AUC the rank of one token and its bootstrap interval falsely narrow (a
+            resample holds that token or not at all), seen on the default models (1 readout failure: "AUC 0.997
+            [0.990, 1.000]").
     """
 
     eps: tuple[float, ...] = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
@@ -57,6 +61,7 @@ class LoopMapConfig:
     n_boot: int = 200
     level: float = 0.95
     seed: int = 0
+    min_class: int = 10
 
     def __post_init__(self) -> None:
         if not self.eps or any(not e > 0 for e in self.eps):
@@ -196,7 +201,8 @@ def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, seque
         cfg: B, level, seed.
 
     Returns:
-        :data:`AUC_SCHEMA` rows; NaN AUC where a class is empty (or an interval's resample lacks one).
+        :data:`AUC_SCHEMA` rows; NaN AUC where a class has fewer than ``cfg.min_class`` tokens (or an interval's
+        resample lacks one).
     """
     from sklearn.metrics import roc_auc_score
 
@@ -210,7 +216,7 @@ def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, seque
             yy, xx = y[ok], x[ok]
             n_pos, n_neg = int(yy.sum()), int((~yy).sum())
             auc = lo = hi = float("nan")
-            if n_pos and n_neg:
+            if min(n_pos, n_neg) >= max(1, cfg.min_class):
                 auc = float(roc_auc_score(yy, xx))
                 if rs is not None:
                     samples = weighted_auc(yy, xx, rs.token_weights()[:, inc][:, ok])
@@ -266,7 +272,9 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
             words.append(f"Best predictor of {failure} failures: {best['predictor']} (AUC {best['auc']:.2f} "
                          f"[{best['auc_lo']:.2f}, {best['auc_hi']:.2f}], {best['n_pos']} failures).")
         else:
-            words.append(f"No AUC for {failure} failures: one class is empty.")
+            n = int(auc.filter(pl.col("failure") == failure)["n_pos"].max() or 0)  # type: ignore[arg-type]
+            words.append(f"No AUC for {failure} failures: {n} on the sample, fewer than the {cfg.min_class} "
+                         "each class needs (loopmap.min_class).")
     return {"regime": reg, "frontier": frontier, "auc": auc, "words": words}
 
 
