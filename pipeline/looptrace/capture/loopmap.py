@@ -116,7 +116,7 @@ class LoopmapConfig:
     delta: float = 0.02
     n_boot: int = 200
     level: float = 0.95
-    min_class: int = 10
+    min_class: int = 5
     dpi: int = 100
 
     def __post_init__(self) -> None:

@@ -61,7 +61,7 @@ class LoopMapConfig:
     n_boot: int = 200
     level: float = 0.95
     seed: int = 0
-    min_class: int = 10
+    min_class: int = 5
 
     def __post_init__(self) -> None:
         if not self.eps or any(not e > 0 for e in self.eps):
