@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -32,6 +33,27 @@ import torch
 SMOKE = {"sequences": 6, "seq_len": 5, "d_model": 16, "loops": 2, "iters": [1, 2], "reps": 1, "threads": 1}
 #: Sequences the default pipeline dumps per model (params.yaml dump.sequences: fit + val + test).
 DEFAULT_SEQUENCES = 2048
+
+
+def paired_ratios(timed: Callable[[str], float], names: list[str], reps: int
+                  ) -> tuple[list[float], dict[str, list[float]]]:
+    """Each run of ``names`` other than ``"plain"`` timed between two plain runs, after one untimed warm-up of
+    every name: (every plain time, name -> its time / the mean of its two plain neighbours per repetition) — the
+    baseline measured in the same run, next to each measurement (shared with benchmarks/contraction_hf.py)."""
+    for name in names:  # warm-up, untimed
+        timed(name)
+    plain: list[float] = []
+    ratios: dict[str, list[float]] = {n: [] for n in names if n != "plain"}
+    for _ in range(reps):
+        before = timed("plain")
+        plain.append(before)
+        for name in ratios:
+            t = timed(name)
+            after = timed("plain")
+            plain.append(after)
+            ratios[name].append(t / ((before + after) / 2))
+            before = after
+    return plain, ratios
 
 
 def main() -> int:
@@ -79,19 +101,7 @@ def main() -> int:
             torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    for name in runs:  # warm-up, untimed
-        timed(name)
-    plain: list[float] = []
-    ratios: dict[str, list[float]] = {n: [] for n in runs if n != "plain"}
-    for _ in range(args.reps):
-        before = timed("plain")
-        plain.append(before)
-        for name in ratios:
-            t = timed(name)
-            after = timed("plain")
-            plain.append(after)
-            ratios[name].append(t / ((before + after) / 2))
-            before = after
+    plain, ratios = paired_ratios(timed, list(runs), args.reps)
     base = statistics.median(plain)
     n_tok = args.sequences * args.seq_len
     print(f"contraction benchmark: {args.sequences} sequences x {args.seq_len} positions ({n_tok} tokens), d_model "

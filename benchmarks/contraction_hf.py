@@ -26,6 +26,9 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's paired timing
+from contraction import paired_ratios  # noqa: E402
+
 SMOKE = {"sequences": 4, "seq_len": 5, "iters": [1], "reps": 1, "threads": 1}
 
 
@@ -79,19 +82,7 @@ def main() -> int:
             dump_split(adapter, data, memory_store(), runs[name], progress=False)
             return time.perf_counter() - t0
 
-        for name in runs:  # warm-up, untimed
-            timed(name)
-        plain: list[float] = []
-        ratios: dict[str, list[float]] = {n: [] for n in runs if n != "plain"}
-        for _ in range(args.reps):
-            before = timed("plain")
-            plain.append(before)
-            for name in ratios:
-                t = timed(name)
-                after = timed("plain")
-                plain.append(after)
-                ratios[name].append(t / ((before + after) / 2))
-                before = after
+        plain, ratios = paired_ratios(timed, list(runs), args.reps)
         info = adapter.info
         print(f"contraction_hf benchmark: {args.kind} ({info.n_loops} loops, d_model {info.d_model}, "
               f"{len(adapter.loop_layers(0))} loop-block layers), {args.sequences} sequences x {args.seq_len} "
