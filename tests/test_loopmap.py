@@ -4,6 +4,7 @@ in words, failure AUCs against scikit-learn, and the whole report on a tiny mode
 import math
 
 import numpy as np
+import polars as pl
 import pytest
 from sklearn.metrics import roc_auc_score
 
@@ -127,3 +128,16 @@ def test_report_on_a_tiny_contraction_dump():
     plain = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=6, chunk_tokens=32))
     with pytest.raises(InputError, match="dump.contraction"):
         loopmap_report(plain)
+
+
+def test_auc_sentences_best_first_or_why_not():
+    from looptrace.diagnose.loopmap import auc_sentences
+
+    nan = float("nan")
+    auc = pl.DataFrame({"failure": ["trajectory", "trajectory", "readout", "readout"],
+                        "predictor": ["ftle", "entropy", "ftle", "entropy"],
+                        "auc": [0.71, 0.98, nan, nan], "auc_lo": [0.6, 0.95, nan, nan], "auc_hi": [0.85, 0.99, nan, nan],
+                        "n_pos": [8, 8, 2, 2], "n_neg": [250, 250, 259, 259]})
+    assert auc_sentences(auc, 5) == [
+        "AUC for trajectory failures (8 on the sample), best first: entropy 0.98 [0.95, 0.99], ftle 0.71 [0.60, 0.85].",
+        "No AUC for readout failures: 2 on the sample, fewer than the 5 each class needs (loopmap.min_class)."]

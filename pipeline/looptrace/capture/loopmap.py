@@ -40,6 +40,7 @@ from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.diagnose.loopmap import (
     AUC_SCHEMA,
     LoopMapConfig,
+    auc_sentences,
     certified_exit,
     certified_frontier,
     failure_auc,
@@ -343,10 +344,10 @@ def loopmap_tables(model: str, raw: dict, cfg: LoopmapConfig, seed: int, n_loops
               "per_loop": per_loop_table(model, raw, cfg), "frontier": frontier,
               "auc": auc.select(pl.lit(model).alias("model"), pl.all()),
               "windows": windows, "window_length": lengths}
-    return frames, summary_words(frames, reg["words"])
+    return frames, summary_words(frames, reg["words"], cfg.min_class)
 
 
-def summary_words(frames: dict, regime_words: str) -> list[str]:
+def summary_words(frames: dict, regime_words: str, min_class: int = LoopmapConfig.min_class) -> list[str]:
     """The regime sentence, where the certified exit sits on the sample's front, and the state windows."""
     words = [regime_words]
     fr = frames["frontier"]
@@ -367,6 +368,7 @@ def summary_words(frames: dict, regime_words: str) -> list[str]:
     if parts:
         words.append(f"Intervention windows (loops until the median state effect ≤ {wl['threshold'][0]:g}): "
                      + "; ".join(parts) + ".")
+    words += auc_sentences(frames["auc"], min_class)
     return words
 
 

@@ -265,18 +265,27 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
     else:
         words.append(f"The certified fixed-point exit certifies {100 * fired:.0f} % of tokens at ε = "
                      f"{max(cfg.eps):g} (ρ_t < 1 on {100 * reg['share_rho_below_1']:.0f} % of pairs).")
-    for failure in FAILURES:
-        sub = auc.filter((pl.col("failure") == failure) & pl.col("auc").is_not_nan())
-        if sub.height:
-            best = sub.sort("auc", descending=True).row(0, named=True)
-            words.append(f"Best predictor of {failure} failures: {best['predictor']} (AUC {best['auc']:.2f} "
-                         f"[{best['auc_lo']:.2f}, {best['auc_hi']:.2f}], {best['n_pos']} failures).")
-        else:
-            n = int(auc.filter(pl.col("failure") == failure)["n_pos"].max() or 0)  # type: ignore[arg-type]
-            words.append(f"No AUC for {failure} failures: {n} on the sample, fewer than the {cfg.min_class} "
-                         "each class needs (loopmap.min_class).")
+    words += auc_sentences(auc, cfg.min_class)
     return {"regime": reg, "frontier": frontier, "auc": auc, "words": words}
 
 
+def auc_sentences(auc: pl.DataFrame, min_class: int) -> list[str]:
+    """One sentence per failure kind of :data:`FAILURES`: every predictor's AUC with its interval, best first, and
+    the number of failures; or why there is none (fewer than ``min_class`` failures)."""
+    out = []
+    for failure in FAILURES:
+        rows = auc.filter(pl.col("failure") == failure)
+        sub = rows.filter(pl.col("auc").is_not_nan()).sort("auc", descending=True)
+        if sub.height:
+            each = ", ".join(f"{r['predictor']} {r['auc']:.2f} [{r['auc_lo']:.2f}, {r['auc_hi']:.2f}]"
+                             for r in sub.iter_rows(named=True))
+            out.append(f"AUC for {failure} failures ({sub['n_pos'][0]} on the sample), best first: {each}.")
+        else:
+            n = int(rows["n_pos"].max() or 0) if rows.height else 0  # type: ignore[arg-type]
+            out.append(f"No AUC for {failure} failures: {n} on the sample, fewer than the {min_class} each class "
+                       "needs (loopmap.min_class).")
+    return out
+
+
 __all__ = ["AUC_SCHEMA", "FAILURES", "FRONTIER_SCHEMA", "LoopMapConfig", "PREDICTORS", "certified_bound",
-           "certified_exit", "certified_frontier", "failure_auc", "failure_labels", "loopmap_report", "regime", "weighted_auc"]
+           "auc_sentences", "certified_exit", "certified_frontier", "failure_auc", "failure_labels", "loopmap_report", "regime", "weighted_auc"]
