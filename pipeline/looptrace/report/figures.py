@@ -693,8 +693,9 @@ def fig_loopmap(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi:
 
     handles["linearised ‖J^j δ‖/‖δ‖ (dashed)"] = Line2D([], [], color="grey", ls="--")
     _legend_below(fig, handles)
-    fig.suptitle("Loop map: contraction ρ_t (< 1 contracts), FTLE λ_t (< 0 contracts) and the decay of "
-                 + (what or "an intervention") + " (mean over seeds, 95 % band)")
+    # short enough for the page width at 12 pt (the long form cut off at both ends); the caption says the rest
+    fig.suptitle("Loop map: ρ_t, λ_t and the decay of " + (what or "an intervention").replace(
+        "noise of relative scale", "noise") + " (seeds: mean, 95 % band)")
     return _save(fig, out / "loopmap.png", dpi)
 
 
