@@ -27,7 +27,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's paired timing
-from contraction import paired_ratios  # noqa: E402
+from contraction import layers_cost, paired_ratios  # noqa: E402
 
 SMOKE = {"sequences": 4, "seq_len": 5, "iters": [1], "reps": 1, "threads": 1}
 
@@ -90,13 +90,7 @@ def main() -> int:
         print(f"plain dump: {statistics.median(plain):.3f} s (median)")
         for name, r in ratios.items():
             print(f"  power_iters={name.split('=')[1]}: contraction dump / plain dump = {statistics.median(r):.2f}x")
-        res = {}
-        for name, layers in (("plain", ()), ("layers", (0, 1))):
-            path = tmp / f"{name}.zarr"
-            t0 = time.perf_counter()
-            dump_split(adapter, data, path, DumpConfig(**base, layers=layers), progress=False)
-            res[name] = (time.perf_counter() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
-        (tp, bp), (tl, bl) = res["plain"], res["layers"]
+        (tp, bp), (tl, bl) = layers_cost(adapter, data, base, tmp)
         print(f"dump.layers [0, 1]: store {bl / 2**20:.2f} MiB vs plain {bp / 2**20:.2f} MiB = {bl / bp:.2f}x bytes, "
               f"{tl / tp:.2f}x wall ({tl:.2f} s vs {tp:.2f} s, one run each)")
     finally:
