@@ -56,9 +56,9 @@ def paired_ratios(timed: Callable[[str], float], names: list[str], reps: int
     return plain, ratios
 
 
-def layers_cost(adapter, data, cfg: dict, tmp) -> tuple[tuple[float, int], tuple[float, int]]:
-    """One plain dump and one with ``dump.layers: [0, 1]`` of ``data`` under ``tmp``: ((wall s, store bytes) plain,
-    (wall s, store bytes) with layers), one run each (shared with benchmarks/contraction_hf.py)."""
+def layers_cost(adapter, data, cfg: dict, tmp) -> str:
+    """One plain dump and one with ``dump.layers: [0, 1]`` of ``data`` under ``tmp``, one run each: the printed
+    line with the store-bytes and wall ratios (shared with benchmarks/contraction_hf.py)."""
     from looptrace.capture.dump import DumpConfig, dump_split  # lazily, as main's imports (after --threads)
 
     res = {}
@@ -67,7 +67,9 @@ def layers_cost(adapter, data, cfg: dict, tmp) -> tuple[tuple[float, int], tuple
         t0 = time.perf_counter()
         dump_split(adapter, data, path, DumpConfig(**cfg, layers=layers), progress=False)
         res[name] = (time.perf_counter() - t0, sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
-    return res["plain"], res["layers"]
+    (tp, bp), (tl, bl) = res["plain"], res["layers"]
+    return (f"dump.layers [0, 1]: store {bl / 2**20:.2f} MiB vs plain {bp / 2**20:.2f} MiB = {bl / bp:.2f}x bytes, "
+            f"{tl / tp:.2f}x wall ({tl:.2f} s vs {tp:.2f} s, one run each)")
 
 
 def main() -> int:
@@ -141,9 +143,7 @@ def main() -> int:
     ad2 = LoopedTransformerAdapter(LoopedTransformer(cfg2), "bench2", device=args.device)
     tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-layers-"))
     try:
-        (tp, bp), (tl, bl) = layers_cost(ad2, data, {"batch_size": args.batch, "chunk_tokens": 4096}, tmp)
-        print(f"dump.layers [0, 1] of a 2-layer block: store {bl / 2**20:.2f} MiB vs plain {bp / 2**20:.2f} MiB = "
-              f"{bl / bp:.2f}x bytes, {tl / tp:.2f}x wall ({tl:.2f} s vs {tp:.2f} s, one run each)")
+        print(layers_cost(ad2, data, {"batch_size": args.batch, "chunk_tokens": 4096}, tmp) + " (a 2-layer block)")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -90,9 +90,7 @@ def main() -> int:
         print(f"plain dump: {statistics.median(plain):.3f} s (median)")
         for name, r in ratios.items():
             print(f"  power_iters={name.split('=')[1]}: contraction dump / plain dump = {statistics.median(r):.2f}x")
-        (tp, bp), (tl, bl) = layers_cost(adapter, data, base, tmp)
-        print(f"dump.layers [0, 1]: store {bl / 2**20:.2f} MiB vs plain {bp / 2**20:.2f} MiB = {bl / bp:.2f}x bytes, "
-              f"{tl / tp:.2f}x wall ({tl:.2f} s vs {tp:.2f} s, one run each)")
+        print(layers_cost(adapter, data, base, tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
