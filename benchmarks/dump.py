@@ -43,6 +43,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -106,6 +107,13 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
 
     saved = {"_capture": D._capture, "encode_states_counted": D.encode_states_counted, "LoopStats": D.LoopStats}
     real_write, real_add, real_put = StoreWriter.write_chunk, D._ChunkAssembler.add, D._BackgroundWriter.put
+    real_prepare = StoreWriter.prepare_chunk
+    main = threading.main_thread()
+
+    def prepare(self, *a, **k):  # the main thread's share only (the writer threads prepare on an accelerator)
+        if threading.current_thread() is not main:
+            return real_prepare(self, *a, **k)
+        return timed(real_prepare, "encode")(self, *a, **k)
     real_states, real_readout = adapter.states, adapter.readout
     try:
         D._capture = timed(D._capture, "capture")
@@ -116,6 +124,7 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
         D._ChunkAssembler.add = timed(real_add, "assemble")  # type: ignore[method-assign]
         D._BackgroundWriter.put = timed(real_put, "queue wait")  # type: ignore[method-assign]
         StoreWriter.write_chunk = writer_chunk  # type: ignore[method-assign]
+        StoreWriter.prepare_chunk = prepare  # type: ignore[method-assign]
         shutil.rmtree(tmp / "val.zarr", ignore_errors=True)
         os.sync()
         t0 = time.perf_counter()
@@ -126,6 +135,7 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
             setattr(D, k, v)
         del adapter.states, adapter.readout  # the instance attributes: back to the class's methods
         StoreWriter.write_chunk, D._ChunkAssembler.add, D._BackgroundWriter.put = real_write, real_add, real_put
+        StoreWriter.prepare_chunk = real_prepare  # type: ignore[method-assign]
     inner = acc["forward"] + acc["readout"] + acc["stats"] + acc["cast"]
     return {
         "dump (wall)": (total, "the whole dump_split call"),
@@ -135,11 +145,13 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
         "cast + checks": (acc["cast"], "states to the stored dtype, float16 overflow / NaN check"),
         "capture other": (acc["capture"] - inner, "selection, stacking, .numpy(), token columns"),
         "assemble": (acc["assemble"] - acc["queue wait"], "cutting batches into whole chunks (copies)"),
-        "queue wait": (acc["queue wait"], "main thread blocked: the writer's queue was full"),
+        "encode": (acc["encode"], "between batches: compress, checksum and digest each chunk on the pool's threads"),
+        "queue wait": (acc["queue wait"] - acc["encode"], "main thread blocked: the writer's queue was full"),
         "setup": (first[0] - t0, "until the first batch: fingerprint (weights hash), layout, claims"),
         "drain + finish": (total - (first[0] - t0) - acc["capture"] - acc["assemble"],
                            "waiting for the writer's last chunks, verify, finalise (metadata, complete)"),
-        "writer thread cpu": (acc["writer cpu"], "background: compress, checksum, digests, file writes (overlaps)"),
+        "writer thread cpu": (acc["writer cpu"], "background: file writes (O_DIRECT), digests and markers "
+                              "(and the encoding, on an accelerator; overlaps)"),
         "writer thread wall": (acc["writer wall"], "background: its write_chunk calls, wall"),
     }
 

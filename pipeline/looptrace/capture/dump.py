@@ -42,6 +42,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,12 +291,18 @@ class _BackgroundWriter:
         threads: writer threads. One where the forward pass runs on the host's cores (each compressing thread
             takes a core from it); more where the model runs on an accelerator and the host's compression is
             what keeps up with it (:func:`writer_threads`). The stored bytes do not depend on it.
+        encode_pool: when given, each chunk is encoded in the thread that queues it, its arrays spread over
+            these threads (:meth:`StoreWriter.prepare_chunk`), and the background threads only write files: for a
+            forward pass on the host's cores, which wait meanwhile, instead of a compressing thread preempting
+            the forward pass's threads mid-GEMM (issue 28; docs/dump.md).
     """
 
     def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int,
                  before_write: Callable[[], None] | None = None, threads: int = 1,
-                 written: Callable[[Mapping[str, np.ndarray]], None] | None = None):
+                 written: Callable[[Mapping[str, np.ndarray]], None] | None = None,
+                 encode_pool: Executor | None = None):
         self.open_writer = open_writer
+        self.encode_pool = encode_pool
         self.before_write = before_write
         self.written = written  # called with a chunk's arrays once they are on disk (they may be reused)
         self.writer: StoreWriter | None = None
@@ -325,24 +332,33 @@ class _BackgroundWriter:
                 return
             if self.error is None:
                 try:
-                    chunk, data = item
-                    counts = data.pop(NONFINITE)
+                    chunk, data, prepared = item
                     if self.before_write is not None:
                         with self._beat:
                             self.before_write()  # heartbeat + fencing of this process's claim
                     assert self.writer is not None  # opened above, else self.error is set
-                    self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
+                    if prepared is None:
+                        counts = data.pop(NONFINITE)
+                        self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
+                    else:
+                        self.writer.write_chunk(chunk, prepared)
                     if self.written is not None:
                         self.written(data)
                 except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
                     self.error = exc
 
     def put(self, chunk: int, data: dict[str, np.ndarray]) -> None:
+        prepared = None
+        if self.encode_pool is not None and self.error is None:
+            self._opened.wait()
+            if self.writer is not None:
+                counts = data.pop(NONFINITE)
+                prepared = self.writer.prepare_chunk(chunk, data, nonfinite=int(counts.sum()), pool=self.encode_pool)
         while True:
             if self.error is not None:
                 raise self.error
             try:
-                self.q.put((chunk, data), timeout=0.5)
+                self.q.put((chunk, data, prepared), timeout=0.5)
                 return
             except queue.Full:
                 continue
@@ -361,6 +377,18 @@ class _BackgroundWriter:
             raise self.error
         assert self.writer is not None
         return self.writer
+
+
+_ENCODE_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _encode_pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` chunk-encoding threads, kept for its later dumps: a thread's malloc arena
+    then keeps its chunk-sized buffers, which a fresh thread would fault in page by page again."""
+    threads = max(1, threads)
+    if threads not in _ENCODE_POOLS:
+        _ENCODE_POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="looptrace-dump-encode")
+    return _ENCODE_POOLS[threads]
 
 
 def writer_threads(device: torch.device) -> int:
@@ -798,7 +826,10 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
         threads = writer_threads(torch.device(adapter.device))
         queued = max(cfg.writer_queue, threads)
         buffers = _ChunkBuffers(keep=queued + threads + 1)
-        bg = _BackgroundWriter(lambda: writer, queued, before_write=coord.beat, threads=threads, written=buffers.give)
+        # a forward pass on the host's cores: chunks are compressed between batches on as many threads as it uses
+        pool = _encode_pool(torch.get_num_threads()) if torch.device(adapter.device).type == "cpu" else None
+        bg = _BackgroundWriter(lambda: writer, queued, before_write=coord.beat, threads=threads, written=buffers.give,
+                               encode_pool=pool)
         asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put, buffers)
         total = int(cum[min((b1 + 1) * cfg.batch_size, len(data))] - cum[b0 * cfg.batch_size])
         bar = tqdm(total=total, unit="tok", desc=f"dump {label}", disable=None if progress else True, leave=False)

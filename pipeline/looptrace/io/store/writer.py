@@ -10,16 +10,21 @@ import errno
 import math
 import os
 import sys
+import threading
+import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import crc32c
+import numcodecs.blosc
 import numpy as np
 import zarr
 import zarr.abc.store
+import zarr.storage
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.sync import sync
@@ -54,6 +59,26 @@ class ArraySpec:
     dtype: str
 
 
+@dataclass(frozen=True)
+class PreparedChunk:
+    """One chunk encoded by :meth:`StoreWriter.prepare_chunk`, not yet written.
+
+    Attributes:
+        chunk: chunk index; ``rows``: its token rows.
+        direct: (store path, stored object) of every array written as a whole compressed chunk.
+        via_zarr: (array, rows) of the arrays zarr's codec pipeline writes (a partial last chunk, other chains).
+        digests: crc32c of each token array's rows, in the digest array's column order.
+        nonfinite: NaN/Inf count of the chunk's stored states (its marker's value).
+    """
+
+    chunk: int
+    rows: slice
+    direct: list[tuple[Any, _Encoded]]
+    via_zarr: list[tuple[zarr.Array, np.ndarray]]
+    digests: np.ndarray
+    nonfinite: int
+
+
 class StoreWriter:
     """Chunk-at-a-time writer of one store; only ever writes whole, aligned token chunks.
 
@@ -81,6 +106,7 @@ class StoreWriter:
         self.n_chunks = math.ceil(self.n_tokens / self.chunk_tokens)
         self.state_dtypes = {n: d for n, d in (self.attrs.get("dtypes") or {}).items() if n in HIDDEN_NAMES}
         self.own = own
+        self._uncached = _UNCACHED_OK  # whole chunks written with O_DIRECT until the file system refuses it
         self._direct = {name: enc for name, arr in self._arrays.items() if (enc := _DirectChunk.of(arr)) is not None}
         dig = self._arrays.get(_DIGEST)
         self._digest_cols: dict[str, int] = {n: i for i, n in enumerate(cast("list[str]", dig.attrs.get("arrays", [])))} if dig else {}
@@ -179,16 +205,18 @@ class StoreWriter:
             raise StoreError(f"store {self.label}: chunk {chunk} is outside this writer's claimed range "
                              f"{self.own.start}..{self.own.stop - 1}")
 
-    def write_chunk(self, chunk: int, data: Mapping[str, np.ndarray], nonfinite: int | None = None) -> int:
+    def write_chunk(self, chunk: int, data: Mapping[str, np.ndarray] | PreparedChunk,
+                    nonfinite: int | None = None) -> int:
         """Write all token-axis arrays of one whole chunk, then its digests, then its completion marker.
 
-        The arrays are written concurrently (one zarr call; the compressor runs on zarr's thread pool) and
-        the marker only after all of them, so a marker always means "every array of this chunk is on disk".
+        The arrays are written concurrently (one zarr call) and the marker only after all of them, so a marker
+        always means "every array of this chunk is on disk".
 
         Args:
             chunk: chunk index (inside :attr:`own`).
             data: name -> rows of that chunk (exactly ``chunk_rows(chunk)`` rows); every token-axis array of
-                the store must be present. States are cast to the stored dtype here.
+                the store must be present. States are cast to the stored dtype here. Or the chunk already
+                encoded by :meth:`prepare_chunk` (in another thread).
             nonfinite: NaN/Inf count of the chunk's stored ``hidden``/``hidden_init`` when the caller
                 counted it already (the dump counts while casting); None = count here.
 
@@ -200,55 +228,101 @@ class StoreWriter:
                 free space and re-run to resume).
         """
         self._check_own(chunk)
-        rows = self.chunk_rows(chunk)
-        n = rows.stop - rows.start
-        counted = 0
-        writes: list[tuple[zarr.Array, np.ndarray]] = []
-        digests = np.zeros(len(self._digest_cols), dtype=np.uint32)
-        for name, arr in self._arrays.items():
-            if name in _INTERNAL or DIMS.get(name, ("",))[0] != "token":
-                continue
-            if name not in data:
-                raise StoreError(f"store {self.label}: chunk {chunk} lacks array '{name}'")
-            if name in HIDDEN_NAMES:
-                # states: range-checked cast (float16 overflow is an error, never a silent inf), bfloat16 as bits
-                try:
-                    x = encode_states(np.asarray(data[name]), self.state_dtypes.get(name, str(arr.dtype)),
-                                      f"store {self.label}: chunk {chunk} of '{name}'")
-                except PrecisionError as exc:
-                    raise StoreError(str(exc)) from None
-            else:
-                x = np.asarray(data[name], dtype=arr.dtype)
-            if x.shape != (n, *arr.shape[1:]):
-                raise StoreError(f"store {self.label}: chunk {chunk} of '{name}' has shape {x.shape}, "
-                                 f"expected {(n, *arr.shape[1:])}")
-            if name in HIDDEN_NAMES and nonfinite is None:
-                counted += count_nonfinite(x, self.state_dtypes.get(name, str(arr.dtype)))
-            if name in self._digest_cols:
-                digests[self._digest_cols[name]] = chunk_digest(x)
-            writes.append((arr, x))
-
-        # Whole chunks of the usual codec chain are encoded here, in this thread, and handed to the store as bytes
-        # (the same bytes as zarr's codec pipeline: tests/test_store.py); a partial last chunk or another chain
-        # goes through zarr. Why: zarr's pipeline costs ~50 ms of CPU per 4096-token d_model-512 chunk beyond the
-        # compressor itself (a hop to a worker thread per codec, a copy of every compressed chunk to append its
-        # checksum), which on a busy host is taken from the forward pass (issue 28; docs/dump.md).
-        full = n == self.chunk_tokens
-        direct = [(arr.async_array.store_path / enc.key(chunk), enc.encode(x)) for arr, x in writes
-                  if full and (enc := self._direct.get(arr.basename)) is not None]
-        via_zarr = [(arr, x) for arr, x in writes if not (full and arr.basename in self._direct)]
-
-        async def write_all() -> None:
-            await asyncio.gather(*(path.set(buf) for path, buf in direct),
-                                 *(arr.async_array.setitem(rows, x) for arr, x in via_zarr))
-
+        prepared = data if isinstance(data, PreparedChunk) else self.prepare_chunk(chunk, data, nonfinite)
+        if prepared.chunk != chunk:
+            raise StoreError(f"store {self.label}: chunk {chunk} given the encoded objects of chunk {prepared.chunk}")
+        via_zarr, rows = prepared.via_zarr, prepared.rows
         with _disk_errors(self.label, f"chunk {chunk}"):
+            direct = [(path, enc) for path, enc in prepared.direct if not self._write_uncached(path, enc)]
+
+            async def write_all() -> None:
+                await asyncio.gather(*(path.set(enc.buffer()) for path, enc in direct),
+                                     *(arr.async_array.setitem(rows, x) for arr, x in via_zarr))
+
             sync(write_all())
             if self._digest_cols:
-                self._arrays[_DIGEST][chunk] = digests
-            total = counted if nonfinite is None else int(nonfinite)
-            self._arrays[_MARKER][chunk] = total
-        return total
+                self._arrays[_DIGEST][chunk] = prepared.digests
+            self._arrays[_MARKER][chunk] = prepared.nonfinite
+        return prepared.nonfinite
+
+    def prepare_chunk(self, chunk: int, data: Mapping[str, np.ndarray], nonfinite: int | None = None,
+                      pool: Executor | None = None) -> PreparedChunk:
+        """The CPU half of :meth:`write_chunk`, nothing written: checks, casts, digests and, for whole chunks, the
+        compressed objects (what :meth:`write_chunk` then only puts in the store).
+
+        Why a separate step: a dump whose forward pass runs on the host's cores compresses between batches,
+        while the forward pass's threads wait, and leaves only the file writes to a background thread; a
+        compressing thread beside the forward pass preempts its threads mid-GEMM, which then stall at their
+        barrier (issue 28; docs/dump.md). Arguments as :meth:`write_chunk`, and ``pool``: threads that encode the
+        arrays concurrently (each array's bytes are the same from any thread).
+        """
+        self._check_own(chunk)
+        rows = self.chunk_rows(chunk)
+        n = rows.stop - rows.start
+        names = [name for name in self._arrays if name not in _INTERNAL and DIMS.get(name, ("",))[0] == "token"]
+        for name in names:
+            if name not in data:
+                raise StoreError(f"store {self.label}: chunk {chunk} lacks array '{name}'")
+        # Whole chunks of the usual codec chain are encoded here and handed to the store as bytes (the same bytes
+        # as zarr's codec pipeline: tests/test_store.py); a partial last chunk or another chain goes through zarr.
+        # Why: zarr's pipeline costs ~50 ms of CPU per 4096-token d_model-512 chunk beyond the compressor itself
+        # (a hop to a worker thread per codec, a copy of every compressed chunk to append its checksum), which on
+        # a busy host is taken from the forward pass (issue 28; docs/dump.md).
+        full = n == self.chunk_tokens
+        stored = {name: self._stored_rows(chunk, name, data[name], n) for name in names}
+        # the CPU work as independent tasks, largest first so that a pool's threads finish together (a chunk's
+        # states are most of its bytes): each array's compressed object, its digest, the states' NaN/Inf count
+        tasks: list[tuple[str, str]] = [(name, "encode") for name in names if full and name in self._direct]
+        tasks += [(name, "digest") for name in names if name in self._digest_cols]
+        if nonfinite is None:
+            tasks += [(name, "count") for name in names if name in HIDDEN_NAMES]
+        tasks.sort(key=lambda t: -stored[t[0]].nbytes)
+
+        def run(task: tuple[str, str]) -> Any:
+            name, what = task
+            x = stored[name]
+            if what == "encode":
+                return self._direct[name].encode(x)
+            if what == "digest":
+                return chunk_digest(x)
+            return count_nonfinite(x, self.state_dtypes.get(name, str(self._arrays[name].dtype)))
+
+        results = dict(zip(tasks, pool.map(run, tasks) if pool is not None else map(run, tasks), strict=True))
+        digests = np.zeros(len(self._digest_cols), dtype=np.uint32)
+        for name, col in self._digest_cols.items():
+            digests[col] = results[(name, "digest")]
+        direct = [(self._arrays[name].async_array.store_path / self._direct[name].key(chunk), results[(name, "encode")])
+                  for name in names if (name, "encode") in results]
+        via_zarr = [(self._arrays[name], stored[name]) for name in names if (name, "encode") not in results]
+        bad = sum(int(v) for (_, what), v in results.items() if what == "count")
+        return PreparedChunk(chunk, rows, direct, via_zarr, digests, bad if nonfinite is None else int(nonfinite))
+
+    def _write_uncached(self, path: Any, enc: _Encoded) -> bool:
+        """Write one compressed whole chunk of a local store past the page cache (:func:`_write_file_uncached`);
+        False when the store is not a local directory or its file system refuses ``O_DIRECT`` (the caller then
+        writes it through zarr, as every later chunk of this writer)."""
+        if not self._uncached or not isinstance(self.store, zarr.storage.LocalStore):
+            return False
+        ok = _write_file_uncached(Path(self.store.root) / path.path, (enc.packed, enc.crc))
+        self._uncached = ok
+        return ok
+
+    def _stored_rows(self, chunk: int, name: str, rows: np.ndarray, n: int) -> np.ndarray:
+        """One array's rows of :meth:`prepare_chunk` in their stored dtype (checked: shape; states' range)."""
+        arr = self._arrays[name]
+        if name in HIDDEN_NAMES:
+            # states: range-checked cast (float16 overflow is an error, never a silent inf), bfloat16 as bits
+            try:
+                x = encode_states(np.asarray(rows), self.state_dtypes.get(name, str(arr.dtype)),
+                                  f"store {self.label}: chunk {chunk} of '{name}'")
+            except PrecisionError as exc:
+                raise StoreError(str(exc)) from None
+        else:
+            x = np.asarray(rows, dtype=arr.dtype)
+        if x.shape != (n, *arr.shape[1:]):
+            raise StoreError(f"store {self.label}: chunk {chunk} of '{name}' has shape {x.shape}, "
+                             f"expected {(n, *arr.shape[1:])}")
+        return x
 
     def reset_chunks(self, chunks: Iterable[int]) -> None:
         """Mark chunks as not written (their marker back to -1), so the dump rewrites them."""
@@ -412,12 +486,122 @@ class _DirectChunk:
     def key(self, chunk: int) -> str:
         return self._arr.metadata.encode_chunk_key((chunk, *self._tail))
 
-    def encode(self, x: np.ndarray) -> Any:
-        """The stored object of one whole chunk ``x`` (C order, the array's dtype) as a zarr buffer."""
+    def encode(self, x: np.ndarray) -> _Encoded:
+        """The stored object of one whole chunk ``x`` (C order, the array's dtype)."""
         raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # what zarr's BytesCodec hands to Blosc
         packed = self._blosc.encode(raw)  # the GIL is released while compressing
         crc = np.uint32(crc32c.crc32c(packed)).tobytes()  # zarr's Crc32cCodec: crc32c, appended little-endian
-        return default_buffer_prototype().buffer.from_bytes(bytes(packed) + crc)
+        return _Encoded(packed, crc)
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """A whole chunk's stored object, ``packed + crc``, kept in its two parts: the uncached write copies them into
+    its aligned buffer anyway, so joining them first (a copy of the whole chunk) is left to zarr's path."""
+
+    packed: bytes
+    crc: bytes
+
+    def __len__(self) -> int:
+        return len(self.packed) + len(self.crc)
+
+    def buffer(self) -> Any:
+        """As one zarr buffer (for ``StorePath.set``)."""
+        return default_buffer_prototype().buffer.from_bytes(bytes(self.packed) + self.crc)
+
+
+# Blosc's own threads store a chunk's blocks in the order they finish, so one chunk compressed twice from the main
+# thread (where numcodecs lets Blosc use its threads) could give different bytes: measured 7 distinct outputs in 20
+# runs of one 64 MB float16 chunk at 2 threads. zarr compresses in worker threads, where numcodecs already uses one
+# thread; this makes the main thread do the same, so the same states always give the same stored bytes (SPEC §1).
+numcodecs.blosc.use_threads = False
+
+#: O_DIRECT wants the buffer's address, the file offset and the length aligned to the device's logical block
+#: (512 B or 4 KiB); 4 KiB suits both.
+_ALIGN = 4096
+#: Whether whole chunks may be written with O_DIRECT at all (Linux and a few others; not macOS or Windows).
+_UNCACHED_OK = hasattr(os, "O_DIRECT")
+_scratch: list[np.ndarray] = []  # free aligned buffers, kept for the process's later writes
+_scratch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _aligned(n: int) -> Iterator[np.ndarray]:
+    """A reusable ``_ALIGN``-aligned byte buffer of at least ``n`` bytes, lent for the ``with`` block (one per
+    concurrent writer; kept for the process's later writes, so its pages are faulted in once)."""
+    with _scratch_lock:
+        fits = [i for i, b in enumerate(_scratch) if len(b) >= n]
+        buf = _scratch.pop(fits[0]) if fits else None
+        if buf is None and _scratch:
+            _scratch.pop(0)  # too small for this chunk: replaced by a larger one
+    if buf is None:
+        raw = np.empty(n + _ALIGN, dtype=np.uint8)
+        off = (-raw.ctypes.data) % _ALIGN
+        buf = raw[off:off + n]
+    try:
+        yield buf
+    finally:
+        with _scratch_lock:
+            _scratch.append(buf)
+
+
+def _write_file_uncached(path: Path, parts: Sequence[bytes]) -> bool:
+    """Write the concatenated ``parts`` to the file ``path`` past the page cache (``O_DIRECT``), atomically as
+    zarr's local store does (a ``.<uuid>.partial`` file in the same directory, renamed over ``path``).
+
+    Why: a buffered write copies every byte into page-cache pages, CPU that a dump on the host's cores takes from
+    the forward pass (issue 28). On the 2-vCPU VM of docs/dump.md fresh page-cache pages cost ~2 ms of kernel
+    time per MB (the hypervisor faults them in): 0.31 s per 150 MB dump, against ~0 for O_DIRECT, whose device
+    writes ran at 1.2 GB/s there. The parts are copied into an aligned buffer; its aligned head goes through
+    O_DIRECT, the last ``len % 4096`` bytes through a buffered write.
+
+    Returns:
+        False, with nothing left behind, when the file system refuses O_DIRECT (``EINVAL``: tmpfs, some FUSE
+        mounts); True once ``path`` holds the bytes.
+    """
+    n = sum(len(p) for p in parts)
+    head = n - n % _ALIGN
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return False
+        raise
+    try:
+        with _aligned(max(n, 1)) as buf:
+            at = 0
+            for p in parts:
+                buf[at:at + len(p)] = np.frombuffer(p, dtype=np.uint8)
+                at += len(p)
+            view = buf[:n].data
+            done = 0
+            try:
+                while done < head:
+                    wrote = os.write(fd, view[done:head])
+                    done += wrote
+                    if wrote % _ALIGN:  # a short, unaligned write: the rest goes through the page cache
+                        break
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or done:
+                    raise
+                os.close(fd)
+                fd = -1
+                tmp.unlink(missing_ok=True)
+                return False
+            finally:
+                if fd >= 0:
+                    os.close(fd)
+            if done < n:
+                with open(tmp, "r+b") as f:
+                    f.seek(done)
+                    f.write(view[done:])
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
 
 
 @contextlib.contextmanager
