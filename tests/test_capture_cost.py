@@ -4,10 +4,17 @@
   outside zarr's codec pipeline: every file of a store written that way equals the file zarr's pipeline writes
   (the alternative implementation is zarr itself, with the direct path switched off).
 - A dump's store is file-for-file the same with and without it.
+- Whole chunks of a local store are written past the page cache (``O_DIRECT``): the files hold exactly the encoded
+  bytes, a file system that refuses O_DIRECT gets the same files through zarr, a short write and a full disk
+  leave no ``.partial`` file, and a full disk is one line.
+- A CPU dump encodes chunks between batches on a thread pool, an accelerator's dump in its writer threads: the
+  same files. The main thread compresses with one Blosc thread: the same chunk gives the same bytes every time.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +82,8 @@ def test_dump_store_same_with_and_without_direct_chunks(tmp_path, monkeypatch):
 
 
 def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
-    """Chunks written by 3 background threads at once (the accelerator setting) = the 1-thread store, file for file."""
+    """Chunks encoded and written by 3 background threads at once (the accelerator setting) = the CPU setting's
+    store (encoded between batches on the pool, one writer thread), file for file."""
     import looptrace.capture.dump as D
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.models.interface import LoopedTransformerAdapter
@@ -96,6 +104,7 @@ def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
         seen.append(len(self.threads))
 
     monkeypatch.setattr(D, "writer_threads", lambda device: 3)
+    monkeypatch.setattr(D, "encode_pool", lambda device: None)  # as on an accelerator: the writer threads encode
     monkeypatch.setattr(D._BackgroundWriter, "__init__", spy)
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     assert seen == [3]
@@ -145,3 +154,141 @@ def test_chunk_buffers_lend_and_take_back():
     pool.give({"x": a, "y": b, "z": np.zeros((4, 2), np.float16)})
     assert pool.take((4, 2), np.float16) is a  # one kept (keep=1), the foreign array ignored
     assert pool.take((4, 2), np.float16) is not b
+
+
+def _open_spy(monkeypatch) -> list[int]:
+    """Record the flags of every os.open in the writer module."""
+    flags: list[int] = []
+    real = os.open
+
+    def spy(path, fl, *a, **k):
+        flags.append(fl)
+        return real(path, fl, *a, **k)
+
+    monkeypatch.setattr(W.os, "open", spy)
+    return flags
+
+
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, (1 << 20) + 17])
+def test_uncached_write_holds_the_bytes(tmp_path, monkeypatch, n):
+    """The file is packed + crc exactly, written with O_DIRECT (this file system takes it), no .partial left."""
+    if not W._UNCACHED_OK:
+        pytest.skip("no O_DIRECT on this platform")
+    rng = np.random.default_rng(n)
+    parts = (rng.integers(0, 256, max(n - 4, 0), dtype=np.uint8).tobytes(), b"\x01\x02\x03\x04"[:n])
+    flags = _open_spy(monkeypatch)
+    target = tmp_path / "a" / "c" / "0"
+    if not W._write_file_uncached(target, parts):
+        pytest.skip("this file system refuses O_DIRECT")
+    assert target.read_bytes() == parts[0] + parts[1]
+    assert flags and flags[0] & os.O_DIRECT
+    assert [p.name for p in tmp_path.rglob("*.partial")] == []
+
+
+def test_uncached_write_refused_leaves_nothing(tmp_path, monkeypatch):
+    """EINVAL on open (tmpfs, FUSE): False, nothing written; the store's chunks then go through zarr, same files."""
+    real = os.open
+
+    def refuse(path, fl, *a, **k):
+        if fl & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, fl, *a, **k)
+
+    arrays = random_store_arrays(n=40, T=3, D=16, V=7)
+    write_store(tmp_path / "direct.zarr", arrays, chunk_tokens=8)
+    monkeypatch.setattr(W.os, "open", refuse)
+    assert not W._write_file_uncached(tmp_path / "x" / "f", (b"a" * 5000, b"crc!"))
+    assert list((tmp_path / "x").iterdir()) == []
+    write_store(tmp_path / "refused.zarr", arrays, chunk_tokens=8)
+    a, b = _files(tmp_path / "direct.zarr"), _files(tmp_path / "refused.zarr")
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def test_uncached_short_unaligned_write_finishes_buffered(tmp_path, monkeypatch):
+    """A short write that ends off the 4 KiB grid (allowed by POSIX) is finished through the page cache."""
+    if not W._UNCACHED_OK:
+        pytest.skip("no O_DIRECT on this platform")
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8).tobytes()
+    calls: list[int] = []
+    real_write = os.write
+
+    def short(fd, view):
+        calls.append(len(view))
+        if len(calls) > 1:
+            return real_write(fd, view)
+        real_write(fd, view[:4096])  # aligned: O_DIRECT takes it
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        with open(path, "r+b") as f:  # 904 more bytes, as a file system might, through another handle
+            f.seek(4096)
+            f.write(bytes(view[4096:5000]))
+        return 5000
+
+    monkeypatch.setattr(W.os, "write", short)
+    if not W._write_file_uncached(tmp_path / "f", (data[:-4], data[-4:])):
+        pytest.skip("this file system refuses O_DIRECT")
+    assert len(calls) == 1  # the rest was not sent through O_DIRECT again
+    assert (tmp_path / "f").read_bytes() == data
+    assert list(tmp_path.rglob("*.partial")) == []
+
+
+def test_uncached_write_disk_full_is_one_line(tmp_path, monkeypatch):
+    """ENOSPC while writing a chunk: StoreError naming the store and the fix, no .partial, the chunk not marked."""
+    if not W._UNCACHED_OK:
+        pytest.skip("no O_DIRECT on this platform")
+    arrays = random_store_arrays(n=16, T=2, D=512, V=5)  # a chunk's states: ~16 KB, past the 4 KiB grid
+    w = StoreWriter.create(tmp_path / "s.zarr", {k: W.ArraySpec(v.shape, str(v.dtype) if k != "hidden" else "float16")
+                                                 for k, v in arrays.items() if k != "loop_group"},
+                           {"n_tokens": 16, "n_loops": 2, "d_model": 512, "vocab_size": 5}, chunk_tokens=8)
+
+    def full(fd, view):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(W.os, "write", full)
+    with pytest.raises(W.StoreError, match=r"no space left .* re-run `looptrace dump` to resume") as exc:
+        w.write_chunk(0, {k: v[:8] for k, v in arrays.items() if k != "loop_group"})
+    assert "\n" not in str(exc.value)
+    assert list((tmp_path / "s.zarr").rglob("*.partial")) == []
+    assert w.done_chunks().tolist() == [False, False]
+
+
+def test_main_thread_compression_is_deterministic(tmp_path):
+    """Blosc with several threads stores blocks in the order they finish (measured: 7 distinct outputs in 20 of
+    one 64 MB chunk at 2 threads); a chunk encoded from the main thread gives the same bytes every time, the same
+    as from a worker thread."""
+    import threading
+
+    arrays = random_store_arrays(n=8, T=2, D=4, V=5)
+    st = write_store(tmp_path / "s.zarr", arrays, chunk_tokens=8)
+    w = StoreWriter.reopen(st.target)
+    assert w is not None
+    enc = w._direct["hidden"]
+    rng = np.random.default_rng(0)
+    x = np.cumsum(rng.standard_normal(32 << 20), dtype=np.float32).astype(np.float16)  # 64 MB, 16 Blosc blocks
+    assert threading.current_thread() is threading.main_thread()
+    outs = {enc.encode(x).packed for _ in range(10)}
+    other: list[bytes] = []
+    th = threading.Thread(target=lambda: other.append(enc.encode(x).packed))
+    th.start()
+    th.join()
+    assert len(outs) == 1
+    assert outs == set(other)
+
+
+def test_prepared_chunk_same_with_a_pool(tmp_path):
+    """prepare_chunk's tasks on a 3-thread pool = the same tasks in order: stored objects, digests, NaN count."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    arrays = random_store_arrays(n=24, T=3, D=16, V=7, gate=True)
+    arrays["hidden"][2, 1, 3] = np.nan
+    st = write_store(tmp_path / "s.zarr", arrays, chunk_tokens=12, hidden_dtype="float16")
+    w = StoreWriter.reopen(st.target)
+    assert w is not None
+    rows = {k: v[:12] for k, v in arrays.items() if k != "loop_group"}
+    plain = w.prepare_chunk(0, rows)
+    with ThreadPoolExecutor(3) as pool:
+        pooled = w.prepare_chunk(0, rows, pool=pool)
+    assert [str(p) for p, _ in pooled.direct] == [str(p) for p, _ in plain.direct]
+    assert [bytes(e.packed) + e.crc for _, e in pooled.direct] == [bytes(e.packed) + e.crc for _, e in plain.direct]
+    assert pooled.digests.tolist() == plain.digests.tolist() and plain.digests.any()
+    assert pooled.nonfinite == plain.nonfinite == 1

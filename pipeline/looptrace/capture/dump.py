@@ -382,10 +382,19 @@ class _BackgroundWriter:
 _ENCODE_POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
-def _encode_pool(threads: int) -> ThreadPoolExecutor:
-    """The process's pool of ``threads`` chunk-encoding threads, kept for its later dumps: a thread's malloc arena
-    then keeps its chunk-sized buffers, which a fresh thread would fault in page by page again."""
-    threads = max(1, threads)
+def encode_pool(device: torch.device) -> ThreadPoolExecutor | None:
+    """Where a dump of a model on ``device`` compresses its chunks.
+
+    CPU: between batches, in the dump's thread, spread over a pool of as many threads as torch uses (the forward
+    pass's threads wait meanwhile). A compressing thread running beside the forward pass preempts one of its
+    threads mid-GEMM and the other stalls at their barrier: measured on the 2-vCPU host of docs/dump.md, 0.31 s
+    of writer CPU cost the forward pass 0.45 s of wall. The pool is the process's, kept for its later dumps: a
+    thread's malloc arena keeps its chunk-sized buffers, which a fresh thread would fault in page by page again.
+    Accelerator: None, the background writer threads compress (:func:`writer_threads`) while the device computes.
+    """
+    if device.type != "cpu":
+        return None
+    threads = max(1, torch.get_num_threads())
     if threads not in _ENCODE_POOLS:
         _ENCODE_POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="looptrace-dump-encode")
     return _ENCODE_POOLS[threads]
@@ -826,8 +835,7 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
         threads = writer_threads(torch.device(adapter.device))
         queued = max(cfg.writer_queue, threads)
         buffers = _ChunkBuffers(keep=queued + threads + 1)
-        # a forward pass on the host's cores: chunks are compressed between batches on as many threads as it uses
-        pool = _encode_pool(torch.get_num_threads()) if torch.device(adapter.device).type == "cpu" else None
+        pool = encode_pool(torch.device(adapter.device))
         bg = _BackgroundWriter(lambda: writer, queued, before_write=coord.beat, threads=threads, written=buffers.give,
                                encode_pool=pool)
         asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put, buffers)
