@@ -82,8 +82,8 @@ def test_dump_store_same_with_and_without_direct_chunks(tmp_path, monkeypatch):
 
 
 def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
-    """Chunks encoded and written by 3 background threads at once (the accelerator setting) = the CPU setting's
-    store (encoded between batches on the pool, one writer thread), file for file."""
+    """Chunks encoded and written by 3 background threads at once (the accelerator setting) = the 1-thread store,
+    file for file."""
     import looptrace.capture.dump as D
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.models.interface import LoopedTransformerAdapter
@@ -104,7 +104,6 @@ def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
         seen.append(len(self.threads))
 
     monkeypatch.setattr(D, "writer_threads", lambda device: 3)
-    monkeypatch.setattr(D, "encode_pool", lambda device: None)  # as on an accelerator: the writer threads encode
     monkeypatch.setattr(D._BackgroundWriter, "__init__", spy)
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     assert seen == [3]
@@ -292,3 +291,52 @@ def test_prepared_chunk_same_with_a_pool(tmp_path):
     assert [bytes(e.packed) + e.crc for _, e in pooled.direct] == [bytes(e.packed) + e.crc for _, e in plain.direct]
     assert pooled.digests.tolist() == plain.digests.tolist() and plain.digests.any()
     assert pooled.nonfinite == plain.nonfinite == 1
+
+
+def test_encode_pool_rule(monkeypatch):
+    """Between batches (a pool of torch's threads) only for a CPU forward pass on every core; else the writers."""
+    import torch
+
+    import looptrace.capture.dump as D
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(D, "host_cores", lambda: 2)
+    pool = D.encode_pool(torch.device("cpu"))
+    assert pool is not None and pool._max_workers == 2
+    assert D.encode_pool(torch.device("cpu")) is pool  # the process's, kept
+    assert D.encode_pool(torch.device("meta")) is None  # an accelerator: its host cores are free
+    monkeypatch.setattr(D, "host_cores", lambda: 4)
+    assert D.encode_pool(torch.device("cpu")) is None  # spare cores: the writer thread compresses beside it
+
+
+def test_encoding_between_batches_writes_the_same_store(tmp_path, monkeypatch):
+    """A CPU dump that encodes between batches on the pool (the forward pass on every core) = one that encodes in
+    its background writer thread, file for file (float16 states, a masked position, a partial last chunk)."""
+    import looptrace.capture.dump as D
+    from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.tasks import TaskBatch
+
+    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
+    rng = np.random.default_rng(3)
+    tok = rng.integers(0, 7, (11, 6))
+    tgt = rng.integers(0, 7, tok.shape)
+    tgt[:, 0] = -100
+    data = TaskBatch(tok, tgt, np.zeros_like(tok), np.zeros_like(tok))
+    cfg = DumpConfig(batch_size=3, chunk_tokens=8)
+    monkeypatch.setattr(D, "host_cores", lambda: 10**6)  # torch's threads never cover the cores: background
+    dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
+    used = []
+    real_prepare = W.StoreWriter.prepare_chunk
+
+    def spy(self, *a, pool=None, **k):
+        used.append(pool is not None)
+        return real_prepare(self, *a, pool=pool, **k)
+
+    monkeypatch.setattr(D, "host_cores", lambda: 1)  # every core: between batches, on the pool
+    monkeypatch.setattr(W.StoreWriter, "prepare_chunk", spy)
+    dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
+    assert used and all(used)
+    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []

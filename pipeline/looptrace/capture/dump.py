@@ -382,19 +382,30 @@ class _BackgroundWriter:
 _ENCODE_POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
-def encode_pool(device: torch.device) -> ThreadPoolExecutor | None:
-    """Where a dump of a model on ``device`` compresses its chunks.
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
-    CPU: between batches, in the dump's thread, spread over a pool of as many threads as torch uses (the forward
-    pass's threads wait meanwhile). A compressing thread running beside the forward pass preempts one of its
-    threads mid-GEMM and the other stalls at their barrier: measured on the 2-vCPU host of docs/dump.md, 0.31 s
-    of writer CPU cost the forward pass 0.45 s of wall. The pool is the process's, kept for its later dumps: a
-    thread's malloc arena keeps its chunk-sized buffers, which a fresh thread would fault in page by page again.
-    Accelerator: None, the background writer threads compress (:func:`writer_threads`) while the device computes.
+
+def encode_pool(device: torch.device) -> ThreadPoolExecutor | None:
+    """Where a dump of a model on ``device`` compresses its chunks: None, in its background writer threads,
+    or the returned pool, between batches in the dump's own thread.
+
+    Between batches when the forward pass runs on every core the process has (CPU, torch's threads ≥ the cores):
+    the chunk's arrays are spread over a pool of as many threads while the forward pass's threads wait. A
+    compressing thread beside such a forward pass preempts one of its threads mid-GEMM and the others stall at
+    their barrier: on the 2-vCPU host of docs/dump.md, 0.31 s of writer CPU cost the forward pass 0.45 s of wall.
+    The pool is the process's, kept for its later dumps: a thread's malloc arena keeps its chunk-sized buffers,
+    which a fresh thread would fault in page by page again. In the background otherwise — an accelerator, whose
+    host cores are free (:func:`writer_threads`), or a CPU forward pass on fewer threads than cores, which leaves
+    one for the writer.
     """
-    if device.type != "cpu":
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads < host_cores():
         return None
-    threads = max(1, torch.get_num_threads())
     if threads not in _ENCODE_POOLS:
         _ENCODE_POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="looptrace-dump-encode")
     return _ENCODE_POOLS[threads]
