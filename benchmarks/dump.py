@@ -26,8 +26,9 @@ the naive run's own cost over the bare forward (its synchronous writes), which b
 by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is out of reach for any capture.
 
 Then a per-part breakdown of one more, instrumented dump (each part's wall in seconds and over the median bare
-forward): forward, readouts, statistics, cast + checks, the rest of the capture, chunk assembly, time blocked on the
-writer's queue, setup (fingerprint, layout, claims), drain + finish, and the background writer's own CPU and wall.
+forward): forward, readouts, statistics, cast + checks, the rest of the capture, chunk assembly, encoding between batches
+(when the forward pass has every core: ``looptrace.capture.dump.encode_pool``), time blocked on the writer's queue,
+setup (fingerprint, layout, claims), drain + finish, and the background writer's own CPU and wall.
 
     python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 5]
                               [--device cuda]
