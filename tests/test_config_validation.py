@@ -123,7 +123,7 @@ def test_repository_params_and_profiles_are_valid():
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig
     from looptrace.capture.loopmap import LoopmapConfig
-    from looptrace.diagnose import DiagnoseConfig
+    from looptrace.diagnose.config import DiagnoseConfig
     from looptrace.geometry import GeometryConfig
     from looptrace.intervals import IntervalsConfig
     from looptrace.online.generate import GenerateConfig

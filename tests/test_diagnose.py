@@ -12,9 +12,9 @@ import pytest
 from scipy.stats import rankdata
 
 from looptrace.config import ConfigError, from_dict
-from looptrace.diagnose import diagnose_models
 from looptrace.diagnose.claims import ad_claims
 from looptrace.diagnose.config import CLASSES, DiagnoseConfig
+from looptrace.diagnose.stage import diagnose_models
 from looptrace.diagnose.stats import (
     REASONS,
     VERDICTS,

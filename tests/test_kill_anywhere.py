@@ -70,7 +70,7 @@ PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkp
 #: time drawn over a stage's reference time lands in its work, not in its first imports.
 STAGES = tuple(s.name for s in registered())
 PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
-           "looptrace.gates.fit", "looptrace.report", "looptrace.diagnose", "looptrace.online.latency",
+           "looptrace.gates.fit", "looptrace.report", "looptrace.diagnose.stage", "looptrace.online.latency",
            "looptrace.online.generate", "sklearn.linear_model", "sklearn.neural_network", "sklearn.decomposition",
            "skops.io", "matplotlib.pyplot")
 

@@ -177,7 +177,8 @@ def test_geometry_same_bytes(runner, tmp_path):
 def test_readouts_gates_diagnose_same_bytes(runner, tmp_path):
     """The offline chain on two models (dump stores -> geometry -> readouts; gates; diagnose), once in this
     process and once on the cluster: every output file is the same, but for wall-clock entries."""
-    from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
+    from looptrace.diagnose.config import DiagnoseConfig
+    from looptrace.diagnose.stage import diagnose_models, write_diagnosis
     from looptrace.gates.config import GatesConfig
     from looptrace.gates.stage import gates_stage
     from looptrace.geometry import GeometryConfig, geometry_model

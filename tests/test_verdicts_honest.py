@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from scipy.stats import t as student_t
 
-from looptrace.diagnose import DiagnoseConfig
+from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.verdicts import group_verdicts
 from looptrace.diagnose.verdicts import verdict as model_verdict
 from looptrace.diagnose.words import check_verdict

@@ -7,11 +7,12 @@ from pathlib import Path
 import typer
 
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
-from looptrace.diagnose import DiagnoseConfig, diagnose_models, write_diagnosis
+from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.halting_findings import findings_markdown, halting_findings, model_figures
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
 from looptrace.diagnose.loopmap_artifacts import loopmap_artifacts
 from looptrace.diagnose.loopmap_models import loopmap_models
+from looptrace.diagnose.stage import diagnose_models, write_diagnosis
 from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
@@ -21,7 +22,7 @@ from looptrace.rules.scoring import CalibrationConfig
 from looptrace.stages import register_stage
 
 
-@register_stage("diagnose", 70, config=DiagnoseConfig, library="looptrace.diagnose", help_blocks=("models",))
+@register_stage("diagnose", 70, config=DiagnoseConfig, library="looptrace.diagnose.stage", help_blocks=("models",))
 def main(
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),
     models: str = typer.Option("", help="comma-separated model names; default: train.tasks × train.regimes"),
