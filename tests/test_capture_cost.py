@@ -29,6 +29,26 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _assert_same_files(a_root: Path, b_root: Path) -> None:
+    a, b = _files(a_root), _files(b_root)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+
+
+def _tiny_dump(seed: int, n_seq: int, masked: bool = False):
+    """A tiny model's adapter and ``n_seq`` random 6-token sequences (``masked``: position 0 unscored)."""
+    from looptrace.models.interface import LoopedTransformerAdapter
+    from looptrace.tasks import TaskBatch
+
+    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(0, 7, (n_seq, 6))
+    tgt = rng.integers(0, 7, tok.shape)
+    if masked:
+        tgt[:, 0] = -100
+    return ad, TaskBatch(tok, tgt, np.zeros_like(tok), np.zeros_like(tok))
+
+
 def _zarr_only(monkeypatch) -> None:
     monkeypatch.setattr(W._DirectChunk, "of", classmethod(lambda cls, arr: None))
 
@@ -62,23 +82,14 @@ def test_direct_path_covers_every_token_array(tmp_path):
 def test_dump_store_same_with_and_without_direct_chunks(tmp_path, monkeypatch):
     """A dump (float16 states, full logits, a masked position, a partial last chunk) gives the same files."""
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.tasks import TaskBatch
 
-    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
-    rng = np.random.default_rng(0)
-    tok = rng.integers(0, 7, (9, 6))
-    tgt = rng.integers(0, 7, tok.shape)
-    tgt[:, 0] = -100
-    data = TaskBatch(tok, tgt, np.zeros_like(tok), np.zeros_like(tok))
+    ad, data = _tiny_dump(0, 9, masked=True)
     cfg = DumpConfig(batch_size=4, chunk_tokens=8)
     dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
     with monkeypatch.context() as m:
         _zarr_only(m)
         dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
-    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
+    _assert_same_files(tmp_path / "a" / "val.zarr", tmp_path / "b" / "val.zarr")
 
 
 def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
@@ -86,14 +97,9 @@ def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
     file for file."""
     import looptrace.capture.dump as D
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.tasks import TaskBatch
 
     assert D.writer_threads(__import__("torch").device("cpu")) == 1
-    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
-    rng = np.random.default_rng(1)
-    tok = rng.integers(0, 7, (12, 6))
-    data = TaskBatch(tok, rng.integers(0, 7, tok.shape), np.zeros_like(tok), np.zeros_like(tok))
+    ad, data = _tiny_dump(1, 12)
     cfg = DumpConfig(batch_size=2, chunk_tokens=5)
     dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
     seen = []
@@ -107,9 +113,7 @@ def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
     monkeypatch.setattr(D._BackgroundWriter, "__init__", spy)
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     assert seen == [3]
-    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
+    _assert_same_files(tmp_path / "a" / "val.zarr", tmp_path / "b" / "val.zarr")
 
 
 def test_reused_chunk_arrays_write_the_same_store(tmp_path, monkeypatch):
@@ -117,13 +121,8 @@ def test_reused_chunk_arrays_write_the_same_store(tmp_path, monkeypatch):
     while others are queued) = chunks assembled by plain concatenation, file for file."""
     import looptrace.capture.dump as D
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.tasks import TaskBatch
 
-    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
-    rng = np.random.default_rng(2)
-    tok = rng.integers(0, 7, (30, 6))
-    data = TaskBatch(tok, rng.integers(0, 7, tok.shape), np.zeros_like(tok), np.zeros_like(tok))
+    ad, data = _tiny_dump(2, 30)
     cfg = DumpConfig(batch_size=3, chunk_tokens=7)  # 18-token batches, 7-token chunks: most chunks span 2 batches
     reused = []
     real_take = D._ChunkBuffers.take
@@ -139,9 +138,7 @@ def test_reused_chunk_arrays_write_the_same_store(tmp_path, monkeypatch):
     assert any(reused)  # arrays came back from the writer and were filled again
     monkeypatch.setattr(D._ChunkAssembler, "_join", lambda self, parts: np.concatenate(parts))
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
-    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
+    _assert_same_files(tmp_path / "a" / "val.zarr", tmp_path / "b" / "val.zarr")
 
 
 def test_chunk_buffers_lend_and_take_back():
@@ -199,9 +196,7 @@ def test_uncached_write_refused_leaves_nothing(tmp_path, monkeypatch):
     assert not W._write_file_uncached(tmp_path / "x" / "f", (b"a" * 5000, b"crc!"))
     assert list((tmp_path / "x").iterdir()) == []
     write_store(tmp_path / "refused.zarr", arrays, chunk_tokens=8)
-    a, b = _files(tmp_path / "direct.zarr"), _files(tmp_path / "refused.zarr")
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
+    _assert_same_files(tmp_path / "direct.zarr", tmp_path / "refused.zarr")
 
 
 def test_uncached_short_unaligned_write_finishes_buffered(tmp_path, monkeypatch):
@@ -314,15 +309,8 @@ def test_encoding_between_batches_writes_the_same_store(tmp_path, monkeypatch):
     its background writer thread, file for file (float16 states, a masked position, a partial last chunk)."""
     import looptrace.capture.dump as D
     from looptrace.capture.dump import DumpConfig, dump_split
-    from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.tasks import TaskBatch
 
-    ad = LoopedTransformerAdapter(tiny_model(vocab=7, seq=6, loops=3, d_model=16), "m")
-    rng = np.random.default_rng(3)
-    tok = rng.integers(0, 7, (11, 6))
-    tgt = rng.integers(0, 7, tok.shape)
-    tgt[:, 0] = -100
-    data = TaskBatch(tok, tgt, np.zeros_like(tok), np.zeros_like(tok))
+    ad, data = _tiny_dump(3, 11, masked=True)
     cfg = DumpConfig(batch_size=3, chunk_tokens=8)
     monkeypatch.setattr(D, "host_cores", lambda: 10**6)  # torch's threads never cover the cores: background
     dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
@@ -337,6 +325,4 @@ def test_encoding_between_batches_writes_the_same_store(tmp_path, monkeypatch):
     monkeypatch.setattr(W.StoreWriter, "prepare_chunk", spy)
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     assert used and all(used)
-    a, b = _files(tmp_path / "a" / "val.zarr"), _files(tmp_path / "b" / "val.zarr")
-    assert sorted(a) == sorted(b)
-    assert [k for k in a if a[k] != b[k]] == []
+    _assert_same_files(tmp_path / "a" / "val.zarr", tmp_path / "b" / "val.zarr")
