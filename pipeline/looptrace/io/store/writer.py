@@ -521,6 +521,8 @@ numcodecs.blosc.use_threads = False
 _ALIGN = 4096
 #: Whether whole chunks may be written with O_DIRECT at all (Linux and a few others; not macOS or Windows).
 _UNCACHED_OK = hasattr(os, "O_DIRECT")
+#: What a file system that does not do O_DIRECT answers (tmpfs before Linux 6.6, overlayfs, some FUSE mounts).
+_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
 _scratch: list[np.ndarray] = []  # free aligned buffers, kept for the process's later writes
 _scratch_lock = threading.Lock()
 
@@ -556,8 +558,8 @@ def _write_file_uncached(path: Path, parts: Sequence[bytes]) -> bool:
     O_DIRECT, the last ``len % 4096`` bytes through a buffered write.
 
     Returns:
-        False, with nothing left behind, when the file system refuses O_DIRECT (``EINVAL``: tmpfs, some FUSE
-        mounts); True once ``path`` holds the bytes.
+        False, with nothing left behind, when the file system refuses O_DIRECT (``EINVAL`` or ``EOPNOTSUPP``:
+        :data:`_REFUSED`); True once ``path`` holds the bytes.
     """
     n = sum(len(p) for p in parts)
     head = n - n % _ALIGN
@@ -566,7 +568,7 @@ def _write_file_uncached(path: Path, parts: Sequence[bytes]) -> bool:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
     except OSError as exc:
-        if exc.errno == errno.EINVAL:
+        if exc.errno in _REFUSED:
             return False
         raise
     try:
@@ -584,7 +586,7 @@ def _write_file_uncached(path: Path, parts: Sequence[bytes]) -> bool:
                     if wrote % _ALIGN:  # a short, unaligned write: the rest goes through the page cache
                         break
             except OSError as exc:
-                if exc.errno != errno.EINVAL or done:
+                if exc.errno not in _REFUSED or done:
                     raise
                 os.close(fd)
                 fd = -1
