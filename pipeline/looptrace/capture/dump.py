@@ -285,8 +285,8 @@ class _BackgroundWriter:
     overlap; a chunk's files, digest row and marker are its own objects, so chunks may be written concurrently).
 
     Args:
-        open_writer: returns the store's writer; called first, in the thread, so that creating a new store
-            (a metadata file per array) overlaps the first forward pass instead of preceding it.
+        open_writer: returns the store's writer; called first, in the first thread (the dump passes the writer
+            the claims protocol has already opened, so it only hands it over).
         maxsize: chunks that may wait in the queue.
         threads: writer threads. One where the forward pass runs on the host's cores (each compressing thread
             takes a core from it); more where the model runs on an accelerator and the host's compression is
