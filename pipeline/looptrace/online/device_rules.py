@@ -151,7 +151,25 @@ def _certain_f64(v: torch.Tensor, e: torch.Tensor, thr: float, op: str) -> tuple
     return cmp(v), cmp(v - e) != cmp(v + e)
 
 
-class _StepDeviceRule(DeviceRule):
+class _BoundedDeviceRule(DeviceRule):
+    """A device rule whose values carry an error bound: :meth:`certain` gives (condition, uncertain rows) after
+    loop t; before the host rule's ``min_loop`` neither fires nor is uncertain."""
+
+    def certain(self, t: int, h: torch.Tensor, model: LoopedTransformer | LoopDecoder
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def decide(self, t, h, z, model):
+        hit, unc = self.certain(t, h, model)
+        if t < self.min_loop:
+            hit, unc = torch.zeros_like(hit), torch.zeros_like(unc)
+        return hit, unc
+
+    def fires(self, t, h, z, model):
+        return self.decide(t, h, z, model)[0]
+
+
+class _StepDeviceRule(_BoundedDeviceRule):
     """A step-signal rule (``rel_step``, ``step_norm``, ``state_cos_dist``) in torch float64 on the device, with
     the states rounded to the store's hidden dtype as :class:`~looptrace.online.signals.LiveSignals` does."""
 
@@ -180,18 +198,12 @@ class _StepDeviceRule(DeviceRule):
         self._prev, self._nh_prev = hr, nh
         return v, e
 
-    def decide(self, t, h, z, model):
+    def certain(self, t, h, model):
         v, e = self.values(h)
-        hit, unc = _certain_f32(v, e, self._thr32, self.op)
-        if t < self.min_loop:
-            hit, unc = torch.zeros_like(hit), torch.zeros_like(unc)
-        return hit, unc
-
-    def fires(self, t, h, z, model):
-        return self.decide(t, h, z, model)[0]
+        return _certain_f32(v, e, self._thr32, self.op)
 
 
-class _QExitDeviceRule(DeviceRule):
+class _QExitDeviceRule(_BoundedDeviceRule):
     """``q_exit``: the halting CDF 1 − exp(Σ_{j≤t} −softplus(g_j)) in torch float64 on the device."""
 
     def __init__(self, host: RegistryRule):
@@ -208,16 +220,10 @@ class _QExitDeviceRule(DeviceRule):
         self._sum = x if self._sum is None else self._sum + x
         return -torch.expm1(self._sum), (64 + 16 * t) * _U * (self._sum.abs() + 1.0)
 
-    def decide(self, t, h, z, model):
+    def certain(self, t, h, model):
         # the live signal's float32 value, as LiveSignals gives it
         v, e = self.values(t, model.gate_logit(h).float())
-        hit, unc = _certain_f64(v, e, self.threshold, self.op)
-        if t < self.min_loop:
-            hit, unc = torch.zeros_like(hit), torch.zeros_like(unc)
-        return hit, unc
-
-    def fires(self, t, h, z, model):
-        return self.decide(t, h, z, model)[0]
+        return _certain_f64(v, e, self.threshold, self.op)
 
 
 def device_rule(rule: OnlineRule | None) -> DeviceRule | None:
