@@ -417,7 +417,7 @@ def writer_threads(device: torch.device) -> int:
     bf16 model's states at ~0.7 GB/s of zstd per core)."""
     if device.type == "cpu":
         return 1
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    return max(1, min(4, host_cores() // 2))
 
 
 def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tuple[dict[str, ArraySpec], int | None]:

@@ -227,8 +227,11 @@ class StoreWriter:
             StoreError: a chunk outside :attr:`own`, a missing array or a wrong shape; a full disk (one line:
                 free space and re-run to resume).
         """
-        self._check_own(chunk)
-        prepared = data if isinstance(data, PreparedChunk) else self.prepare_chunk(chunk, data, nonfinite)
+        if isinstance(data, PreparedChunk):
+            self._check_own(chunk)  # (prepare_chunk checks it otherwise)
+            prepared = data
+        else:
+            prepared = self.prepare_chunk(chunk, data, nonfinite)
         if prepared.chunk != chunk:
             raise StoreError(f"store {self.label}: chunk {chunk} given the encoded objects of chunk {prepared.chunk}")
         via_zarr, rows = prepared.via_zarr, prepared.rows
