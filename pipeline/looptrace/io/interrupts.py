@@ -78,7 +78,7 @@ def reset(name: str = "looptrace") -> None:
 
 def _abs(path: str | os.PathLike) -> str | None:
     s = os.fspath(path)
-    return None if "://" in s else os.path.abspath(s)
+    return None if "://" in s else os.path.realpath(s)
 
 
 def expect_commit(out_dir: str | os.PathLike, left: str = UNCHANGED) -> None:
