@@ -242,3 +242,12 @@ def test_train_interrupted_before_or_after_its_swap(tmp_path, moment, entry):
         assert stdout.startswith("running_parity-uniform: val accuracy per loop")
         _assert_complete(out)
         assert _debris(out.parent) == []
+
+
+def test_a_signal_after_the_status_is_settled_changes_nothing(fresh_state, capfd):
+    assert interrupts.settle(0) == (0, None)
+    interrupts.on_signal(signal.SIGINT, None)  # the launcher is exiting: noted, never raised
+    assert capfd.readouterr().err == "probe: finished before the interrupt (SIGINT); exit status 0 stands\n"
+    interrupts.on_signal(signal.SIGINT, None)
+    assert capfd.readouterr().err == ""  # said once
+    assert fresh_state.settled == 0
