@@ -202,14 +202,14 @@ class Registry(Mapping[str, T], Generic[T]):
             return self.load(entry, name)
         self._module(entry, f"{self.what} '{name}'")  # a module that registers the name itself
         now = self._table.get(name)
-        if isinstance(now, str):
+        if now is None or isinstance(now, str):
             raise RegistryError(f"{self.what} '{name}': module '{entry}' registers no {self.what} of that name")
         return now
 
     def _from_entry_point(self, name: str, value: str) -> T:
         from importlib.metadata import entry_points
 
-        ep = next(iter(entry_points(group=self.group, name=name)))
+        ep = next(iter(entry_points(group=str(self.group), name=name)))
         try:
             obj = ep.load()
         except Exception as exc:  # noqa: BLE001 - an installed package that fails to load is one line

@@ -659,8 +659,8 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         "versions": versions(),
     }
     base_attrs.update(user)
-    own = [c.__module__ for c in type(adapter).__mro__ if c.__module__.startswith("looptrace.")]  # an adapter's base
-    code = _code_hash(type(adapter).__module__, *own, *([finalize.__module__] if finalize is not None else []))
+    bases = [c.__module__ for c in type(adapter).__mro__ if c.__module__.startswith("looptrace.")]  # an adapter's base
+    code = _code_hash(type(adapter).__module__, *bases, *([finalize.__module__] if finalize is not None else []))
     base_attrs["code_hash"] = code
     fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]}, code)
     base_attrs["fingerprint"] = fp
