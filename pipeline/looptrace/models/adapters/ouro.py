@@ -22,7 +22,10 @@ patch does):
                                            position_ids, ...)``: ``input_embeds`` → ``inputs_embeds``,
                                            ``past_key_values`` → ``cache``, no ``cache_position``. → a
                                            module-local wrapper that renames / drops them.
-``ouro.tied_weights_mapping``              as Huginn's (only reached with ``tie_word_embeddings: true``).
+``ouro.tied_weights_mapping``              5.x wants ``_tied_weights_keys`` as a mapping target → source
+                                           (only reached with ``tie_word_embeddings: true``). → the mapping
+                                           ``{"lm_head.weight": "model.embed_tokens.weight"}``
+                                           (:func:`~looptrace.models.adapters.compat.tied_weights_mapping`).
 ``ouro.cache_kwarg``                       5.x ``generate`` passes the cache as ``cache=``; Ouro's forwards
                                            take ``past_key_values`` and swallow ``cache`` in ``**kwargs`` (every
                                            step a fresh cache: silently different tokens). → map it.
