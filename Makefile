@@ -42,10 +42,17 @@ test-lowest: $(LOW)/.installed
 
 # mypy reads pyproject.toml's [tool.mypy] (the package from the tree, the DVC launchers); a type error fails the
 # target (#30 item 4). The floor in the dev extra (mypy>=2.0) passes as well as the newest.
+# The exactness tests (one token's numbers whatever its batch; device decisions = host decisions; online = offline)
+# run again under two other CPU code paths of ATen and MKL than the machine's own: a claim that holds on one CPU
+# family only fails here (SPEC §8 "Batch-invariant inference").
+EXACT := tests/test_invariant.py tests/test_device_rules.py tests/test_latency.py tests/test_lookahead.py tests/test_stats.py
+
 test: $(STAMP)
 	$(BIN)/ruff check pipeline stages tests benchmarks
 	$(BIN)/mypy
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -n 2 --dist loadfile
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n 2 --dist loadfile $(EXACT)
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -n 2 --dist loadfile $(EXACT)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/dump.py

@@ -17,8 +17,6 @@ import importlib  # noqa: E402
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
-from typer.main import get_command  # noqa: E402
-
 from looptrace.cli import app  # noqa: E402
 from tests.test_kill_anywhere import PRELOAD  # noqa: E402
 
@@ -28,4 +26,4 @@ for mod in PRELOAD:
 args = json.loads(sys.argv[1])
 os.chdir(args["cwd"])
 print("ready", flush=True)
-get_command(app).main(args=list(args["argv"]), prog_name="looptrace", standalone_mode=True)
+app(args=list(args["argv"]), prog_name="looptrace")  # through looptrace.errors.launch, as the program

@@ -74,6 +74,15 @@ def test_halting_profile_runs_end_to_end_on_tiny_params(tmp_path):
     assert dict(zip(native["regime"], native["rules"], strict=True)) == {
         "joint": "q_exit", "recurtrace": "gate_step", "recurtrace_flow": "gate_step", "recurtrace_mem": "gate_step",
         "act": "act_exit"}
+    # the native exits at their methods' own thresholds; the same heads at a val-chosen γ in rows of their own
+    tuned = table.filter(pl.col("method") == "native, γ calibrated on val")
+    assert dict(zip(tuned["regime"], tuned["rules"], strict=True)) == {
+        "recurtrace": "gate_step_calibrated", "recurtrace_flow": "gate_step_calibrated",
+        "recurtrace_mem": "gate_step_calibrated", "act": "act_exit_calibrated"}
+    eps = params["train"]["regime_defs"]["act"]["eps"]
+    for name, rule, thr in (("act", "act_exit", 1.0 - eps), ("recurtrace", "gate_step", 0.5)):
+        chosen = pl.read_parquet(art / "readouts" / f"running_parity-{name}-s0" / "chosen.parquet")
+        assert chosen.filter(pl.col("rule") == rule)["threshold"].to_list() == [thr]
     summary = (art / "diagnose" / "summary.md").read_text()
     assert "## Halting methods at matched compute" in summary
     # issue 26 item 6: the findings in words, every question answered or said untestable, never "nan"

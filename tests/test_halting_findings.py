@@ -14,6 +14,7 @@ from scipy.stats import t as student_t
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.halting_findings import (
     GAP_GRID,
+    collapse_rows,
     compare_paired,
     findings_markdown,
     frontier,
@@ -171,3 +172,30 @@ def test_findings_say_untestable_without_the_regimes():
     rows = halting_findings(figs.filter(pl.col("role") == "joint"), fronts, None, None, DiagnoseConfig())
     assert {r["word"] for r in rows} == {"untestable"}
     assert any("no t-recurtrace" not in r["sentence"] and "no recurtrace_mem models" in r["sentence"] for r in rows)
+
+
+def test_collapse_states_the_native_exit_first_and_the_calibrated_reading_labelled():
+    """ACT's collapse is read at its own exit (N at 1 − ε); the same head at a val-chosen γ is a second, labelled
+    sentence (here the two disagree: the tuned threshold collapses, the native exit does not)."""
+    from looptrace.diagnose.halting_table import CALIBRATED
+
+    base = _table().filter(pl.col("task") == "t")
+    tuned = base.filter(pl.col("regime_kind") == "act").with_columns(method=pl.lit(CALIBRATED),
+                                                                     rules=pl.lit("act_exit_calibrated"))
+    native = base.filter(pl.col("regime_kind") == "act").with_columns(loops=pl.lit(2.4), loops_lo=pl.lit(1.8),
+                                                                      loops_hi=pl.lit(3.0), n_collapsed=pl.lit(0, dtype=pl.Int64))
+    table = pl.concat([tuned, native, base.filter(pl.col("regime_kind") == "joint")])
+    rows = [r for r in collapse_rows(table, ["t"], 0.1) if r["subject"].startswith("act")]
+    assert [(r["subject"], r["word"]) for r in rows] == [("act", "does not collapse"),
+                                                        (f"act ({CALIBRATED})", "collapses")]
+    assert rows[0]["sentence"].startswith("t: ACT (act, act_exit) exits at 2.40 [1.80, 3.00] mean loops")
+    assert rows[1]["sentence"].startswith("t: ACT (act, act_exit_calibrated, γ calibrated on val) exits at 1.02")
+
+
+def test_a_head_frontier_is_its_calibrated_rule_when_the_readouts_ran_it():
+    from looptrace.diagnose.halting_findings import frontier_rule
+
+    ops = pl.DataFrame({"rule": ["gate_step", "gate_step_calibrated", "gate_step_calibrated", "q_exit"]})
+    assert frontier_rule(ops, "recurtrace") == "gate_step_calibrated"  # its grid of γ, not the one native point
+    assert frontier_rule(ops.filter(pl.col("rule") != "gate_step_calibrated"), "recurtrace") == "gate_step"
+    assert frontier_rule(ops, "joint") == "q_exit" and frontier_rule(ops, "geometric") is None

@@ -178,6 +178,82 @@ def test_native_halting_rules_hand_cases_and_act_consistency():
     assert np.array_equal(got, N.numpy())
 
 
+#: Three hand-made halting sequences λ_t = σ(g_t) over T = 6 loops, and ACT's N for them at ε = 0.1 and ε = 0.01 by
+#: the training's definition (act_halting: the first t < T with Σ_{j≤t} λ_j ≥ 1 − ε, else T), worked by hand:
+HAND_LAMBDA = np.array([[0.2, 0.3, 0.45, 0.3, 0.1, 0.1],   # Σ = 0.2, 0.5, 0.95, 1.25: ≥ 0.9 at 3, ≥ 0.99 at 4
+                        [0.95, 0.5, 0.5, 0.5, 0.5, 0.5],   # Σ = 0.95, 1.45: ≥ 0.9 at 1, ≥ 0.99 at 2
+                        [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]])   # Σ ≤ 0.5 before T: N = T = 6 at either ε
+HAND_N = {0.1: [3, 1, 6], 0.01: [4, 2, 6]}
+#: RecurTrace's head at its own decision, σ(g_t) ≥ 0.5: never for the first (6), at once for the second, never (6).
+HAND_GATE_STEP = [6, 1, 6]
+
+
+def _hand_token_loop(path, reps: int = 10):
+    """token_loop.parquet of a gated T = 6 model whose val and test tokens repeat the three sequences of
+    :data:`HAND_LAMBDA` ``reps`` times (the other columns: :func:`tests.builders.token_loop_splits`)."""
+    from tests.builders import token_loop_splits, write_token_loop
+
+    n = 3 * reps
+    splits = token_loop_splits(n=n, T=6, seed=5, gate=True)
+    g = np.log(HAND_LAMBDA / (1 - HAND_LAMBDA))
+    for cols in splits.values():
+        cols["gate_logit"] = np.tile(g, (reps, 1)).astype(np.float32)
+    return write_token_loop(path, splits)
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.01])
+def test_act_native_exit_is_the_training_N_in_readouts_and_the_halting_table(tmp_path, eps):
+    """ACT's native exit reported by the readouts and the halting table is the N of its training loss, with the ε
+    the model's regime trained with (no val calibration); the calibrated reading is its own, separate row."""
+    import polars as pl
+
+    from looptrace.diagnose.halting_table import CALIBRATED, halting_table
+    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.scoring import CalibrationConfig
+
+    g = torch.tensor(np.log(HAND_LAMBDA / (1 - HAND_LAMBDA)), dtype=torch.float32)
+    assert act_halting(g, eps)[1].tolist() == HAND_N[eps]  # the training code agrees with the hand computation
+    geo = _hand_token_loop(tmp_path / "geometry" / "rp-act-s0" / "token_loop.parquet").parent
+    regime = {"kind": "act", "gate": "linear", "tau": 0.01, "eps": eps}
+    meta = {"model": "rp-act-s0", "task": "rp", "regime": "act", "regime_kind": "act", "regime_def": regime}
+    cfg = ReadoutsConfig(rules=("fixed", "gate_step", "act_exit", "act_exit_calibrated", "oracle"))
+    out = tmp_path / "readouts"
+    readouts_model(geo, cfg, CalibrationConfig(n_quantiles=11), out / "rp-act-s0", meta=meta, progress=False)
+
+    chosen = pl.read_parquet(out / "rp-act-s0" / "chosen.parquet")
+    act = chosen.filter(pl.col("rule") == "act_exit").row(0, named=True)
+    assert act["threshold"] == 1.0 - eps  # declared by the rule from the regime, not a val quantile
+    exits = pl.read_parquet(out / "rp-act-s0" / "chosen_exits.parquet")
+    for rule, want in (("act_exit", HAND_N[eps]), ("gate_step", HAND_GATE_STEP)):
+        got = exits.filter(pl.col("rule") == rule).sort("token")["exit_depth"].to_list()
+        assert got == want * 10, rule  # test tokens 1000.. repeat the three sequences in order
+    ops = pl.read_parquet(out / "rp-act-s0" / "operating_points.parquet")
+    assert ops.filter((pl.col("rule") == "act_exit") & (pl.col("split") == "test")).height == 1  # one point
+    assert ops.filter((pl.col("rule") == "act_exit_calibrated") & (pl.col("split") == "test")).height > 1
+
+    table = halting_table(["rp-act-s0"], out, None)
+    native = table.filter(pl.col("method") == "native").row(0, named=True)
+    assert native["rules"] == "act_exit" and native["loops"] == pytest.approx(sum(HAND_N[eps]) / 3)
+    assert table.filter(pl.col("method") == CALIBRATED)["rules"].to_list() == ["act_exit_calibrated"]
+
+
+def test_native_rules_declare_their_methods_thresholds():
+    from looptrace.rules.registry import get_rule
+    from looptrace.signals.halting import ACT_EPS
+
+    act, step = get_rule("act_exit"), get_rule("gate_step")
+    assert act.calibration_values(6, None, {"kind": "act", "eps": 0.05}).tolist() == [0.95]
+    # an act regime that leaves eps out trains with the regime's default: the same ε here
+    assert RegimeConfig("act").eps == ACT_EPS == 0.01
+    assert act.calibration_values(6, None, {"kind": "act"}).tolist() == [1.0 - ACT_EPS]
+    # a gated model trained otherwise (joint), or outside the train matrix: Graves' ε
+    assert act.calibration_values(6, None, {"kind": "joint", "eps": 0.3}).tolist() == [1.0 - ACT_EPS]
+    assert act.calibration_values(6, None, None).tolist() == [1.0 - ACT_EPS]
+    assert step.calibration_values(6).tolist() == [0.5]
+    for name in ("gate_step_calibrated", "act_exit_calibrated", "q_exit"):  # q is a user setting: calibrated
+        assert get_rule(name).calibration_values(6, None, {"kind": "act"}) is None
+
+
 @pytest.mark.parametrize("rule", ["gate_step", "act_exit"])
 def test_native_halting_rules_run_online_exactly(rule):
     from tests import test_latency

@@ -18,6 +18,11 @@ def test_geometric_weights_closed_form():
     expect = [0.3, 0.3 * 0.7, 0.3 * 0.49, 0.7**3]
     assert torch.allclose(w, torch.tensor(expect), atol=1e-7)
     assert math.isclose(float(w.sum()), 1.0, rel_tol=1e-6)
+    # SPEC §5's convention: the last loop takes the tail mass (1 − λ)^{T−1}, 0.168 at T = 6, λ = 0.3 — not the
+    # truncated-renormalised λ(1 − λ)^{T−1} / (1 − (1 − λ)^T) = 0.057
+    w6 = geometric_weights(6, 0.3)
+    assert round(float(w6[-1]), 3) == 0.168 and math.isclose(float(w6[-1]), 0.7**5, rel_tol=1e-6)
+    assert round(0.3 * 0.7**5 / (1 - 0.7**6), 3) == 0.057
 
 
 def test_halting_distribution_hand_case():

@@ -45,6 +45,11 @@ def test_pareto_highlights_tell_native_exits_apart():
     assert hl["gate_step"][0] == "native head, own exit of recurtrace"
     assert hl["act_exit"][0] == "native head, own exit of act"
     assert len({c for _, c in hl.values()}) == len(hl)
+    # the same heads at a val-calibrated γ: named so, each its own colour
+    tuned = pareto_highlights(None, {**kinds, "gate_step_calibrated": "native", "act_exit_calibrated": "native"})
+    assert tuned["gate_step_calibrated"][0] == "native head of recurtrace, γ calibrated on val"
+    assert tuned["act_exit_calibrated"][0] == "native head of act, γ calibrated on val"
+    assert len({c for _, c in tuned.values()}) == len(tuned)
     # one native rule (the default run): the label and colour as before
     assert pareto_highlights(None, {"fixed": "fixed", "q_exit": "native"})["q_exit"] == ("native gate", "#d62728")
 

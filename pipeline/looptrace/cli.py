@@ -8,9 +8,12 @@ stages the entries registered (:func:`looptrace.stages.registered`). Errors a us
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from looptrace.errors import launch
 from looptrace.models.adapters.kinds import KINDS as ADAPTERS
 from looptrace.models.regimes import KINDS as REGIMES
 from looptrace.project import defined_names
@@ -100,7 +103,18 @@ def _listing(base: type, blocks: tuple[str, ...]) -> type:
     return WithVocabulary
 
 
-app = typer.Typer(name="looptrace", help=HELP, cls=_listing(TyperGroup, ("tasks", "regimes", "models", "rules",
+class _Program(typer.Typer):
+    """The app run as the ``looptrace`` program: through :func:`looptrace.errors.launch`, so that its exit status
+    says whether a Ctrl-C or SIGTERM came before or after the stage committed its output (as ``stages/<name>.py``
+    does). Called with ``standalone_mode=False`` (a caller that handles the outcome itself) it is the plain app."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("standalone_mode", True) is False:
+            return super().__call__(*args, **kwargs)
+        launch(lambda: super(_Program, self).__call__(*args, **kwargs), "looptrace")
+
+
+app = _Program(name="looptrace", help=HELP, cls=_listing(TyperGroup, ("tasks", "regimes", "models", "rules",
                                                                            "adapters")),
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
 

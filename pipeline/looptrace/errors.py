@@ -6,6 +6,10 @@ stage exits with status 2. An operating-system refusal that names its file (a mi
 disk full) is the user's to fix as well and prints the same way. Anything else is a bug in looptrace: it prints a
 short message naming a log file that holds the traceback (``$LOOPTRACE_LOG_DIR``, default the system temporary
 directory) and exits with status 1.
+
+A stage run as a program (:func:`run` for ``stages/<name>.py``, the ``looptrace`` CLI) goes through :func:`launch`:
+a Ctrl-C or SIGTERM before the stage committed its output exits 130 or 143 with one line, one after it exits with
+the stage's own status and one line saying it finished first (:mod:`looptrace.io.interrupts`).
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import contextlib
 import errno
 import io
 import os
+import signal
 import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -29,6 +36,7 @@ from looptrace.config import (  # noqa: F401  (the error family, re-exported for
     MissingInputError,
     UserError,
 )
+from looptrace.io import interrupts
 
 #: Exit status of a user error (bad params, a missing or damaged input) and of a bug.
 USER_EXIT, BUG_EXIT = 2, 1
@@ -109,24 +117,30 @@ _REPLACED: list = []
 
 @contextlib.contextmanager
 def user_errors():
-    """Report errors of a stage body: a user error as one line and exit 2, a bug with its traceback and exit 1."""
+    """Report errors of a stage body: a user error as one line and exit 2, a bug with its traceback and exit 1.
+
+    After a Ctrl-C or SIGTERM that arrived before the stage committed (:mod:`looptrace.io.interrupts`), whatever
+    fails is the interrupt's consequence (a worker process stopped by the same Ctrl-C, a pipe closed): it is
+    reported as the interrupt (exit 130 or 143), not as a bug."""
     pipe_safe_stdout()
     try:
         yield
-    except UserError as exc:
-        typer.echo(f"error: {one_line(exc)}", err=True)
-        raise typer.Exit(code=USER_EXIT) from None
-    except OSError as exc:
-        if exc.errno not in _ENV_ERRNOS:
-            _bug(exc)
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
-        hint = f"; {_ENV_HINTS[exc.errno]}" if exc.errno in _ENV_HINTS else ""
-        typer.echo(f"error: {one_line(exc)}{where}{hint}", err=True)
-        raise typer.Exit(code=USER_EXIT) from None
     except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as exc:  # a bug: keep the traceback
-        env = environment_fault(exc)
+    except Exception as exc:
+        if interrupts.interrupted():
+            raise KeyboardInterrupt(interrupts.signal_name(interrupts.state().signum or signal.SIGINT)) from exc
+        if isinstance(exc, UserError):
+            typer.echo(f"error: {one_line(exc)}", err=True)
+            raise typer.Exit(code=USER_EXIT) from None
+        if isinstance(exc, OSError):
+            if exc.errno not in _ENV_ERRNOS:
+                _bug(exc)
+            where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
+            hint = f"; {_ENV_HINTS[exc.errno]}" if exc.errno in _ENV_HINTS else ""
+            typer.echo(f"error: {one_line(exc)}{where}{hint}", err=True)
+            raise typer.Exit(code=USER_EXIT) from None
+        env = environment_fault(exc)  # else a bug: keep the traceback
         if env is None:
             _bug(exc)
         typer.echo(f"error: {env}", err=True)
@@ -190,7 +204,44 @@ def _bug(exc: BaseException) -> None:
     raise typer.Exit(code=BUG_EXIT) from None
 
 
+def _status(code: object) -> int:
+    """The process exit status ``sys.exit(code)`` gives (None: 0; an int: itself; anything else: printed, 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    typer.echo(str(code), err=True)
+    return 1
+
+
+def launch(command: Callable[[], object], name: str) -> NoReturn:
+    """Run a stage's Typer ``command`` (it ends with ``SystemExit``) and exit with a status that says what happened.
+
+    SIGINT and SIGTERM go through :func:`looptrace.io.interrupts.on_signal`: before the stage commits its output
+    they stop it (exit ``128 + signum``: 130 for Ctrl-C, 143 for SIGTERM, one line saying so); after the commit
+    the stage finishes and exits with its own status (0) and one line saying it finished before the interrupt
+    (docs/bad-inputs.md, "Interrupts").
+
+    Args:
+        command: runs the Typer app in standalone mode (``typer.run(main)``, ``app()``).
+        name: the stage (or command) named in the lines.
+    """
+    interrupts.reset(name)
+    interrupts.install()
+    try:
+        command()
+        code = 0
+    except SystemExit as exc:  # Typer's standalone mode always ends so (its KeyboardInterrupt: status 130)
+        code = _status(exc.code)
+    except KeyboardInterrupt:  # a signal raises only in the stage's body, which Typer wraps: not expected here
+        code = 128 + signal.SIGINT
+    code, line = interrupts.settle(code)
+    if line is not None:
+        typer.echo(line, err=True)
+    sys.exit(code)
+
+
 def run(main) -> None:
-    """``python stages/<name>.py ...``: run a stage's ``main`` under Typer."""
+    """``python stages/<name>.py ...``: run a stage's ``main`` under Typer, through :func:`launch`."""
     sys.argv[0] = main.__module__
-    typer.run(main)
+    launch(lambda: typer.run(main), main.__module__.rsplit(".", 1)[-1])

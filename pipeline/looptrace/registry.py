@@ -111,6 +111,10 @@ class Registry(Mapping[str, T], Generic[T]):
         return new
 
     # -- looking up ----------------------------------------------------------------------------------
+    def entry(self, name: str) -> Any:
+        """The table's entry of ``name`` as it stands, resolving nothing: the object, the reference, or None."""
+        return self._table.get(name)
+
     def refs(self) -> dict[str, str]:
         """The table's entries that are references (name -> ``package.module:object``), not yet or already
         resolved."""

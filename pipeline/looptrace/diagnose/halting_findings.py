@@ -8,13 +8,16 @@ behind every word:
    ``convergence_eps``, ``convergence_kind``; test tokens, never-converged = T + 1), mean step cosine (the mean over
    loops of the per-loop median cos(Δ_t, Δ_{t−1}), geometry's loop_summary) and the readout frontier (the val-chosen
    best post-hoc readout's D@X, the verdicts' ``dx_best_posthoc``).
-2. **Decoupled head vs joint gate at equal depth**: ``recurtrace``'s native head (gate_step) against ``joint``'s
-   (q_exit): the mean accuracy gap of their test frontiers over the depths both reach (below).
+2. **Decoupled head vs joint gate at equal depth**: ``recurtrace``'s native head against ``joint``'s (q_exit): the
+   mean accuracy gap of their test frontiers over the depths both reach (below). A head's frontier is that of its
+   calibrated rule (:data:`~looptrace.rules.native_halting.NATIVE_CALIBRATED`: ``gate_step_calibrated``, the
+   quantile grid of thresholds), or of its native rule when the readouts did not run that one.
 3. **recurtrace_flow vs recurtrace** (the head's gradient flowing into the trajectory or not): full-depth accuracy,
    convergence depth, step cosine, best post-hoc D@X and the native-head frontier gap.
 4. **Collapse to one loop** ([RT]: ACT and PonderNet do): each of ``act``'s and ``joint``'s native exits, from the
    halting table's mean loops interval: *collapses* when the whole interval is ≤ 1 + ``collapse_tol``, *does not*
-   when it lies above, else undecided.
+   when it lies above, else undecided. The native row is the method's own exit (ACT's N at 1 − ε); the table's
+   "native, γ calibrated on val" row, when present, is stated beside it, labelled so.
 5. **[FP]'s router on convergence labels vs the stabilisation rules** at their chosen points (matched accuracy: val
    within δ of full depth, SPEC §4): the router's test depth − the stabilisation rule's, per task × regime.
 
@@ -47,10 +50,11 @@ import numpy as np
 import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
+from looptrace.diagnose.halting_table import CALIBRATED
 from looptrace.intervals import Interval, difference, from_row, paired_difference
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
-from looptrace.rules.native_halting import NATIVE_EXITS
+from looptrace.rules.native_halting import NATIVE_CALIBRATED, NATIVE_EXITS
 
 #: The roles of the comparisons, in the order of the questions.
 ROLES = ("recurtrace", "recurtrace_mem", "recurtrace_flow", "joint", "act")
@@ -107,6 +111,15 @@ def frontier_gap(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarr
 # Per-model figures from the artifacts
 
 
+def frontier_rule(ops: pl.DataFrame, kind: str | None) -> str | None:
+    """The rule whose test points are a regime's head frontier (module docstring, question 2): the calibrated
+    reading when the readouts ran it, else the native exit; None for a regime without a head."""
+    for rule in (NATIVE_CALIBRATED.get(kind or ""), NATIVE_EXITS.get(kind or "")):
+        if rule is not None and ops.filter(pl.col("rule") == rule).height:
+            return rule
+    return NATIVE_EXITS.get(kind or "")
+
+
 def _native_points(ops: pl.DataFrame, rule: str | None) -> tuple[np.ndarray, np.ndarray]:
     if rule is None:
         return np.zeros(0), np.zeros(0)
@@ -128,8 +141,9 @@ def model_figures(models: Sequence[str], readouts_root: Path | str, geometry_roo
         cfg: the ``diagnose`` section (convergence signal, ε, kind).
 
     Returns:
-        (one row per model: model, group, task, regime, regime_kind, role, seed, n_loops and the figures of
-        :data:`MEASURES` but ``native_gap``, with ``_lo``/``_hi``; model -> its native exit's test points).
+        (one row per model: model, group, task, regime, regime_kind, role, seed, n_loops, frontier_rule and the
+        figures of :data:`MEASURES` but ``native_gap``, with ``_lo``/``_hi``; model -> its head's frontier points,
+        the test points of :func:`frontier_rule`).
     """
     rows, fronts = [], {}
     vd = {r["model"]: r for r in verdicts.iter_rows(named=True)} if verdicts.height else {}
@@ -146,7 +160,8 @@ def model_figures(models: Sequence[str], readouts_root: Path | str, geometry_roo
         full = ops.filter((pl.col("rule") == "fixed") & (pl.col("split") == "test")).sort("threshold")
         fa = from_row(full.row(-1, named=True), "accuracy") if full.height else Interval(math.nan)
         row.update(full_depth_accuracy=fa.estimate, full_depth_accuracy_lo=fa.lo, full_depth_accuracy_hi=fa.hi)
-        fronts[m] = _native_points(ops, NATIVE_EXITS.get(kind or ""))
+        row["frontier_rule"] = frontier_rule(ops, kind)
+        fronts[m] = _native_points(ops, row["frontier_rule"])
         conv = math.nan
         if (gdir / "convergence.parquet").is_file():
             c = read_parquet(gdir / "convergence.parquet").filter(
@@ -311,8 +326,10 @@ _ROLE_WORDS = {"recurtrace": "kind recurtrace, head decoupled, no loop memory",
 
 
 def _native(figs: pl.DataFrame, group: str) -> str:
-    k = figs.filter(pl.col("group") == group)["regime_kind"][0]
-    return NATIVE_EXITS.get(k or "", "—")
+    """The rule whose frontier stands for the group's head (its first seed's; :func:`frontier_rule`)."""
+    sub = figs.filter(pl.col("group") == group)
+    rule = sub["frontier_rule"][0] if "frontier_rule" in sub.columns else None
+    return rule or NATIVE_EXITS.get(sub["regime_kind"][0] or "", "—")
 
 
 def _undecided(c: dict) -> str:
@@ -346,7 +363,9 @@ def collapse_rows(table: pl.DataFrame | None, tasks: Sequence[str], collapse_tol
     for task in tasks:
         for kind, name in (("act", "ACT"), ("joint", "PonderNet")):
             sub = (table.filter((pl.col("task") == task) & (pl.col("regime_kind") == kind)
-                                & (pl.col("method") == "native")) if table is not None and table.height else None)
+                                & pl.col("method").is_in(["native", CALIBRATED]))
+                   .sort(pl.col("method") != "native", maintain_order=True)  # the method's own exit first
+                   if table is not None and table.height else None)
             if sub is None or not sub.height:
                 out.append(_row("collapse", task, kind, "loops", {"word": "untestable", "n": 0},
                                 f"{task}: {name}: not testable — no {kind} model with its native exit "
@@ -372,10 +391,12 @@ def collapse_rows(table: pl.DataFrame | None, tasks: Sequence[str], collapse_tol
                            "does not collapse": f"does not collapse (the whole interval > {cut:g})",
                            "undecided": f"undecided (the interval straddles {cut:g})" if has
                            else "undecided (no interval)"}[word]
-                s = (f"{task}: {name} ({r['regime']}, {r['rules']}) exits at {iv} mean loops ({how}, "
+                tuned = r["method"] == CALIBRATED  # the same head at a val-chosen γ, not the method's own exit
+                s = (f"{task}: {name} ({r['regime']}, {r['rules']}{', γ calibrated on val' if tuned else ''}) exits "
+                     f"at {iv} mean loops ({how}, "
                      f"n = {r['n_seeds']} seed{'s' if r['n_seeds'] != 1 else ''}; {r['n_collapsed']} of them ≤ {cut:g}) "
                      f"at {acc} test accuracy{dtext}: {verdict}.")
-                out.append(_row("collapse", task, r["regime"], "loops",
+                out.append(_row("collapse", task, f"{r['regime']} ({CALIBRATED})" if tuned else r["regime"], "loops",
                                 {"estimate": est, "lo": lo if has else math.nan, "hi": hi if has else math.nan,
                                  "method": how, "p": math.nan, "n": r["n_seeds"], "word": word}, s))
     return out

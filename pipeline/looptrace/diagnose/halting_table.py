@@ -3,9 +3,13 @@
 One row per task × regime × method, over the training seeds of the group:
 
 - ``fixed k`` (k = 1..T): every token exits at loop k (the ``fixed`` rule's test points);
-- ``native``: the regime's own halting head at its val-chosen point, by the exit rule it was trained for
-  (:data:`looptrace.rules.native_halting.NATIVE_EXITS`: ``joint`` = PonderNet → ``q_exit``, ``recurtrace`` →
-  ``gate_step``, ``act`` → ``act_exit``); absent for regimes without a head;
+- ``native``: the regime's own halting head, by the exit rule it was trained for, at the threshold its method
+  defines (:data:`looptrace.rules.native_halting.NATIVE_EXITS`: ``recurtrace`` → ``gate_step`` at σ(g) ≥ 0.5,
+  ``act`` → ``act_exit`` at ACT's N, Σ σ(g) ≥ 1 − ε with the ε the model trained with; ``joint`` = PonderNet →
+  ``q_exit`` at its val-chosen q, q being a user setting of Ouro's forward); absent for regimes without a head;
+- ``native, γ calibrated on val``: the same head at its val-chosen point on the quantile grid
+  (:data:`~looptrace.rules.native_halting.NATIVE_CALIBRATED`: ``gate_step_calibrated``, ``act_exit_calibrated``),
+  when the readouts ran it — how much a tuned threshold changes the method's own exit;
 - ``best post-hoc``: the post-hoc readout chosen on val (:func:`~looptrace.rules.scoring.best_chosen`, kind
   ``posthoc``; CALM's rule among them when the readouts ran it);
 - ``CALM``: CALM's own rule (``calm``: softmax response with its Learn-then-Test threshold, Schuster et al. 2022)
@@ -36,13 +40,15 @@ from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
 from looptrace.rules.calm import CALM
-from looptrace.rules.native_halting import NATIVE_EXITS, REGIME_SOURCES
+from looptrace.rules.native_halting import NATIVE_CALIBRATED, NATIVE_EXITS, REGIME_SOURCES
 from looptrace.rules.scoring import best_chosen
 
 #: Output columns (``halting_table.parquet``).
 COLUMNS = ("task", "regime", "regime_kind", "source", "method", "rules", "n_seeds", "accuracy", "accuracy_lo",
            "accuracy_hi", "loops", "loops_lo", "loops_hi", "delta_matched", "delta_matched_lo", "delta_matched_hi",
            "collapsed", "n_collapsed")
+#: The method name of a native head read at a val-calibrated threshold (module docstring).
+CALIBRATED = "native, γ calibrated on val"
 
 
 def matched_fixed_accuracy(fixed_acc: np.ndarray, depth: float) -> float:
@@ -82,6 +88,10 @@ def _model_rows(model: str, readouts_root: Path, gates_root: Path | None) -> tup
     if native is not None:
         own = chosen.filter(pl.col("rule") == native)
         picks.append(("native", own.row(0, named=True) if own.height else None))
+        tuned = NATIVE_CALIBRATED.get(kind)
+        if tuned is not None and tuned != native:
+            cal = chosen.filter(pl.col("rule") == tuned)
+            picks.append((CALIBRATED, cal.row(0, named=True) if cal.height else None))
     picks.append(("best post-hoc", best_chosen(chosen, ["posthoc"])))
     calm = chosen.filter(pl.col("rule") == CALM.name)
     if calm.height:
@@ -160,7 +170,9 @@ def halting_table_markdown(table: pl.DataFrame, collapse_tol: float) -> str:
     lines = ["## Halting methods at matched compute ([RT]'s form)", "",
              "Per task × regime and method: test accuracy and mean loops at the val-chosen point (95 % intervals: "
              "bootstrap over test sequences for one seed, Student-t over seeds), and Δ = accuracy − fixed depth at the "
-             "same mean loops on the same model (points). A method *collapses to one loop* when its mean loops ≤ "
+             "same mean loops on the same model (points). *native* is the head at its method's own threshold "
+             "(RecurTrace σ(g) ≥ 0.5, ACT Σ σ(g) ≥ 1 − ε with its training ε; PonderNet's q chosen on val); "
+             f"*{CALIBRATED}* the same head at a val-chosen γ. A method *collapses to one loop* when its mean loops ≤ "
              f"{1 + collapse_tol:g} (collapsed seeds / seeds).", "",
              "| task | regime (source) | method | rule(s) | accuracy % | mean loops | Δ vs fixed at matched loops | "
              "collapses |", "|---|---|---|---|---|---|---|---|"]

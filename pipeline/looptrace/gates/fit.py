@@ -67,7 +67,10 @@ class FittedGate:
 
         if self.spec.labels != "ponder":
             raise ValueError(f"gate {self.spec.name}: only PonderNet gates have halting logits")
-        with torch.no_grad():
+        from looptrace.models.invariant import BatchInvariant
+
+        # row-wise kernels: a token's logit is the same in a whole split's block and in a live batch
+        with torch.no_grad(), BatchInvariant():
             return self.model(torch.as_tensor(X, dtype=torch.float32)).double().numpy()
 
     def stop_prob(self, X: np.ndarray, form: str = "stop") -> np.ndarray:

@@ -28,6 +28,7 @@ import polars as pl
 
 from looptrace.config import InputError, MissingInputError
 from looptrace.io.guard import CURRENT_STAGE, check_replaceable
+from looptrace.io.interrupts import committing
 from looptrace.io.manifest import producer, verify, write_manifest
 from looptrace.io.parquet import read_verified, write_parquet
 
@@ -105,17 +106,19 @@ def clear_debris(out_dir: Path | str) -> list[Path]:
 def swap_in(staged: Path | str, out_dir: Path | str) -> None:
     """Replace ``out_dir`` by the directory ``staged`` (a sibling), whole: a reader sees the old or the new one,
     never a mix. A kill between the two renames leaves ``.<name>.old`` (and no ``out_dir``), which
-    :func:`clear_debris` removes on the next run."""
+    :func:`clear_debris` removes on the next run. Swapping in the directory a stage holds commits the stage
+    (:mod:`looptrace.io.interrupts`: a Ctrl-C during the renames waits for them)."""
     staged, out_dir = Path(staged), Path(out_dir)
     _claim_and_manifest(staged, out_dir)
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(staged, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(staged, out_dir)
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    with committing(out_dir):  # a Ctrl-C waits for the renames; the stage's own directory commits it
+        if out_dir.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(staged, out_dir)
+        else:
+            os.replace(staged, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _claim_and_manifest(staged: Path, out_dir: Path) -> None:

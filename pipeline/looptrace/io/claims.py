@@ -54,6 +54,7 @@ from typing import Any, TypeGuard
 from looptrace.config import UserError
 from looptrace.io.artifacts import check_output_path, clear_debris
 from looptrace.io.guard import CURRENT_STAGE, check_overlap, check_replaceable
+from looptrace.io.interrupts import expect_commit
 
 #: Default lease of a claim held by a process on another host: without a heartbeat for this long, it is dead.
 LEASE_S = 600.0
@@ -752,6 +753,7 @@ def stage_output(out_dir: str | os.PathLike, stage: str | None = None,
     try:
         check_output_path(out_dir)
         check_replaceable(out_dir)
+        expect_commit(out_dir)  # its swap commits the stage (looptrace.io.interrupts)
         with output_lock(out_dir):
             clear_debris(out_dir)
             yield out_dir

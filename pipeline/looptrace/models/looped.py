@@ -70,6 +70,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from looptrace.config import Check, CheckpointLoadError, ConfigError, MissingInputError
+from looptrace.models.invariant import inference_kernels
 
 #: ``ModelConfig.loop_form`` values (module docstring).
 LOOP_FORMS = ("add", "norm_add", "adapter")
@@ -376,6 +377,7 @@ class LoopedTransformer(nn.Module):
     def n_loops(self) -> int:
         return self.cfg.n_loops
 
+    @inference_kernels
     def embed(self, idx: torch.Tensor, start: int = 0, cache: KVCache | None = None) -> torch.Tensor:
         """h_0: [batch, seq] token ids -> [batch, seq, d_model] (embedding, positions, prelude).
 
@@ -399,6 +401,7 @@ class LoopedTransformer(nn.Module):
         ``loop_memory`` only; :meth:`step_outputs`)."""
         return self.step_outputs(h, h0, group, cache, loop, memory)[0]
 
+    @inference_kernels
     def step_outputs(self, h: torch.Tensor, h0: torch.Tensor, group: int, cache: KVCache | None = None,
                      loop: int = 0, memory: Memory | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """:meth:`step`, also returning every block layer's output (what :meth:`extend_memory` appends).
@@ -453,6 +456,7 @@ class LoopedTransformer(nn.Module):
         """The memory after one more iteration: each layer's entries [batch, seq, m, D] + its output [batch, seq, D]."""
         return tuple(torch.cat([m, o.unsqueeze(2)], dim=2) for m, o in zip(memory, outputs, strict=True))
 
+    @inference_kernels
     def readout(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Exit path at any loop: coda -> shared norm -> head. [..., seq, d_model] -> [..., seq, vocab].
 
@@ -461,6 +465,7 @@ class LoopedTransformer(nn.Module):
             h = layer(h, None if cache is None else cache.layer("coda", i))
         return self.head(self.ln_f(h))
 
+    @inference_kernels
     def gate_logit(self, h: torch.Tensor, stop_gradient: bool = False) -> torch.Tensor:
         """Halting-gate logit on the normed state: [..., d_model] -> [...].
 
@@ -473,6 +478,7 @@ class LoopedTransformer(nn.Module):
                                           ln.eps))
         return self.gate(self.ln_f(h))
 
+    @inference_kernels
     def forward(self, idx: torch.Tensor, with_logits: bool = True) -> LoopOutput:
         """Run all T loops.
 

@@ -30,6 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from looptrace.config import OMIT_DEFAULT, Check, ConfigError, NonNegFloat, one_of
+from looptrace.signals.halting import ACT_EPS
 from looptrace.signals.halting_torch import halting_distribution
 from looptrace.tasks import IGNORE
 
@@ -71,7 +72,7 @@ class RegimeConfig:
     detach: bool = field(default=True, metadata=OMIT_DEFAULT)
     head_weight: NonNegFloat = field(default=1.0, metadata=OMIT_DEFAULT)
     tau: NonNegFloat = field(default=0.01, metadata=OMIT_DEFAULT)
-    eps: float = field(default=0.01, metadata=OMIT_DEFAULT)
+    eps: float = field(default=ACT_EPS, metadata=OMIT_DEFAULT)
     loop_memory: bool | None = field(default=None, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:

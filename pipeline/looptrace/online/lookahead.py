@@ -18,8 +18,10 @@ decodes the same tokens with the decision kept on the device:
   policy and the emitted tokens' readouts need (one read per token, not per loop).
 
 The tokens, exit depths and log-probabilities are those of ``decode_tokens(compact=False)`` bit for bit (the
-same readouts on the same row subsets; tests/test_generate.py), hence those of the default compaction for tokens
-and depths (and log-probs at batch 1, where compaction never happens). On a CPU the speculative loop is pure
+same readouts on the same row subsets; tests/test_generate.py), hence those of the default compaction: for
+looptrace's own model bit for bit on every CPU (its inference passes run batch-invariant kernels,
+:mod:`looptrace.models.invariant`, so a row computes the same numbers in a compacted batch), for the adapters
+where their BLAS is row-invariant. On a CPU the speculative loop is pure
 cost (there is nothing to overlap), so ``decode_tokens`` keeps the per-loop path as its default
 (``lookahead=False``; ``generate.lookahead`` in params.yaml).
 

@@ -15,7 +15,7 @@ from looptrace.diagnose.stats import with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.report.loopmap import decay_values, per_loop_values
-from looptrace.rules.native_halting import NATIVE_EXITS
+from looptrace.rules.native_halting import NATIVE_CALIBRATED, NATIVE_EXITS
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import best_chosen
 
@@ -324,8 +324,11 @@ def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dic
     for rule, kind in kinds.items():
         if kind == "native" and len(natives) > 1:  # several readings of the gate (issue 26): whose exit each is
             own = [k for k, r in NATIVE_EXITS.items() if r == rule]
+            tuned = [k for k, r in NATIVE_CALIBRATED.items() if r == rule and k not in own]
             extra = [c for c in _NATIVE_SPARE if c not in _NATIVE_COLOURS.values()]
-            out[rule] = ("native head, own exit of " + ", ".join(own) if own else "native head, other reading",
+            out[rule] = ("native head, own exit of " + ", ".join(own) if own else
+                         "native head of " + ", ".join(tuned) + ", γ calibrated on val" if tuned else
+                         "native head, other reading",
                          _NATIVE_COLOURS.get(rule) or extra[natives.index(rule) % len(extra)])
         elif kind in ("fixed", "oracle", "native"):
             out[rule] = ({"fixed": "fixed depth", "oracle": "oracle ceiling", "native": "native gate"}[kind],

@@ -100,7 +100,9 @@ def collapse_tol_of(value: float | None) -> float:
 
 
 def halting_intro(collapse_tol: float) -> str:
-    return ("Per task × regime and method (fixed depths, the regime's own native exit, the best post-hoc rule and "
+    return ("Per task × regime and method (fixed depths, the regime's own native exit at its method's threshold — "
+            "RecurTrace's head at σ(g) ≥ 0.5, ACT's N at Σ σ(g) ≥ 1 − ε with its training ε, PonderNet's q chosen on "
+            "val — the same head at a val-calibrated γ where it was run, the best post-hoc rule and "
             "the best refit gate, both chosen on val), test accuracy and mean loops at the val-chosen point with "
             "95 % intervals (bootstrap over test sequences for one seed, Student-t over seeds), Δ = accuracy − "
             "fixed depth at the same mean loops on the same model ([RT]'s matched compute). A method collapses to "

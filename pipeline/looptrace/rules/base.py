@@ -5,7 +5,9 @@ up by name is :mod:`looptrace.rules.registry`.
 An exit rule maps a token's per-loop signals to a per-loop **score** and exits at the first loop
 t ≥ ``min_loop`` where ``score_t op threshold`` holds (``op`` ``le`` or ``ge``; two-hit rules also need it
 at t − 1), else at T. Its thresholds are calibrated on val: the [AD] quantile grid of the score on the
-loops the rule reads, or an explicit list of values. :class:`ExitRule` holds all of it:
+loops the rule reads, or the values the rule declares itself (a list, or a function of T, the readouts config and
+the model's training regime: ``act_exit``'s 1 − ε is the ε its ACT regime trained with). :class:`ExitRule` holds
+all of it:
 
 - ``score``: the vectorised offline form, ``dict name -> [token, loop] array`` (the rule's ``signals``,
   ``token_loop.parquet`` columns, plus ``loop`` = t) -> ``[token, loop]`` score;
@@ -74,8 +76,11 @@ class ExitRule:
         two_hit: the condition must also hold at t − 1.
         kind: ``fixed`` | ``posthoc`` | ``native`` | ``oracle`` | ``gate``.
         thresholds: None = the calibration quantile grid of the val score (on the loops the rule reads);
-            else a sequence of values, or ``(T, readouts config) -> values`` (``fixed``: 1..T, ``argmax_stable``:
-            its k). The oracle's single point records no threshold (NaN).
+            else a sequence of values (``gate_step``: its native 0.5), or ``(T, readouts config, regime) -> values``
+            (``fixed``: 1..T, ``argmax_stable``: its k, ``act_exit``: 1 − ε of the model's ACT regime), ``regime``
+            being the model's training regime definition as the params file gives it (``train.regime_defs.<name>``,
+            a mapping with ``kind``), or None for a model outside the train matrix (an adapter's run). The
+            oracle's single point records no threshold (NaN).
         online: how the early-exit engine evaluates it: :data:`SIGNAL`, :data:`HISTORY`, a factory
             ``() -> OnlineScore`` (``update(t, {signal: [batch, seq]}) -> [batch, seq]`` and
             ``compact(rows, seq)``; numpy, token_loop dtypes), or None (cannot run online: the oracle).
@@ -94,7 +99,7 @@ class ExitRule:
     min_loop: int = 1
     two_hit: bool = False
     kind: str = "posthoc"
-    thresholds: Sequence[float] | Callable[[int, Any], Sequence[float]] | None = None
+    thresholds: Sequence[float] | Callable[[int, Any, Mapping[str, Any] | None], Sequence[float]] | None = None
     online: str | Callable[[], Any] | None = HISTORY
     origin: str = "builtin"
     description: str = ""
@@ -166,11 +171,18 @@ class ExitRule:
                              f"signals of shape {shape}; a rule maps [token, loop] signals to a [token, loop] score")
         return out
 
-    def calibration_values(self, n_loops: int, cfg: Any = None) -> np.ndarray | None:
-        """The explicit threshold values (float64), or None when the rule uses the val quantile grid."""
+    def calibration_values(self, n_loops: int, cfg: Any = None,
+                           regime: Mapping[str, Any] | None = None) -> np.ndarray | None:
+        """The rule's own threshold values (float64), or None when it uses the val quantile grid.
+
+        Args:
+            n_loops: T.
+            cfg: the ``readouts`` section.
+            regime: the model's training regime definition (``thresholds``), None when unknown.
+        """
         if self.thresholds is None:
             return None
-        given = self.thresholds(n_loops, cfg) if callable(self.thresholds) else self.thresholds
+        given = self.thresholds(n_loops, cfg, regime) if callable(self.thresholds) else self.thresholds
         vals = np.asarray(list(given), dtype=np.float64).ravel()
         if vals.size == 0:
             raise ConfigError(f"exit rule '{self.name}': no threshold values")

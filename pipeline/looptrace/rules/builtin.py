@@ -90,7 +90,7 @@ def _threshold(name: str, col: str, op: str, min_loop: int = 1, two_hit: bool = 
 
 _RULES = (
     ExitRule(name="fixed", score=_column("loop"), signals=("loop",), op="ge", kind="fixed",
-             thresholds=lambda T, cfg: range(1, T + 1), online=SIGNAL),
+             thresholds=lambda T, cfg, regime: range(1, T + 1), online=SIGNAL),
     _threshold("entropy", "entropy", "le"),                   # [AD]
     _threshold("top1", "max_prob", "ge"),                     # [AD], CALM softmax_max
     _threshold("margin", "margin", "ge"),                     # [AD] logit gap
@@ -102,7 +102,7 @@ _RULES = (
     _threshold("state_cosine", "state_cos_dist", "le", 2),    # Huginn cosine, CALM state
     _threshold("accel_two_hit", "accel", "le", 3, True),      # [TS]: a_t ≤ τ and a_{t−1} ≤ τ
     ExitRule(name="argmax_stable", score=lambda s: argmax_stable_count(s["argmax"]), signals=("argmax",), op="ge",
-             thresholds=lambda T, cfg: cfg.argmax_stable_n, online=ArgmaxStableOnline,  # Huginn
+             thresholds=lambda T, cfg, regime: cfg.argmax_stable_n, online=ArgmaxStableOnline,  # Huginn
              description="exit when the argmax has not changed for k consecutive transitions (Huginn's counter; "
                          "k = readouts.argmax_stable_n, Huginn's default 5 = six equal loops)"),
     ExitRule(name="q_exit", score=lambda s: halting_cdf(s["gate_logit"]), signals=("gate_logit",), op="ge",

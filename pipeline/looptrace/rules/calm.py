@@ -118,6 +118,6 @@ def _choose(val_depths: np.ndarray, val: SplitArrays, thresholds: np.ndarray, cf
 
 CALM = register(ExitRule(
     name="calm", score=softmax_response, signals=("max_prob", "margin"), op="ge", kind="posthoc",
-    thresholds=lambda T, cfg: calm_grid().tolist(), choose=_choose, origin="looptrace.rules.calm",
+    thresholds=lambda T, cfg, regime: calm_grid().tolist(), choose=_choose, origin="looptrace.rules.calm",
     description="CALM: exit when the softmax response p1 − p2 ≥ λ, λ certified on val by Learn-then-Test "
                 "(consistency with full depth ≥ 1 − δ w.p. 1 − ε; readouts.calm_delta / calm_epsilon)"))

@@ -7,9 +7,10 @@ returns the output tables.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -77,14 +78,17 @@ def rule_columns(rules: Sequence[ExitRule]) -> tuple[str, ...]:
 
 
 def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig,
-                     cal: CalibrationConfig, resampler: Resampler | None = None) -> RuleResult | None:
+                     cal: CalibrationConfig, resampler: Resampler | None = None,
+                     regime: Mapping[str, Any] | None = None) -> RuleResult | None:
     """One registered rule calibrated on val (frozen) and applied to test; None when the model cannot run it
     (a rule on the native gate of a model without one).
 
     A rule with a derived online form is first checked for causality on val
-    (:func:`~looptrace.rules.base.check_causal`). Quantile-grid rules calibrate on the finite val scores
-    of the loops they can read (t ≥ min_loop; for two-hit rules also t − 1), so that e.g. hidden_change at
-    t = 1 (where the rule may not fire) does not shift the grid.
+    (:func:`~looptrace.rules.base.check_causal`). A rule that declares its own thresholds
+    (:meth:`~looptrace.rules.base.ExitRule.calibration_values`: ``fixed``'s 1..T, ``gate_step``'s 0.5,
+    ``act_exit``'s 1 − ε of the model's ``regime``) is evaluated at them; the others calibrate on the quantile
+    grid of their finite val scores on the loops they can read (t ≥ min_loop; for two-hit rules also t − 1), so
+    that e.g. hidden_change at t = 1 (where the rule may not fire) does not shift the grid.
     """
     if rule.needs_gate and not (val.has_gate and test.has_gate):
         return None
@@ -93,7 +97,7 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
     if rule.derived_online:
         check_causal(rule, vsig)
     vs, ts = rule.score_of(vsig), rule.score_of(tsig)
-    grid = rule.calibration_values(T, cfg)
+    grid = rule.calibration_values(T, cfg, regime)
     if grid is None:
         try:
             grid = quantile_grid(grid_window(vs, rule.min_loop, rule.two_hit), cal.n_quantiles)
@@ -109,7 +113,8 @@ def evaluate_rule_on(rule: ExitRule, val: SplitArrays, test: SplitArrays, cfg: R
 
 def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfig, cal: CalibrationConfig,
                          progress: bool = True, rules: Sequence[str | ExitRule] | None = None,
-                         runner: DaskRunner | None = None, resampler: Resampler | None = None) -> list[RuleResult]:
+                         runner: DaskRunner | None = None, resampler: Resampler | None = None,
+                         regime: Mapping[str, Any] | None = None) -> list[RuleResult]:
     """Every configured exit rule of SPEC §4 on one model (grid on val, frozen, applied to test).
 
     ``fixed`` has thresholds 1..T, ``argmax_stable`` the n values, ``oracle`` a single NaN threshold (kind
@@ -125,6 +130,8 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
         runner: one Dask task per rule (val and test are sent to the cluster once); None = in this process.
             A rule's result is the same either way: the same function on the same arrays.
         resampler: bootstrap over the test split's sequences (every rule on the same resamples; None = none).
+        regime: the model's training regime definition (``metrics.json``'s ``regime_def``; None when the model is
+            not of the train matrix): what a rule's own thresholds may depend on (``act_exit``'s ε).
 
     Returns:
         list of RuleResult in rule order (rules on the native gate only when the model has one).
@@ -132,7 +139,7 @@ def evaluate_model_rules(val: SplitArrays, test: SplitArrays, cfg: ReadoutsConfi
 
     todo = resolve_rules(cfg.rules if rules is None else rules, "readouts.rules")
     results: list[RuleResult] = []
-    done = map_tasks(evaluate_rule_on, todo, (val, test, cfg, cal, resampler), runner)
+    done = map_tasks(evaluate_rule_on, todo, (val, test, cfg, cal, resampler, regime), runner)
     for r in tqdm(done, total=len(todo), desc="readouts", disable=None if progress else True, leave=False):
         if r is not None:
             results.append(r)
@@ -167,7 +174,9 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
         cfg: the ``readouts`` section.
         cal: the ``calibration`` section.
         out_dir: ``artifacts/readouts/<model>``.
-        meta: extra ``metrics.json`` entries (model, task, regime, regime_kind, versions, params).
+        meta: extra ``metrics.json`` entries (model, task, regime, regime_kind, versions, params); its
+            ``regime_def`` (the model's training regime, :func:`looptrace.project.model_meta`) sets the thresholds
+            of the rules that take them from it (``act_exit``).
         progress: progress bars.
         runner: evaluate the rules as Dask tasks, one per rule (:func:`evaluate_model_rules`); None = here.
         intervals: the ``intervals`` section (None = no intervals).
@@ -182,7 +191,9 @@ def readouts_model(geometry_dir: Path | str, cfg: ReadoutsConfig, cal: Calibrati
     model = (meta or {}).get("model") or Path(geometry_dir).name
     check_n_quantiles(cal.n_quantiles, val.n, val.n_loops, f"model {model}")
     rs = split_resampler(test.fields, test.n, intervals, boot_seed(seed, model, "test"))
-    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules, resampler=rs, runner=runner)
+    regime = (meta or {}).get("regime_def")
+    results = evaluate_model_rules(val, test, cfg, cal, progress, rules=rules, resampler=rs, runner=runner,
+                                   regime=regime if isinstance(regime, Mapping) else None)
     frames = result_frames(results, cal.dx)
     metrics = readouts_metrics(results, frames, val, test, cal, meta or {})
     write_outputs(out_dir, frames, metrics)

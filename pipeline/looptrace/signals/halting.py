@@ -12,6 +12,11 @@ import numpy as np
 
 from looptrace.signals import keep_rows
 
+#: ACT's halting ε (Graves 2016: N = min{n : Σ_{t≤n} σ(gate_t) ≥ 1 − ε}, ε = 0.01 there): the default of an ``act``
+#: regime (``looptrace.models.regimes.RegimeConfig.eps``) and the ε of the ``act_exit`` rule on a model that was not
+#: trained under an ``act`` regime. One constant, so the training's N and the rule's native exit cannot drift apart.
+ACT_EPS = 0.01
+
 
 def _log_not_halting(gate_logit: np.ndarray) -> np.ndarray:
     """log(1 − σ(g)) = −softplus(g), float64 (large gate logits do not round to log(1 − 1))."""

@@ -38,6 +38,7 @@ import torch
 from looptrace.signals import keep_rows
 from looptrace.signals.names import CAUSAL_LOGIT_SIGNALS
 from looptrace.signals.names import LOGIT_SIGNALS as STAT_NAMES
+from looptrace.signals.rowwise import row_norm, row_sum
 
 __all__ = ["CAUSAL_LOGIT_SIGNALS", "STAT_NAMES", "LoopStats", "argmax", "entropy", "kl_div", "kl_final",
            "kl_prev", "kl_prev_rev", "logit_change", "logit_stats", "margin", "max_prob", "target_logprob"]
@@ -53,7 +54,7 @@ def _masked_dot(p: torch.Tensor, x: torch.Tensor, finite: bool = False) -> torch
     terms = p * x
     if not finite:
         terms = torch.where(p > 0, terms, torch.zeros((), dtype=terms.dtype, device=terms.device))
-    return terms.sum(-1)
+    return row_sum(terms)  # a lone row in a batch's order (one row's value never depends on the batch size)
 
 
 def kl_div(logp: torch.Tensor, logq: torch.Tensor, p: torch.Tensor | None = None,
@@ -134,7 +135,7 @@ def kl_final(logp: torch.Tensor, final_logp: torch.Tensor, final_p: torch.Tensor
 
 def logit_change(z: torch.Tensor, prev_z: torch.Tensor) -> torch.Tensor:
     """‖z_t − z_{t−1}‖₂."""
-    return torch.linalg.vector_norm(z - prev_z, dim=-1)
+    return row_norm(z - prev_z)
 
 
 _NEEDS_PREV = ("kl_prev", "kl_prev_rev", "logit_change")

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from looptrace.config import STAGE_NAMES
+from looptrace.io.interrupts import guarded
 from looptrace.registry import Registry
 
 #: The help blocks a stage's ``--help`` may list (``looptrace.cli.vocabulary``).
@@ -33,7 +34,8 @@ class Stage:
     Attributes:
         name: the stage's one name (dvc.yaml stage, launcher, params section, ``artifacts/<name>/``, CLI command).
         order: its place in the pipeline (CLI listing, the stage table); a stage comes after those it reads.
-        main: the Typer command (its docstring is the command's help).
+        main: the Typer command (its docstring is the command's help), wrapped as the stage's body
+            (:func:`looptrace.io.interrupts.guarded`: where Ctrl-C or SIGTERM may stop it).
         config: the section's config dataclass.
         library: the module holding the stage's computation (what ``main`` calls).
         help_blocks: the valid names its ``--help`` lists (:data:`HELP_BLOCKS`).
@@ -63,11 +65,17 @@ def register_stage(name: str, order: int, *, config: type, library: str,
         module = main.__module__
         if module != f"{__name__}.{name}":
             raise ValueError(f"stage {name!r} must be registered by {__name__}.{name}, not {module}")
+        old = STAGES.entry(name)
+        if isinstance(old, Stage) and getattr(old.main, "__wrapped__", None) is not main:
+            raise ValueError(f"stage {name!r} is registered twice")
         unknown = [b for b in help_blocks if b not in HELP_BLOCKS]
         if unknown:
             raise ValueError(f"stage {name!r}: unknown help blocks {unknown}; known: {', '.join(HELP_BLOCKS)}")
-        STAGES.add(name, Stage(name, order, main, config, library, tuple(help_blocks)), module=module)
-        return main
+        # The body a signal may stop (looptrace.io.interrupts): the module's ``main`` is this wrapper, so the
+        # launcher stages/<name>.py and the CLI run the same one.
+        body = old.main if isinstance(old, Stage) else guarded(name, main)
+        STAGES.add(name, Stage(name, order, body, config, library, tuple(help_blocks)), module=module)
+        return body
 
     return deco
 

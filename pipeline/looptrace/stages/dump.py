@@ -23,6 +23,7 @@ import typer
 from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, user_errors
+from looptrace.io import interrupts
 from looptrace.io.claims import parse_shard, shard_from_env
 from looptrace.io.guard import check_overlap
 from looptrace.io.store.location import join_store
@@ -58,18 +59,27 @@ def main(
                 if model and model != name:
                     raise UserError(f"--model {model} differs from dump.adapter.name {name}; drop --model or fix one")
                 model = name
+                interrupts.expect_commit(join_store(out, model), _LEFT)
                 adapter = load_adapter(cfg.adapter, device=device)
                 stores = dump_text_model(adapter, cfg, join_store(out, model), base, shard=part)
             else:
                 if not model:
                     raise UserError("--model <task>-<regime> is required (or set dump.adapter in the params file)")
+                interrupts.expect_commit(join_store(out, model), _LEFT)
                 adapter, stores = _dump_trained(model, cfg, base, train_root, out, device, part)
+            # this process's share of every store is written and verified (complete ones are marked so): a Ctrl-C
+            # from here on no longer interrupts it (looptrace.io.interrupts)
+            interrupts.mark_committed()
     sizes = ", ".join(f"{s} {st.n_tokens}" for s, st in stores.items())
     pending = [s for s, st in stores.items() if not st.complete]
     note = f"; shard {part[0]}/{part[1]} written, still incomplete: {', '.join(pending)}" if pending else ""
     got = ", ".join(f"{s} {st.attrs.get('n_sequences', '?')}/{cfg.sequences.get(s, '?')}" for s, st in stores.items())
     typer.echo(f"{model}: dumped tokens per split: {sizes} (T = {adapter.info.n_loops}); sequences per split "
                f"(got/asked): {got}{note}")
+
+
+#: What an interrupted dump leaves (the line of an interrupted run says it).
+_LEFT = "a store not marked complete is refused by every reader, and a re-run resumes it"
 
 
 def _device(device: str) -> str:
@@ -81,12 +91,10 @@ def _device(device: str) -> str:
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt():
-    """SIGTERM raises KeyboardInterrupt inside the block: queued chunks are written, claims released."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
+    """SIGTERM stops the block as Ctrl-C does (:func:`looptrace.io.interrupts.on_signal`, which the launcher
+    installs for both; here for a dump run in-process): queued chunks are written, claims released, exit 143."""
     try:
-        prev = signal.signal(signal.SIGTERM, handler)
+        prev = signal.signal(signal.SIGTERM, interrupts.on_signal)
     except ValueError:  # not the main thread (e.g. a test runner thread): keep the default
         yield
         return

@@ -1,0 +1,150 @@
+"""Batch-invariant inference kernels: one token's numbers do not depend on what else is in the batch.
+
+A CPU (or GPU) BLAS picks its kernel by the matrix shapes, so the float32 result of one row of ``x @ W.T`` depends
+on how many rows ``x`` has and where the row sits (MKL: one row runs a GEMV, 2–3 rows a small-M kernel, the rest a
+blocked GEMM whose edge tiles accumulate in another order), and the CPU attention kernel sums a query's keys in
+SIMD lanes whose grouping depends on the key count (a causal query's result changes when later positions are cut
+off). looptrace compares the same token's decisions across batch shapes: early exit with compaction (exited rows
+leave the batch, :mod:`looptrace.online.engine`, :mod:`looptrace.online.generate`) against masking, the
+lookahead path and the dump's full-batch forward. Those are equal bit for bit only when every row is computed by
+one operation order, whatever its batch — which is what this mode gives:
+
+- ``F.linear`` (every ``nn.Linear``): each row as its own [1, K] × [K, N] problem of one batched product
+  (``torch.bmm`` over rows: the same problem shape for every row, so the same kernel and summation order);
+- ``F.scaled_dot_product_attention``: each query as its own row, the keys padded with masked entries to a
+  multiple of :data:`KEY_TILE` (so the reduction over keys sees the same length, and the masked/padded terms are
+  exact zeros appended after the real ones), scores and the weighted sum of values as per-query batched products;
+- (row reductions over a long vocabulary, which ATen orders differently for a lone row: the logit signals use
+  :func:`looptrace.signals.rowwise.row_sum` in every mode.)
+
+The mode is on for looptrace's own model whenever it runs without autograd (the dump, the online engine,
+generation, evaluation: :class:`~looptrace.models.looped.LoopedTransformer`), and off in training (the fast
+kernels; nothing there is compared across batch shapes). Its cost is in benchmarks/generate.py. Models of the
+adapters run their published code unchanged (their kernels, their bits).
+
+The property is checked in tests/test_invariant.py for every row count 1..16 and row position, under each CPU
+code path CI runs (``ATEN_CPU_CAPABILITY`` default / ``avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+#: Keys are padded to a multiple of this many entries (module docstring).
+KEY_TILE = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` row by row: [..., K] × [N, K]ᵀ (+ [N]) -> [..., N], each row one [1, K] × [K, N] product."""
+    K, N = x.shape[-1], weight.shape[0]
+    rows = x.reshape(-1, 1, K).contiguous()  # [M, 1, K]
+    M = rows.shape[0]
+    # the weight's transpose as one stride-0 batch: every row's problem reads the same [K, N] operand
+    out = torch.bmm(rows, weight.t().unsqueeze(0).expand(M, K, N))  # [M, 1, N]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], N)
+
+
+def _per_query(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., Q, K] @ [..., K, N] with every one of the Q rows its own [1, K] × [K, N] problem -> [..., Q, N]."""
+    lead, Q, K, N = a.shape[:-2], a.shape[-2], a.shape[-1], b.shape[-1]
+    # contiguous operands: bmm picks its kernel by the operands' strides too (a transposed view would run another)
+    aa = a.reshape(-1, 1, K).contiguous()  # [L·Q, 1, K]
+    bb = b.reshape(-1, 1, K, N).expand(-1, Q, K, N).reshape(-1, K, N).contiguous()  # [L·Q, K, N]
+    return torch.bmm(aa, bb).reshape(*lead, Q, N)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (same arguments and semantics; inference: no dropout), each query
+    computed on its own over keys padded to a multiple of :data:`KEY_TILE`.
+
+    Args:
+        q: [..., H, S_q, E]; k: [..., H_k, S_k, E]; v: [..., H_k, S_k, E_v].
+        attn_mask: bool (True = attend) or additive float, broadcastable to [..., H, S_q, S_k].
+        is_causal: query i attends to keys j ≤ i (top-left aligned, as torch's).
+
+    Returns:
+        [..., H, S_q, E_v].
+    """
+    if dropout_p:
+        raise ValueError("batch-invariant attention is for inference: dropout_p must be 0")
+    H, S_q, E = q.shape[-3], q.shape[-2], q.shape[-1]
+    if enable_gqa and k.shape[-3] != H:
+        rep = H // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    S_k = k.shape[-2]
+    L = max(KEY_TILE, math.ceil(S_k / KEY_TILE) * KEY_TILE)
+    pad = L - S_k
+    kp = F.pad(k, (0, 0, 0, pad))  # [..., H, L, E]
+    vp = F.pad(v, (0, 0, 0, pad))  # [..., H, L, E_v]
+    s = scale if scale is not None else 1.0 / math.sqrt(E)
+    scores = _per_query(q, kp.transpose(-2, -1)) * s  # [..., H, S_q, L]
+    allowed = torch.arange(L, device=q.device) < S_k  # the padding is never attended
+    allowed = allowed.expand(S_q, L)
+    if is_causal:  # query i sees keys j <= i
+        allowed = allowed & (torch.arange(L, device=q.device)[None, :] <= torch.arange(S_q, device=q.device)[:, None])
+    neg = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    scores = torch.where(allowed, scores, neg)
+    if attn_mask is not None:
+        m = F.pad(attn_mask, (0, pad), value=False if attn_mask.dtype == torch.bool else float("-inf"))
+        scores = torch.where(m, scores, neg) if m.dtype == torch.bool else scores + m
+    p = torch.softmax(scores, dim=-1)  # [..., H, S_q, L]; the padded entries exactly 0
+    return _per_query(p, vp)  # [..., H, S_q, E_v]
+
+
+_KERNELS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.linear: linear,
+    F.scaled_dot_product_attention: attention,
+}
+
+
+_STATE = threading.local()
+
+
+class BatchInvariant(TorchFunctionMode):
+    """The mode: ``F.linear`` and ``F.scaled_dot_product_attention`` replaced by their row-wise forms."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kernel = _KERNELS.get(func)
+        return (kernel or func)(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _STATE.depth -= 1
+        return super().__exit__(*exc)
+
+
+def active() -> bool:
+    """Whether this thread runs inside a :class:`BatchInvariant` mode."""
+    return getattr(_STATE, "depth", 0) > 0
+
+
+def inference_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a model method: without autograd it runs in :class:`BatchInvariant` (module docstring); with
+    autograd (training) the default kernels."""
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() or active():
+            return fn(*args, **kwargs)
+        with BatchInvariant():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+__all__ = ["KEY_TILE", "BatchInvariant", "active", "attention", "inference_kernels", "linear"]
