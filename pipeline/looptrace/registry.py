@@ -5,8 +5,8 @@ A :class:`Registry` maps a name to an object, in the spirit of lm-evaluation-har
 - a **reference** ``"package.module:object"`` (a string), resolved on first use: the module is imported then, not
   when the registry is; ``"package.module"`` alone names a module that registers the name itself when imported
   (:meth:`Registry.register`);
-- or the **object** itself, registered by the module that defines it (``@REGISTRY.register("name")``,
-  :meth:`Registry.add`).
+- or the **object** itself (anything but a string), registered by the module that defines it
+  (``@REGISTRY.register("name")``, :meth:`Registry.add`).
 
 Names not in the table may come from installed packages, through an entry-point group (``group``); a registry
 built with ``references=True`` also resolves a name that is itself a reference (a user's ``mypkg.rules:my_rule``).
