@@ -35,7 +35,7 @@ SMOKE = {"sequences": 4, "seq_len": 5, "iters": [1], "reps": 1, "threads": 1}
 def build(kind: str, where: Path):
     """The tiny checkpoint of the adapter tests, loaded as an adapter."""
     sys.path.insert(0, str(REPO))
-    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from looptrace.models.adapters.loading import AdapterConfig, load_adapter
     from tests import hf_helpers as H
 
     if kind == "dory":
