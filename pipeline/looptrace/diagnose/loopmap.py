@@ -246,7 +246,7 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
     """
     if "contraction" not in store or "ftle" not in store:
         raise InputError(f"store {getattr(store, 'label', '')!s}: no 'contraction'/'ftle' arrays; dump it with "
-                         "dump.contraction: {power_iters: 4} (docs/dump.md)")
+                         "dump.contraction: {} (docs/dump.md)")
     rho = store.read("contraction").astype(np.float64)
     ftle = store.read("ftle").astype(np.float64)
     # block by block (the store's chunks): the states are the one array too big to read whole on a real model

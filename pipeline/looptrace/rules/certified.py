@@ -18,7 +18,7 @@ threshold rule (the [AD] quantile grid of the val bound, SPEC §4).
   rules agree up to the margin), a power-method estimate — a *lower* bound of σ_max, so b_t can undercut the true
   distance — beyond it. An estimate, never a certificate.
 
-Both read opt-in store arrays (``dump.contraction: {power_iters: 2}``): the geometry stage copies them into
+Both read opt-in store arrays (``dump.contraction: {}``): the geometry stage copies them into
 ``token_loop.parquet`` only when the store has them, so the rules can run only on such models (add them to
 ``readouts.rules``). The early-exit engine computes no Jacobian, so the rules are offline-only (``online=None``):
 ``latency.rules`` / ``generate`` refuse them in one line, as they refuse the oracle.
