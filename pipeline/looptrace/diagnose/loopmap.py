@@ -256,7 +256,7 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
     seq = store.read("sequence")
     upper = store.read("contraction_bound").astype(np.float64) if "contraction_bound" in store else None
     certified = upper is not None and not np.isnan(upper).all()  # NaN: wider than exact_width, no upper bound
-    bound = certified_bound(upper if certified else rho, rel)
+    bound = certified_bound(upper if upper is not None and certified else rho, rel)
     reg = regime(ftle[:, -1], rho, seq, cfg)
     frontier = certified_frontier(bound, correct, cfg.eps)
     preds = {"ftle": ftle[:, -1], "contraction": rho.mean(axis=1), "rel_step": rel[:, -1],
