@@ -142,6 +142,8 @@ def test_block_bound_is_above_the_spectral_norm_and_rounded_up_to_float32():
     np.testing.assert_allclose(sigma.numpy(), want, rtol=1e-14)  # one-hot cotangents read A exactly
     margin = 5 * 2 * np.finfo(np.float64).eps * np.linalg.norm(A, "fro")  # d·(ε_J + ε₆₄)·‖A‖_F
     np.testing.assert_allclose(bound.numpy() - sigma.numpy(), margin, rtol=0, atol=4 * np.finfo(np.float64).eps)
+    some = block_norm_bound(lambda x: step(x, 0), h, chunk=3, positions=np.array([1, 3]))
+    assert torch.equal(some[1][:, [1, 3]], bound[:, [1, 3]]) and some[1][:, [0, 2]].isnan().all()  # only those read
     x = torch.tensor([0.1, 1 / 3, 0.5, 2.0 ** -30 * 3], dtype=torch.float64)
     up = round_up_float32(x)
     assert (up.double() >= x).all() and (up.double() - x <= x * 2.0 ** -23).all()

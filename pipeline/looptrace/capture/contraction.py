@@ -223,22 +223,26 @@ def round_up_float32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.double() < x, torch.nextafter(y, torch.tensor(float("inf"))), y)
 
 
-def block_norm_bound(f: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: int = 16
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def block_norm_bound(f: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, chunk: int = 16,
+                     positions: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact σ_max of every position-diagonal Jacobian block of ``f`` at ``h`` and its upper bound.
 
     Args:
         f: the map, [batch, seq, d] -> [batch, seq, d].
         h: the point [batch, seq, d].
         chunk: one-hot cotangents per vmapped VJP.
+        positions: the positions to read (the others are NaN); None = all.
 
     Returns:
-        (σ̂ [batch, seq], ρ̄ [batch, seq]) float64 on the CPU (:func:`spectral_bound`); S·d VJPs.
+        (σ̂ [batch, seq], ρ̄ [batch, seq]) float64 on the CPU (:func:`spectral_bound`); d VJPs per position read.
     """
+    B, S = h.shape[:2]
+    sigma, upper = (torch.full((B, S), float("nan"), dtype=torch.float64) for _ in range(2))
     with sdpa_kernel(SDPBackend.MATH):  # the VJP's saved graph is the math kernel's too
         vjp_fn = torch.func.vjp(f, h)[1]
-    parts = [spectral_bound(position_block(vjp_fn, tuple(h.shape), i, chunk, h)) for i in range(h.shape[1])]
-    return torch.stack([p[0] for p in parts], 1), torch.stack([p[1] for p in parts], 1)
+    for i in range(S) if positions is None else (int(i) for i in positions):
+        sigma[:, i], upper[:, i] = spectral_bound(position_block(vjp_fn, tuple(h.shape), i, chunk, h))
+    return sigma, upper
 
 
 def sequence_rows(rows: np.ndarray | int, n: int) -> np.ndarray:
@@ -267,7 +271,7 @@ def _start_vectors(shape: tuple[int, ...], seed: int, rows: np.ndarray, device: 
 
 
 def contraction_stats(step: StepFn, hidden_init: torch.Tensor, hidden: torch.Tensor, cfg: ContractionConfig,
-                      rows: np.ndarray | int = 0) -> dict[str, torch.Tensor]:
+                      rows: np.ndarray | int = 0, positions: np.ndarray | None = None) -> dict[str, torch.Tensor]:
     """``contraction``, ``contraction_bound``, ``ftle`` and ``ftle_share`` of one batch (module docstring), every
     loop.
 
@@ -279,6 +283,9 @@ def contraction_stats(step: StepFn, hidden_init: torch.Tensor, hidden: torch.Ten
         cfg: iterations, chunking, seed, exact width.
         rows: each sequence's index in the split ([batch]; seeds its random vectors), or the first one's when the
             batch's sequences are consecutive.
+        positions: the positions whose exact ``contraction`` / ``contraction_bound`` are wanted (the scored ones:
+            each costs d VJPs per loop); the others are NaN. None = all. The power method and the FTLE cover
+            every position either way.
 
     Returns:
         name -> [batch, seq, loop] float32 (``ftle`` is the sequence's, repeated on its positions;
@@ -300,7 +307,7 @@ def contraction_stats(step: StepFn, hidden_init: torch.Tensor, hidden: torch.Ten
                 return step(x, t)
 
             if exact:
-                sigma, upper = block_norm_bound(f, h_prev, cfg.position_chunk)
+                sigma, upper = block_norm_bound(f, h_prev, cfg.position_chunk, positions)
                 rho[:, :, t] = sigma.float()
                 bound[:, :, t] = round_up_float32(upper)
             else:
@@ -350,7 +357,10 @@ def capture_arrays(adapter: LoopedModelAdapter, states: States, cfg: Contraction
         name -> [n_scored, loop] float32 numpy, for :data:`CONTRACTION_ARRAYS`.
     """
     h0 = states.hidden_init
-    stats = contraction_stats(lambda h, t: adapter.loop_step(h, h0, t), h0, states.hidden, cfg, first_row)
+    B, S = h0.shape[:2]
+    # the positions some sequence of the batch scores (the others are never stored: no exact block for them)
+    scored = np.unique(select(torch.arange(S, device=h0.device).expand(B, S)).cpu().numpy())
+    stats = contraction_stats(lambda h, t: adapter.loop_step(h, h0, t), h0, states.hidden, cfg, first_row, scored)
     return {name: select(stats[name]).cpu().numpy() for name in CONTRACTION_ARRAYS}
 
 

@@ -235,7 +235,8 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
         def step(h: torch.Tensor, t: int, h0: torch.Tensor = h0) -> torch.Tensor:
             return adapter.loop_step(h, h0, t)
 
-        stats = contraction_stats(step, h0, hidden, ccfg, rows=rows)
+        # exact blocks only at the positions some sequence of the batch scores (the others are dropped below)
+        stats = contraction_stats(step, h0, hidden, ccfg, rows=rows, positions=np.flatnonzero(mask.any(axis=0)))
         sel = torch.from_numpy(mask).to(h0.device)
         parts["rho"].append(stats["contraction"][sel].cpu().numpy())
         parts["rho_bound"].append(stats["contraction_bound"][sel].cpu().numpy())
