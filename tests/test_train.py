@@ -85,29 +85,129 @@ def test_cli_train_and_errors(tmp_path, repo_root):
     assert len(res.output.strip().splitlines()) == 1
 
 
-def test_seed_axis_models_equal_lone_training(tmp_path, tiny_base):
-    """train.seeds in parallel worker processes: each model is bit-for-bit the seed trained alone (same thread
-    count), named <task>-<regime>-s<seed>, carrying its seed; different seeds give different models."""
+def _files(root):
+    """Every file under ``root`` (relative path -> bytes), metrics.json without its wall-clock fields and the manifest
+    without its digest of metrics.json (the one file holding them)."""
+    out = {}
+    for f in sorted(root.rglob("*")):
+        if not f.is_file():
+            continue
+        rel = f.relative_to(root).as_posix()
+        if f.name == "metrics.json":
+            out[rel] = {k: v for k, v in json.loads(f.read_text()).items() if not k.endswith("seconds")}
+        elif f.name == "manifest.json":
+            doc = json.loads(f.read_text())
+            out[rel] = {**doc, "files": {k: v for k, v in doc["files"].items() if not k.endswith("metrics.json")}}
+        else:
+            out[rel] = f.read_bytes()
+    return out
+
+
+def test_pool_writes_the_bytes_of_a_serial_run(tmp_path, tiny_base):
+    """The matrix (2 regimes x 2 seeds, criterion on) trained one after another in this process and in a pool of 2
+    spawned processes: identical model.pt, checkpoints and metrics (but wall time); a seed trained alone with
+    train_model is the same model too; different seeds differ. A second run finds every model up to date."""
     import dataclasses
 
-    from looptrace.models.train import train_seeds
+    from looptrace.models.train import StopConfig, train_models
     from looptrace.project import model_name
 
-    cfg = dataclasses.replace(tiny_train_config(steps=12), seeds=(3, 5), workers=2, checkpoint_fractions=())
-    assert cfg.model_threads(tiny_base) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"
-    ms = train_seeds(tiny_base, cfg, [("rp", "uniform")], tmp_path / "ens")
-    assert [m["model"] for m in ms] == ["rp-uniform-s3", "rp-uniform-s5"]
-    alone = train_model(tiny_base, cfg, "rp", "uniform", tmp_path / "alone", progress=False, seed=5, threads=1)
-    assert alone["model"] == "rp-uniform-s5" and alone["val"] == ms[1]["val"]
-    a, ck = load_checkpoint(tmp_path / "alone" / "model.pt")
-    b, ckb = load_checkpoint(tmp_path / "ens" / "rp-uniform-s5" / "model.pt")
-    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert torch.equal(p, q), n
-    assert (ck["seed"], ck["threads"], ckb["seed"], ckb["name"]) == (5, 1, 5, "rp-uniform-s5")
-    c, ckc = load_checkpoint(tmp_path / "ens" / "rp-uniform-s3" / "model.pt")
-    assert ckc["seed"] == 3 and not torch.equal(c.head.weight, b.head.weight)
+    cfg = tiny_train_config(steps=24, regimes=("uniform", "joint"), seeds=(3, 5), checkpoint_fractions=(0.5,),
+                            stop=StopConfig(target=0.99, patience=2, every=8, cap_factor=1.5))
+    assert cfg.model_threads(tiny_base.threads) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"
+    assert cfg.matrix() == [("rp", "uniform", 3), ("rp", "uniform", 5), ("rp", "joint", 3), ("rp", "joint", 5)]
+    serial = train_models(tiny_base, dataclasses.replace(cfg, workers=1), cfg.matrix(), tmp_path / "serial",
+                          progress=False)
+    lines: list[str] = []
+    pooled = train_models(tiny_base, dataclasses.replace(cfg, workers=2), cfg.matrix(), tmp_path / "pool",
+                          progress=False, echo=lines.append)
+    assert [m["model"] for m in pooled] == ["rp-uniform-s3", "rp-uniform-s5", "rp-joint-s3", "rp-joint-s5"]
+    assert len(lines) == 4 and all("val accuracy per loop" in line for line in lines)
+    a, b = _files(tmp_path / "serial"), _files(tmp_path / "pool")
+    assert sorted(a) == sorted(b) and "rp-joint-s5/checkpoints/step_000012.pt" in a
+    assert [k for k in a if a[k] != b[k]] == []
+    assert [m["steps"] for m in serial] == [m["steps"] for m in pooled] == [36] * 4  # never 0.99: the cap, 1.5 x 24
+    assert {m["stop"]["reason"] for m in pooled} == {"step_cap"}
+    alone = train_model(tiny_base, cfg, "rp", "joint", tmp_path / "alone" / "rp-joint-s5", progress=False, seed=5)
+    assert alone["val"] == pooled[3]["val"]
+    assert file_sha256(tmp_path / "alone" / "rp-joint-s5" / "model.pt") == \
+        file_sha256(tmp_path / "pool" / "rp-joint-s5" / "model.pt")
+    c, ckc = load_checkpoint(tmp_path / "pool" / "rp-joint-s3" / "model.pt")
+    d, ckd = load_checkpoint(tmp_path / "pool" / "rp-joint-s5" / "model.pt")
+    assert (ckc["seed"], ckd["seed"], ckd["threads"], ckd["name"]) == (3, 5, 1, "rp-joint-s5")
+    assert not torch.equal(c.head.weight, d.head.weight)
+    # the checkpoint records the model's recipe, not the matrix: no seeds/workers, its own task's steps
+    assert "seeds" not in ckd["train"] and "workers" not in ckd["train"] and ckd["train"]["steps"] == 24
+    assert ckd["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    lines.clear()
+    again = train_models(tiny_base, dataclasses.replace(cfg, workers=2), cfg.matrix(), tmp_path / "pool",
+                         progress=False, echo=lines.append)
+    assert all(": up to date (" in line for line in lines) and again == [
+        json.loads((tmp_path / "pool" / m["model"] / "metrics.json").read_text()) for m in pooled]
     with pytest.raises(ConfigError, match="duplicates"):
         dataclasses.replace(cfg, seeds=(1, 1))
+
+
+def _first_stop(history: list[dict], target: float, patience: int, every: int) -> int | None:
+    """The criterion by hand: the step of the first evaluation (every ``every`` steps) completing ``patience``
+    consecutive full-depth accuracies >= ``target``."""
+    run = 0
+    for h in history:
+        if h["step"] % every:
+            continue
+        run = run + 1 if h["acc_per_loop"][-1] >= target else 0
+        if run >= patience:
+            return h["step"]
+    return None
+
+
+def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
+    """A run whose criterion never holds trains to the cap (reason step_cap) and records every evaluation; the
+    criterion at a target taken from that record stops where the rule applied by hand to the record says (reason
+    criterion), with the weights of a run capped at that very step: the criterion only decides where the run ends."""
+    import dataclasses
+
+    from looptrace.models.train import StopConfig
+
+    # (a task and learning rate under which the tiny model learns something within 80 steps)
+    base_cfg = tiny_train_config(steps=40, checkpoint_fractions=(), batch_size=32, lr=0.01, min_lr=0.001)
+    never = dataclasses.replace(base_cfg, stop=StopConfig(target=1.0, patience=99, every=5, cap_factor=2.0))
+    long = train_model(tiny_base, never, "mano", "uniform", tmp_path / "long", progress=False)
+    assert long["steps"] == 80 and long["stop"]["reason"] == "step_cap"
+    assert [h["step"] for h in long["history"]] == list(range(5, 81, 5))
+    assert long["history"][-1]["acc_per_loop"] == long["val"]["acc_per_loop"]
+    # the target the record reaches twice in a row latest before the cap (here past the schedule's 40 steps)
+    accs = sorted({h["acc_per_loop"][-1] for h in long["history"]})
+    cases = [(t, _first_stop(long["history"], t, 2, 5)) for t in accs]
+    target, at = max(((t, s) for t, s in cases if s is not None and s < 80), key=lambda c: c[1])
+    crit = dataclasses.replace(base_cfg, stop=StopConfig(target=target, patience=2, every=5, cap_factor=2.0))
+    got = train_model(tiny_base, crit, "mano", "uniform", tmp_path / "crit", progress=False)
+    assert got["steps"] == at and got["stop"]["reason"] == "criterion"
+    assert got["stop"]["first_step_at_target"] == next(h["step"] for h in long["history"]
+                                                       if h["acc_per_loop"][-1] >= target)
+    assert got["history"] == [h for h in long["history"] if h["step"] <= at]
+    # the weights at step `at` of a run without the criterion: its kept checkpoint there (before the schedule's
+    # end), or a run capped there (after it)
+    if at < 40:
+        ref_cfg = dataclasses.replace(base_cfg, checkpoint_fractions=(at / 40,))
+        train_model(tiny_base, ref_cfg, "mano", "uniform", tmp_path / "ref", progress=False)
+        ref_path = tmp_path / "ref" / "checkpoints" / f"step_{at:06d}.pt"
+    else:
+        capped = dataclasses.replace(never, stop=StopConfig(target=1.0, patience=99, every=5, cap_factor=at / 40))
+        assert train_model(tiny_base, capped, "mano", "uniform", tmp_path / "ref", progress=False)["steps"] == at
+        ref_path = tmp_path / "ref" / "model.pt"
+    a, _ = load_checkpoint(tmp_path / "crit" / "model.pt")
+    b, ck = load_checkpoint(ref_path)
+    assert ck["step"] == at
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    # without a target: exactly `steps`, no evaluation but the final one
+    fixed = train_model(tiny_base, base_cfg, "mano", "uniform", tmp_path / "fixed", progress=False)
+    assert fixed["steps"] == 40 and fixed["stop"] == {"reason": "budget", "steps": 40, "schedule_steps": 40,
+                                                      "cap": 40, "target": None}
+    assert [h["step"] for h in fixed["history"]] == [40]
+    # past `steps` the learning rate stays at min_lr
+    assert lr_at(60, dataclasses.replace(base_cfg, steps=40)) == base_cfg.min_lr
 
 
 def test_loop_form_reaches_the_model(tmp_path, tiny_base):
