@@ -295,3 +295,93 @@ def test_retrain_replaces_the_whole_model_dir(tmp_path, tiny_base, monkeypatch):
     assert ck["step"] == 12 and not staging_dir(out).exists()
     train_model(tiny_base, third, "rp", "joint", tmp_path / "fresh", progress=False)
     assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "fresh" / "model.pt")
+
+
+def test_killed_run_resumes_the_criterion_mid_streak(tmp_path, tiny_base, monkeypatch):
+    """Killed one step before the criterion holds (the last resume state mid-streak), the re-run continues the streak
+    and stops at the same step with the same bytes as an uninterrupted run."""
+    import dataclasses
+
+    import looptrace.models.train as train_mod
+    from looptrace.models.train import StopConfig, staging_dir
+
+    cfg = tiny_train_config(steps=40, checkpoint_fractions=(0.25,), batch_size=32, lr=0.01, min_lr=0.001,
+                            stop=StopConfig(target=1.0, patience=99, every=5, cap_factor=2.0))
+    long = train_model(tiny_base, cfg, "mano", "uniform", tmp_path / "long", progress=False)
+    cases = [(t, _first_stop(long["history"], t, 2, 5)) for t in {h["acc_per_loop"][-1] for h in long["history"]}]
+    target, at = max(((t, s) for t, s in cases if s is not None and s < 80), key=lambda c: c[1])
+    cfg = dataclasses.replace(cfg, stop=StopConfig(target=target, patience=2, every=5, cap_factor=2.0))
+    ref = train_model(tiny_base, cfg, "mano", "uniform", tmp_path / "ref", progress=False)
+    assert ref["steps"] == at and ref["stop"]["reason"] == "criterion"
+    monkeypatch.setattr(train_mod, "RESUME_EVERY_S", 0.0)  # a resume state after every step
+    out = tmp_path / "m"
+    _kill_at(monkeypatch, at - 1)  # killed in step at - 1: the last resume state is step at - 2's, one hit in
+    with pytest.raises(_Killed):
+        train_model(tiny_base, cfg, "mano", "uniform", out, progress=False)
+    state = torch.load(staging_dir(out) / "resume.pt", weights_only=True)
+    assert (state["step"], state["streak"]) == (at - 2, 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(train_mod, "RESUME_EVERY_S", 0.0)
+    calls = _kill_at(monkeypatch, 10**9)
+    got = train_model(tiny_base, cfg, "mano", "uniform", out, progress=False)
+    assert len(calls) == 2 and got["steps"] == at and got["history"] == ref["history"]
+    assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "ref" / "model.pt")
+    assert _files(out) == _files(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_killed_pool_keeps_finished_models_and_rerun_trains_the_rest(tmp_path, repo_root):
+    """The train stage (every model of the matrix, a pool of 2) SIGKILLed — with its workers — once the short model
+    is written while the long one trains: the short model's directory is whole (its manifest and fingerprint
+    check), nothing half-written is visible, and the re-run keeps it as it is and trains only the long one, to
+    the bytes of that model trained alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from looptrace.config import load_base, load_section
+    from looptrace.io.guard import CURRENT_STAGE
+    from looptrace.models.train import TrainConfig, finished_run, plan_run
+
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "base: {seed: 0, threads: 1}\n"
+        "train:\n  tasks: [rp, rs]\n  regimes: [u]\n  seeds: [0]\n  workers: 2\n"
+        "  steps: 30\n  steps_by_task: {rs: 1500}\n  stop: {target: null}\n  batch_size: 16\n  warmup: 2\n"
+        "  val_sequences: 16\n  checkpoint_fractions: [0.5]\n"
+        "  task_defs: {rp: {kind: running_parity, length: 6}, rs: {kind: running_sum, length: 6, modulus: 3}}\n"
+        "  regime_defs: {u: {kind: uniform}}\n"
+        "  model: {d_model: 16, n_head: 2, groups: [{n_layer: 1, loops: 3}]}\n")
+    out = tmp_path / "train"
+    argv = [sys.executable, str(repo_root / "stages" / "train.py"), "--params", str(params), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "pipeline"), str(repo_root)])}
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "rp-u-s0" / "model.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert not (out / "rs-u-s0").exists(), "the long model finished before the kill: the test saw no kill mid-pool"
+    base, cfg = load_base([params]), load_section(TrainConfig, "train", [params])
+    token = CURRENT_STAGE.set("train")
+    try:
+        short = finished_run(out / "rp-u-s0", plan_run(base, cfg, "rp", "u", 0).fingerprint)
+    finally:
+        CURRENT_STAGE.reset(token)
+    assert short is not None and short["model"] == "rp-u-s0"
+    kept = (out / "rp-u-s0" / "model.pt").stat().st_mtime_ns
+    res = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rp-u-s0: up to date (budget at step 30" in res.stdout and "rs-u-s0: budget at step 1500" in res.stdout
+    assert (out / "rp-u-s0" / "model.pt").stat().st_mtime_ns == kept
+    assert sorted(p.name for p in out.iterdir()) == ["rp-u-s0", "rs-u-s0"]  # no staging dir, no claims left
+    alone = train_model(base, cfg, "rs", "u", tmp_path / "alone", progress=False, seed=0)
+    assert alone["steps"] == 1500
+    assert file_sha256(tmp_path / "alone" / "model.pt") == file_sha256(out / "rs-u-s0" / "model.pt")
