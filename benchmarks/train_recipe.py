@@ -105,7 +105,7 @@ def run_one(job: dict) -> dict:
             "val_loss_per_loop": m["val"]["loss_per_loop"],
             "history": [(h["step"], h["acc_per_loop"][-1], h["loss_per_loop"][-1]) for h in m["history"]],
             "step_to_target": step99, "target": job["target"], "test_acc_per_loop": ev["acc_per_loop"],
-            "test_tokens": ev["n_tokens"], "train_seconds": round(seconds, 1),
+            "test_tokens": ev["n_tokens"], "train_seconds": round(seconds, 1), "train_cpu_seconds": m["train_cpu_seconds"],
             "ms_per_step": round(1000 * m["train_seconds"] / m["steps"], 1), "threads": job["threads"]}
 
 
