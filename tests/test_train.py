@@ -16,9 +16,21 @@ from tests.builders import tiny_train_config
 
 
 def test_lr_schedule():
+    from looptrace.models.train import StopConfig
+
     cfg = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10)
     assert np.isclose(lr_at(0, cfg), 1e-4) and np.isclose(lr_at(9, cfg), 1e-3)
     assert np.isclose(lr_at(55, cfg), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(100, cfg), 1e-4)
+    assert lr_at(99, cfg) > 1e-4 and lr_at(150, cfg) == 1e-4  # past the schedule: min_lr held (stop.hold null)
+    again = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10,
+                              stop=StopConfig(target=0.9, hold=0))
+    assert [lr_at(n, again) for n in (0, 9, 55, 99)] == [lr_at(n, cfg) for n in (0, 9, 55, 99)]
+    assert np.isclose(lr_at(100, again), 1e-4) and np.isclose(lr_at(109, again), 1e-3)  # hold 0: warm-up again
+    assert np.isclose(lr_at(155, again), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(255, again), 1e-4 + 0.5 * 9e-4)
+    held = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10, stop=StopConfig(target=0.9, hold=30))
+    assert [lr_at(n, held) for n in (100, 129)] == [1e-4, 1e-4] and np.isclose(lr_at(139, held), 1e-3)
+    assert np.isclose(lr_at(185, held), 1e-4 + 0.5 * 9e-4) and lr_at(255, held) == 1e-4
+    assert (held.stop.cap(100), again.stop.cap(100), cfg.stop.cap(100)) == (260, 200, 100)  # 2 periods; no target
 
 
 def test_train_is_deterministic_and_writes_artifacts(tmp_path, tiny_base):
@@ -113,7 +125,7 @@ def test_pool_writes_the_bytes_of_a_serial_run(tmp_path, tiny_base):
     from looptrace.project import model_name
 
     cfg = tiny_train_config(steps=24, regimes=("uniform", "joint"), seeds=(3, 5), checkpoint_fractions=(0.5,),
-                            stop=StopConfig(target=0.99, patience=2, every=8, cap_factor=1.5))
+                            stop=StopConfig(target=0.99, patience=2, every=8, hold=12, cycles=1))
     assert cfg.model_threads(tiny_base.threads) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"
     assert cfg.matrix() == [("rp", "uniform", 3), ("rp", "uniform", 5), ("rp", "joint", 3), ("rp", "joint", 5)]
     serial = train_models(tiny_base, dataclasses.replace(cfg, workers=1), cfg.matrix(), tmp_path / "serial",
@@ -126,7 +138,7 @@ def test_pool_writes_the_bytes_of_a_serial_run(tmp_path, tiny_base):
     a, b = _files(tmp_path / "serial"), _files(tmp_path / "pool")
     assert sorted(a) == sorted(b) and "rp-joint-s5/checkpoints/step_000012.pt" in a
     assert [k for k in a if a[k] != b[k]] == []
-    assert [m["steps"] for m in serial] == [m["steps"] for m in pooled] == [36] * 4  # never 0.99: the cap, 1.5 x 24
+    assert [m["steps"] for m in serial] == [m["steps"] for m in pooled] == [36] * 4  # never 0.99: the cap, 24 + 12
     assert {m["stop"]["reason"] for m in pooled} == {"step_cap"}
     alone = train_model(tiny_base, cfg, "rp", "joint", tmp_path / "alone" / "rp-joint-s5", progress=False, seed=5)
     assert alone["val"] == pooled[3]["val"]
@@ -171,7 +183,7 @@ def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
 
     # (a task and learning rate under which the tiny model learns something within 80 steps)
     base_cfg = tiny_train_config(steps=40, checkpoint_fractions=(), batch_size=32, lr=0.01, min_lr=0.001)
-    never = dataclasses.replace(base_cfg, stop=StopConfig(target=1.0, patience=99, every=5, cap_factor=2.0))
+    never = dataclasses.replace(base_cfg, stop=StopConfig(target=1.0, patience=99, every=5, cycles=2))
     long = train_model(tiny_base, never, "mano", "uniform", tmp_path / "long", progress=False)
     assert long["steps"] == 80 and long["stop"]["reason"] == "step_cap"
     assert [h["step"] for h in long["history"]] == list(range(5, 81, 5))
@@ -180,7 +192,7 @@ def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
     accs = sorted({h["acc_per_loop"][-1] for h in long["history"]})
     cases = [(t, _first_stop(long["history"], t, 2, 5)) for t in accs]
     target, at = max(((t, s) for t, s in cases if s is not None and s < 80), key=lambda c: c[1])
-    crit = dataclasses.replace(base_cfg, stop=StopConfig(target=target, patience=2, every=5, cap_factor=2.0))
+    crit = dataclasses.replace(base_cfg, stop=StopConfig(target=target, patience=2, every=5, cycles=2))
     got = train_model(tiny_base, crit, "mano", "uniform", tmp_path / "crit", progress=False)
     assert got["steps"] == at and got["stop"]["reason"] == "criterion"
     assert got["stop"]["first_step_at_target"] == next(h["step"] for h in long["history"]
@@ -193,7 +205,7 @@ def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
         train_model(tiny_base, ref_cfg, "mano", "uniform", tmp_path / "ref", progress=False)
         ref_path = tmp_path / "ref" / "checkpoints" / f"step_{at:06d}.pt"
     else:
-        capped = dataclasses.replace(never, stop=StopConfig(target=1.0, patience=99, every=5, cap_factor=at / 40))
+        capped = dataclasses.replace(never, stop=StopConfig(target=1.0, patience=99, every=5, hold=at - 40, cycles=1))
         assert train_model(tiny_base, capped, "mano", "uniform", tmp_path / "ref", progress=False)["steps"] == at
         ref_path = tmp_path / "ref" / "model.pt"
     a, _ = load_checkpoint(tmp_path / "crit" / "model.pt")
@@ -306,11 +318,11 @@ def test_killed_run_resumes_the_criterion_mid_streak(tmp_path, tiny_base, monkey
     from looptrace.models.train import StopConfig, staging_dir
 
     cfg = tiny_train_config(steps=40, checkpoint_fractions=(0.25,), batch_size=32, lr=0.01, min_lr=0.001,
-                            stop=StopConfig(target=1.0, patience=99, every=5, cap_factor=2.0))
+                            stop=StopConfig(target=1.0, patience=99, every=5, cycles=2))
     long = train_model(tiny_base, cfg, "mano", "uniform", tmp_path / "long", progress=False)
     cases = [(t, _first_stop(long["history"], t, 2, 5)) for t in {h["acc_per_loop"][-1] for h in long["history"]}]
     target, at = max(((t, s) for t, s in cases if s is not None and s < 80), key=lambda c: c[1])
-    cfg = dataclasses.replace(cfg, stop=StopConfig(target=target, patience=2, every=5, cap_factor=2.0))
+    cfg = dataclasses.replace(cfg, stop=StopConfig(target=target, patience=2, every=5, cycles=2))
     ref = train_model(tiny_base, cfg, "mano", "uniform", tmp_path / "ref", progress=False)
     assert ref["steps"] == at and ref["stop"]["reason"] == "criterion"
     monkeypatch.setattr(train_mod, "RESUME_EVERY_S", 0.0)  # a resume state after every step

@@ -99,33 +99,43 @@ class DataSeeds:
 
 @dataclass(frozen=True)
 class StopConfig:
-    """``train.stop``: when a model's training ends (docs/train.md "Stopping criterion").
+    """``train.stop``: when a model's training ends (docs/train.md "Stopping criterion"; SPEC §5 "Training length").
 
     With a ``target``, the model is evaluated on the fixed val set (``train.val_sequences`` sequences of data seed
     ``train.data_seeds.val``) after every ``every`` optimiser steps, and training stops after the first evaluation
     that completes ``patience`` consecutive evaluations whose full-depth (loop T) accuracy is ≥ ``target``, or at the
-    step cap ``round(cap_factor × steps)``, whichever comes first. The learning-rate schedule does not depend on
-    the criterion (cosine to ``min_lr`` at ``steps``, then ``min_lr``), and an evaluation draws from no RNG, so the
-    weights at a step are the same whatever the criterion: it only decides where the run ends, and the same
-    evaluations on every machine decide it. Without a ``target`` the run trains exactly ``steps`` (a fixed
-    budget). Never wall time.
+    step cap (:meth:`cap`), whichever comes first. Past the schedule's ``steps`` the learning rate stays at
+    ``min_lr`` for ``hold`` steps (a model that nearly holds the target gets there), then the schedule starts again
+    (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle), and so on.
+    The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a step are
+    the same whatever the criterion: it only decides where the run ends, and the same evaluations on every machine
+    decide it. Without a ``target`` the run trains exactly ``steps`` (a fixed budget). Never wall time.
 
     Attributes:
         target: full-depth val accuracy (fraction) a model must hold; null = a fixed budget of ``steps``.
         patience: consecutive evaluations at or above ``target`` (k).
         every: optimiser steps between two evaluations.
-        cap_factor: the step cap as a multiple of the task's ``steps`` (≥ 1: the schedule is always completed
-            when the criterion needs it).
+        hold: steps at ``min_lr`` after each cycle of the schedule before it starts again; null = ``min_lr`` until
+            the cap (never again).
+        cycles: the step cap in periods of the schedule: ``cycles × (steps + hold)`` (``cycles × steps`` with
+            ``hold`` null).
     """
 
     target: Annotated[float, Check(gt=0, le=1, why="a full-depth val accuracy (fraction)")] | None = None
     patience: Annotated[int, Check(ge=1, why="consecutive evaluations")] = 3
     every: Annotated[int, Check(ge=1, why="optimiser steps between evaluations")] = 100
-    cap_factor: Annotated[float, Check(ge=1, why="the step cap as a multiple of train.steps")] = 2.0
+    hold: Annotated[int, Check(ge=0, why="steps at min_lr between two cycles of the schedule")] | None = None
+    cycles: Annotated[int, Check(ge=1, why="the step cap in periods of the schedule")] = 2
+
+    def period(self, steps: int) -> int | None:
+        """Steps of one period of the learning-rate schedule (a cycle and its hold); None: it never restarts."""
+        return None if self.hold is None else steps + self.hold
 
     def cap(self, steps: int) -> int:
         """The last step a model of a ``steps``-step schedule may train to (``steps`` without a target)."""
-        return steps if self.target is None else max(steps, round(self.cap_factor * steps))
+        if self.target is None:
+            return steps
+        return self.cycles * (self.period(steps) or steps)
 
 
 @dataclass(frozen=True)
@@ -262,8 +272,13 @@ def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> Mod
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``steps``, then ``min_lr`` (a run the stopping
-    criterion takes past ``steps``)."""
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``steps``; past ``steps`` (a run the stopping
+    criterion takes on) ``min_lr`` for ``stop.hold`` steps, then the same schedule again (null: ``min_lr`` on)."""
+    period = cfg.stop.period(cfg.steps)
+    if period is not None:
+        step %= period
+    if step >= cfg.steps:
+        return cfg.min_lr
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -595,7 +610,7 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     metrics = {
         "model": name, "task": task_name, "regime": regime_name, "seed": seed, "steps": done,
         "stop": {"reason": reason, "steps": done, "schedule_steps": steps, "cap": cap, "target": stop.target}
-        | ({"patience": stop.patience, "every": stop.every,
+        | ({"patience": stop.patience, "every": stop.every, "hold": stop.hold, "cycles": stop.cycles,
             "first_step_at_target": target_steps[0] if target_steps else None} if stop.target is not None else {}),
         "n_params": model.num_params(), "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 2),
         "threads": threads, "final_train_loss": loss_ema,
