@@ -66,7 +66,7 @@ CHILD = REPO / "tests" / "kill_child.py"
 #: joint, trained at once by the stage's pool) to be killed between its kept checkpoints (a resume state is saved
 #: at each) and between the stopping criterion's evaluations (never met here: each model trains to its cap, 90 steps).
 PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkpoint_fractions": [0.25, 0.5, 0.75],
-                             "stop": {"target": 0.995, "patience": 2, "every": 20, "hold": 30, "cycles": 1}},
+                             "stop": {"target": 0.995, "patience": 2, "every": 20, "hold": 0.5, "cycles": 1}},
            "dynamics": {"enabled": True, "probe_sequences": 32}}
 
 #: What the child imports before ``ready`` and the reference imports before it times a stage, so that a kill

@@ -23,11 +23,11 @@ def test_lr_schedule():
     assert np.isclose(lr_at(55, cfg), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(100, cfg), 1e-4)
     assert lr_at(99, cfg) > 1e-4 and lr_at(150, cfg) == 1e-4  # past the schedule: min_lr held (stop.hold null)
     again = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10,
-                              stop=StopConfig(target=0.9, hold=0))
+                              stop=StopConfig(target=0.9, hold=0.0))
     assert [lr_at(n, again) for n in (0, 9, 55, 99)] == [lr_at(n, cfg) for n in (0, 9, 55, 99)]
     assert np.isclose(lr_at(100, again), 1e-4) and np.isclose(lr_at(109, again), 1e-3)  # hold 0: warm-up again
     assert np.isclose(lr_at(155, again), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(255, again), 1e-4 + 0.5 * 9e-4)
-    held = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10, stop=StopConfig(target=0.9, hold=30))
+    held = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10, stop=StopConfig(target=0.9, hold=0.3))
     assert [lr_at(n, held) for n in (100, 129)] == [1e-4, 1e-4] and np.isclose(lr_at(139, held), 1e-3)
     assert np.isclose(lr_at(185, held), 1e-4 + 0.5 * 9e-4) and lr_at(255, held) == 1e-4
     assert (held.stop.cap(100), again.stop.cap(100), cfg.stop.cap(100)) == (260, 200, 100)  # 2 periods; no target
@@ -125,7 +125,7 @@ def test_pool_writes_the_bytes_of_a_serial_run(tmp_path, tiny_base):
     from looptrace.project import model_name
 
     cfg = tiny_train_config(steps=24, regimes=("uniform", "joint"), seeds=(3, 5), checkpoint_fractions=(0.5,),
-                            stop=StopConfig(target=0.99, patience=2, every=8, hold=12, cycles=1))
+                            stop=StopConfig(target=0.99, patience=2, every=8, hold=0.5, cycles=1))
     assert cfg.model_threads(tiny_base.threads) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"
     assert cfg.matrix() == [("rp", "uniform", 3), ("rp", "uniform", 5), ("rp", "joint", 3), ("rp", "joint", 5)]
     serial = train_models(tiny_base, dataclasses.replace(cfg, workers=1), cfg.matrix(), tmp_path / "serial",
@@ -205,7 +205,7 @@ def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
         train_model(tiny_base, ref_cfg, "mano", "uniform", tmp_path / "ref", progress=False)
         ref_path = tmp_path / "ref" / "checkpoints" / f"step_{at:06d}.pt"
     else:
-        capped = dataclasses.replace(never, stop=StopConfig(target=1.0, patience=99, every=5, hold=at - 40, cycles=1))
+        capped = dataclasses.replace(never, stop=StopConfig(target=1.0, patience=99, every=5, hold=(at - 40) / 40, cycles=1))
         assert train_model(tiny_base, capped, "mano", "uniform", tmp_path / "ref", progress=False)["steps"] == at
         ref_path = tmp_path / "ref" / "model.pt"
     a, _ = load_checkpoint(tmp_path / "crit" / "model.pt")

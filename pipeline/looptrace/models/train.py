@@ -105,7 +105,7 @@ class StopConfig:
     ``train.data_seeds.val``) after every ``every`` optimiser steps, and training stops after the first evaluation
     that completes ``patience`` consecutive evaluations whose full-depth (loop T) accuracy is ≥ ``target``, or at the
     step cap (:meth:`cap`), whichever comes first. Past the schedule's ``steps`` the learning rate stays at
-    ``min_lr`` for ``hold`` steps (a model that nearly holds the target gets there), then the schedule starts again
+    ``min_lr`` for ``hold × steps`` steps (a model that nearly holds the target gets there), then the schedule starts again
     (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle), and so on.
     The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a step are
     the same whatever the criterion: it only decides where the run ends, and the same evaluations on every machine
@@ -115,21 +115,21 @@ class StopConfig:
         target: full-depth val accuracy (fraction) a model must hold; null = a fixed budget of ``steps``.
         patience: consecutive evaluations at or above ``target`` (k).
         every: optimiser steps between two evaluations.
-        hold: steps at ``min_lr`` after each cycle of the schedule before it starts again; null = ``min_lr`` until
-            the cap (never again).
-        cycles: the step cap in periods of the schedule: ``cycles × (steps + hold)`` (``cycles × steps`` with
-            ``hold`` null).
+        hold: steps at ``min_lr`` after each cycle of the schedule before it starts again, as a fraction of
+            ``steps``; null = ``min_lr`` until the cap (never again).
+        cycles: the step cap in periods of the schedule: ``cycles × (steps + round(hold × steps))``
+            (``cycles × steps`` with ``hold`` null).
     """
 
     target: Annotated[float, Check(gt=0, le=1, why="a full-depth val accuracy (fraction)")] | None = None
     patience: Annotated[int, Check(ge=1, why="consecutive evaluations")] = 3
     every: Annotated[int, Check(ge=1, why="optimiser steps between evaluations")] = 100
-    hold: Annotated[int, Check(ge=0, why="steps at min_lr between two cycles of the schedule")] | None = None
+    hold: Annotated[float, Check(ge=0, why="steps at min_lr between two cycles, a fraction of train.steps")] | None = None
     cycles: Annotated[int, Check(ge=1, why="the step cap in periods of the schedule")] = 2
 
     def period(self, steps: int) -> int | None:
         """Steps of one period of the learning-rate schedule (a cycle and its hold); None: it never restarts."""
-        return None if self.hold is None else steps + self.hold
+        return None if self.hold is None else steps + round(self.hold * steps)
 
     def cap(self, steps: int) -> int:
         """The last step a model of a ``steps``-step schedule may train to (``steps`` without a target)."""
@@ -273,7 +273,8 @@ def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> Mod
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``steps``; past ``steps`` (a run the stopping
-    criterion takes on) ``min_lr`` for ``stop.hold`` steps, then the same schedule again (null: ``min_lr`` on)."""
+    criterion takes on) ``min_lr`` for ``stop.hold × steps`` steps, then the same schedule again (null: ``min_lr``
+    on)."""
     period = cfg.stop.period(cfg.steps)
     if period is not None:
         step %= period
