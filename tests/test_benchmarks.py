@@ -23,7 +23,7 @@ SMOKE = {"contraction.py": ["--smoke"], "contraction_hf.py": ["--smoke"], "dump.
          "geometry.py": ["--smoke"], "latency.py": [], "scale.py": ["--smoke"], "seeds.py": ["--smoke"],
          "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"],
          "train_recipe.py": ["--tasks", "running_parity", "--recipe", "smoke", "steps=10", "warmup=2", "val_sequences=16",
-                             "checkpoint_fractions=[]", "--evals", "2", "--test-sequences", "16"]}
+                             "checkpoint_fractions=[]", "stop.every=5", "--evals", "2", "--test-sequences", "16"]}
 
 
 def run_bench(name: str, *args: str) -> subprocess.CompletedProcess:
