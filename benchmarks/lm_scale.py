@@ -113,7 +113,7 @@ class Shape:
     published: tuple[int, int, int]
     layers: int
     config: Callable[[Shape, int], dict]
-    tokens: tuple[int, int, int]
+    tokens: tuple[int, ...]
     seq_len: int
     batch: int
     chunk: int
@@ -149,12 +149,12 @@ def _huginn_config(s: Shape, layers: int) -> dict:
 
 
 #: ``--smoke``: the builders' own tiny defaults (d_model 32, vocab 300, 4 loops, 2 loop-block layers), tiny sizes.
-_TINY = {"config": lambda s, n: {}, "layers": 2, "tokens": (32, 64, 128), "seq_len": 8, "batch": 8, "chunk": 16}
+_TINY = {"config": lambda s, n: {}, "layers": 2, "tokens": (32, 128), "seq_len": 8, "batch": 8, "chunk": 16}
 
 #: The models (published shapes: Ouro-1.4B config.json; Huginn-0125 config.json). A new model is one row here.
 SHAPES: dict[str, Shape] = {
     "ouro": Shape("ouro", "ouro", "build_ouro", d_model=2048, heads=16, vocab=49152, loops=4, mlp=5632,
-                  published=(0, 24, 0), layers=1, config=_ouro_config, tokens=(1024, 4096, 16384), seq_len=64,
+                  published=(0, 24, 0), layers=1, config=_ouro_config, tokens=(512, 2048, 8192), seq_len=64,
                   batch=16, chunk=128,
                   smoke=dict(_TINY, d_model=32, heads=4, vocab=300, loops=4, mlp=64)),
     # Random-init weights (the builder's N(0, 0.1²) jitter at d 5280) make the 32-loop map chaotic: bfloat16
@@ -308,6 +308,9 @@ def dump_child(spec: dict) -> dict:
     batches = [torch.from_numpy(b.tokens[i:i + cfg.batch_size]) for b in data.values()
                for i in range(0, len(b.tokens), cfg.batch_size)]
     bare_forward(adapter, [batches[0][:1]])  # warm-up (kernels, allocator) on one sequence: paid by neither
+    if spec.get("profile"):  # where the dump's time goes (a store of its own, not the measured one)
+        return _profiled(lambda: dump_text_model(adapter, cfg, Path(spec["root"]) / "dump-profile" / spec["model"],
+                                                 base, progress=False))
     out = Path(spec["root"]) / "dump" / spec["model"]
     res = _measured(lambda: dump_text_model(adapter, cfg, out, base, progress=False), Path(spec["root"]))
     res.update(load_s=load_s, store_bytes=_dir_bytes(out), per_array=_array_bytes(out))
@@ -359,17 +362,22 @@ def stage_child(spec: dict) -> dict:
     main = _entry(spec["stage"])
     kwargs = _entry_kwargs(main, stage_args(spec["stage"], spec["model"], root, Path(spec["params"])))
     if spec.get("profile"):
-        import cProfile
-        import pstats
-
-        prof = cProfile.Profile()
-        t0 = time.perf_counter()
-        prof.runcall(main, **kwargs)
-        wall = time.perf_counter() - t0
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(spec.get("top", 8))
-        return {"wall": wall, "profile": _profile_lines(buf.getvalue())}
+        return _profiled(lambda: main(**kwargs))
     return _measured(lambda: main(**kwargs), root)
+
+
+def _profiled(call: Callable[[], Any], top: int = 10) -> dict:
+    """Wall of ``call()`` under cProfile and its ``top`` functions by self time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(call)
+    wall = time.perf_counter() - t0
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return {"wall": wall, "profile": _profile_lines(buf.getvalue())}
 
 
 def _profile_lines(text: str) -> list[str]:
@@ -377,6 +385,10 @@ def _profile_lines(text: str) -> list[str]:
     rows = []
     for line in text.splitlines():
         parts = line.split(None, 5)
+        try:
+            float(parts[1]), float(parts[3])
+        except (IndexError, ValueError):
+            continue
         if len(parts) == 6 and parts[0].replace("/", "").isdigit():
             where = parts[5]
             for cut in ("site-packages/", "pipeline/"):
@@ -515,12 +527,15 @@ def run_model(shape: Shape, sizes: list[int], work: Path, profile: bool) -> dict
             row["stages"][stage] = s
             print(f"    {stage:9s} {s['wall']:7.2f} s, read {s['bytes_read'] / 1e6:8.1f} MB in {r['wall']:6.2f} s, "
                   f"peak RSS {s['peak_mib']:6.0f} MiB", flush=True)
+        if profile and n == min(sizes):  # the dump's profile at the smallest size (a whole extra dump)
+            what = f"{shape.name} N={n}: dump (profile)"
+            row.setdefault("profiles", {})["dump"] = forked(dump_child, {**spec, "what": what, "profile": True},
+                                                            root / "dump.prof.log")
         if profile and n == max(sizes):
-            row["profiles"] = {}
             for stage in STAGES:
                 pr = forked(stage_child, {**spec, "stage": stage, "profile": True,
                                           "what": f"{shape.name} N={n}: {stage} (profile)"}, root / f"{stage}.prof.log")
-                row["profiles"][stage] = pr
+                row.setdefault("profiles", {})[stage] = pr
         rows.append(row)
     return {"shape": shape, "rows": rows, "ckpt_bytes": _dir_bytes(ckpt)}
 
@@ -587,9 +602,11 @@ def report_model(res: dict) -> tuple[list[str], bool]:
     lines.append(f"targets: exponent in [{TARGETS['exponent'][0]}, {TARGETS['exponent'][1]}], RSS ratio (largest / "
                  f"smallest N) ≤ {TARGETS['rss_ratio']}, streaming stages ({', '.join(STREAMING)}) ≤ "
                  f"{TARGETS['stream/read']} x the read, dump / bare ≤ {TARGETS['dump/bare']}")
-    for st, pr in (big.get("profiles") or {}).items():
-        lines.append(f"profile of {st} at N={big['n']} (cProfile, {pr['wall']:.2f} s with the profiler; by self time):")
-        lines.extend("    " + ln for ln in pr["profile"])
+    for r in rows:
+        for st, pr in (r.get("profiles") or {}).items():
+            lines.append(f"profile of {st} at N={r['n']} (cProfile, {pr['wall']:.2f} s with the profiler; by self "
+                         "time):")
+            lines.extend("    " + ln for ln in pr["profile"])
     return lines, ok
 
 
@@ -616,10 +633,15 @@ def capacity(res: dict) -> list[str]:
              f"{4 * state_raw * gb:,.1f} GB; per extra looped layer (dump.layers) {2 * T * d * gb:,.1f} GB",
              f"  logits: top-{k} {topk_raw * gb:,.2f} GB, top-64 {T * 64 * 8 * gb:,.2f} GB, full float32 "
              f"(full_logits_max_vocab ≥ {V}) {T * V * 4 * gb:,.1f} GB; statistics + token fields {rest_raw * gb:,.2f} GB",
-             "  stage CPU time (extrapolated linearly from the " + f"{n}-token run; wall, this machine):"]
+             f"  each stage per 1M tokens on this machine, extrapolated linearly from the {n}-token run (CPU h of "
+             "its process, wall h; the cost exponent measured across the sizes beside it):"]
+    toks = [r["tokens"] for r in res["rows"]]
     for st in ("dump", *STAGES):
-        s = big["dump"] if st == "dump" else big["stages"][st]
-        lines.append(f"    {st:9} {s['wall'] * 1e6 / n / 3600:8.2f} h")
+        get = (lambda r, st=st: r["dump"]) if st == "dump" else (lambda r, st=st: r["stages"][st])
+        s = get(big)
+        e = slope(toks, [get(r)["wall"] for r in res["rows"]]) if len(toks) >= 2 else float("nan")
+        lines.append(f"    {st:9} CPU {s['cpu'] * 1e6 / n / 3600:8.2f} h, wall {s['wall'] * 1e6 / n / 3600:8.2f} h "
+                     f"(exponent {e:.2f})")
     f = shape.flops_per_token(shape.seq_len)
     lines.append(f"  dump on one H100 (estimate, published layer count): {f / 1e9:.1f} GFLOP/token x 1e6 / "
                  f"({H100_BF16 / 1e12:.0f} TFLOP/s x MFU {H100_MFU}) = {f * 1e6 / (H100_BF16 * H100_MFU):.0f} s")
