@@ -161,7 +161,7 @@ SHAPES: dict[str, Shape] = {
     # rounding of the batched run against the model's own forward grows past the exit check's tolerance, so it is
     # off here (it checks numerics, which this cost benchmark does not measure).
     "huginn": Shape("huginn", "huginn", "build_huginn", d_model=5280, heads=55, vocab=65536, loops=32, mlp=17920,
-                    published=(2, 4, 2), layers=1, config=_huginn_config, tokens=(64, 256, 1024), seq_len=8,
+                    published=(2, 4, 2), layers=1, config=_huginn_config, tokens=(32, 128, 512), seq_len=8,
                     batch=32, chunk=8, injection=2 * 5280 * 5280, exit_layers=2, verify_exit=False,
                     smoke=dict(_TINY, d_model=32, heads=2, vocab=300, loops=4, mlp=64, injection=2 * 32 * 32)),
 }
