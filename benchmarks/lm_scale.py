@@ -7,7 +7,7 @@ For each model of ``--model`` (a row of :data:`SHAPES`):
 1. **checkpoint**: the stand-in of the adapter tests (tests/hf_helpers.py ``build_ouro`` / ``build_huginn``: the
    published code's interfaces) at the published width, heads, vocabulary and loop count, with ``Shape.layers``
    layers inside the loop block (the published count is printed beside it) and bfloat16 weights, saved and loaded
-   through :func:`looptrace.models.adapters.hf.load_adapter` as the dump stage does (``dump.adapter``).
+   through :func:`looptrace.models.adapters.loading.load_adapter` as the dump stage does (``dump.adapter``).
 2. For each size N of ``--tokens`` (scored tokens, fit:val:test = 2:1:1, ``seq_len``-token windows of a generated
    JSONL corpus tokenised by the checkpoint's tokenizer): the LM profile (params.yaml + profiles/lm/params.yaml,
    merged into one file with this run's paths and sizes) run stage by stage:
@@ -294,7 +294,7 @@ def dump_child(spec: dict) -> dict:
 
     from looptrace.capture.dump import DumpConfig, bare_forward, dump_text_model
     from looptrace.config import load_base, load_section
-    from looptrace.models.adapters.hf import load_adapter
+    from looptrace.models.adapters.loading import load_adapter
     from looptrace.tasks.text import text_dataset
 
     params = [Path(spec["params"])]
@@ -714,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes.append(s)
     # Import every stage entry now (torch, polars, zarr, matplotlib, ...): each forked child starts from here.
     from looptrace.models.adapters.registry import adapter_kind
+
     from looptrace.stages import registered
 
     registered()
