@@ -340,8 +340,9 @@ def staging_dir(out_dir: Path | str) -> Path:
 #: Modules whose code decides a trained model (weights and recorded metrics). Their source is part of a run's
 #: fingerprint: DVC re-runs the stage when one of them changes, and a model directory holding a run of the earlier
 #: code must then be trained again, not kept as up to date; a resume likewise never mixes two versions of the code.
-TRAIN_MODULES = ("looptrace.models.train", "looptrace.models.looped", "looptrace.models.regimes",
-                 "looptrace.signals.halting_torch", "looptrace.tasks", "looptrace.tasks.base", "looptrace.tasks.mano",
+TRAIN_MODULES = ("looptrace.models.train", "looptrace.models.looped", "looptrace.models.invariant",
+                 "looptrace.models.regimes", "looptrace.signals.halting", "looptrace.signals.halting_torch",
+                 "looptrace.tasks", "looptrace.tasks.base", "looptrace.tasks.mano",
                  "looptrace.tasks.parity", "looptrace.tasks.running")
 
 
