@@ -105,11 +105,11 @@ class StopConfig:
     ``train.data_seeds.val``) after every ``every`` optimiser steps, and training stops after the first evaluation
     that completes ``patience`` consecutive evaluations whose full-depth (loop T) accuracy is ≥ ``target``, or at the
     step cap (:meth:`cap`), whichever comes first. Past the schedule's ``steps`` the learning rate stays at
-    ``min_lr`` for ``hold × steps`` steps (a model that nearly holds the target gets there), then the schedule starts again
-    (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle), and so on.
-    The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a step are
-    the same whatever the criterion: it only decides where the run ends, and the same evaluations on every machine
-    decide it. Without a ``target`` the run trains exactly ``steps`` (a fixed budget). Never wall time.
+    ``min_lr`` for ``hold × steps`` steps (a model that nearly holds the target gets there), then the schedule
+    starts again (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle),
+    and so on. The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a
+    step are the same whatever the criterion: it only decides where the run ends, by the same rule at the same steps
+    on every machine. Without a ``target`` the run trains exactly ``steps`` (a fixed budget). Never wall time.
 
     Attributes:
         target: full-depth val accuracy (fraction) a model must hold; null = a fixed budget of ``steps``.
