@@ -713,14 +713,13 @@ def main(argv: list[str] | None = None) -> int:
             s = replace(s, layers=args.layers)
         shapes.append(s)
     # Import every stage entry now (torch, polars, zarr, matplotlib, ...): each forked child starts from here.
-    from looptrace.models.adapters.registry import adapter_kind
-
+    from looptrace.models.adapters.kinds import KINDS
     from looptrace.stages import registered
 
     registered()
     _warm_imports()
     for s in shapes:
-        adapter_kind(s.kind)  # an unknown kind: one line from the registry
+        KINDS[s.kind]  # an unknown kind: one line from the registry
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"# looptrace benchmarks/lm_scale.py — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {cpu}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; command: python benchmarks/lm_scale.py "
