@@ -437,20 +437,23 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _array_bytes(model_dir: Path) -> dict[str, dict[str, float]]:
-    """Per array of the stores: bytes on disk (all splits) and raw bytes per token (from the zarr metadata)."""
-    out: dict[str, dict[str, float]] = {}
+    """Per array of the stores with a ``token`` axis: bytes on disk (all splits), raw bytes per token (zarr
+    metadata) and tokens; ``_other``: the disk bytes of the rest (loop_group, chunk markers and digests)."""
+    out: dict[str, dict[str, float]] = {"_other": {"disk": 0.0, "raw_per_token": 0.0, "tokens": 0.0}}
     for store in sorted(Path(model_dir).glob("*.zarr")):
         for meta in sorted(store.glob("*/zarr.json")):
             m = json.loads(meta.read_text())
             if m.get("node_type") != "array":
                 continue
-            name = meta.parent.name
             shape = m["shape"]
-            item = _itemsize(m["data_type"])
-            row = out.setdefault(name, {"disk": 0.0, "raw_per_token": float(math.prod(shape[1:]) * item),
-                                        "tokens": 0.0})
-            row["disk"] += _dir_bytes(meta.parent / "c") if (meta.parent / "c").exists() else 0
-            row["tokens"] += shape[0] if len(shape) else 0
+            disk = _dir_bytes(meta.parent / "c") if (meta.parent / "c").exists() else 0
+            if not shape or (m.get("dimension_names") or [None])[0] != "token":
+                out["_other"]["disk"] += disk
+                continue
+            row = out.setdefault(meta.parent.name, {
+                "disk": 0.0, "raw_per_token": float(math.prod(shape[1:]) * _itemsize(m["data_type"])), "tokens": 0.0})
+            row["disk"] += disk
+            row["tokens"] += shape[0]
     return out
 
 
@@ -513,7 +516,7 @@ def run_model(shape: Shape, sizes: list[int], work: Path, profile: bool, profile
         spec = {"params": str(params), "root": str(root), "model": shape.name}
         d = forked(dump_child, {**spec, "what": f"{shape.name} N={n}: dump", "bare": n == max(sizes)},
                    root / "dump.log")
-        tokens = int(sum(v["tokens"] for k, v in d["per_array"].items() if k == "target"))
+        tokens = int(d["per_array"]["target"]["tokens"])
         row = {"n": n, "tokens": tokens, "sequences": seqs, "dump": d, "stages": {}}
         print(f"  N={n}: {tokens} scored tokens ({seqs['fit']}/{seqs['val']}/{seqs['test']} sequences of "
               f"{shape.seq_len}); dump {d['wall']:.1f} s (load {d['load_s']:.1f} s apart), store "
@@ -617,29 +620,35 @@ def report_model(res: dict) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def capacity(res: dict) -> list[str]:
-    """Per 1M scored tokens: the store under each storage choice, each stage's time (extrapolated linearly from the
-    largest size), and the dump on one H100 (FLOP estimate)."""
-    shape: Shape = res["shape"]
-    big = res["rows"][-1]
-    n = big["tokens"]
+def storage_lines(shape: Shape, per: dict, n: int) -> list[str]:
+    """Per 1M scored tokens, the store under each storage choice: the default store as dumped (raw from the zarr
+    metadata, on disk as measured: ``per`` of :func:`_array_bytes` over ``n`` tokens) and the other choices from
+    their raw sizes (states dtype, per-layer states, top-k, full logits)."""
     T, d, V = shape.loops, shape.d_model, shape.vocab
-    per = big["dump"]["per_array"]
-    raw = {k: v["raw_per_token"] for k, v in per.items() if v["tokens"]}
-    disk = {k: v["disk"] / max(v["tokens"], 1) for k, v in per.items() if v["tokens"]}
+    raw = {k: v["raw_per_token"] for k, v in per.items() if k != "_other"}
+    disk = {k: v["disk"] / n for k, v in per.items()}  # the markers and digests too: bytes of the store
     states = ("hidden", "hidden_init")
     rest_raw = sum(v for k, v in raw.items() if k not in states and k not in ("topk_ids", "topk_logits"))
     topk_raw = raw.get("topk_ids", 0) + raw.get("topk_logits", 0)
     k = int(round(raw.get("topk_ids", 0) / (4 * T))) if "topk_ids" in raw else 0
     state_raw = (T + 1) * d
     gb = 1e6 / 1e9
-    lines = [f"capacity per 1M scored tokens, {shape.name} (published shape: d {d}, T = {T}, vocab {V}):",
-             f"  default store (bfloat16 states + top-{k} logits + statistics): raw {(sum(raw.values())) * gb:,.1f} "
-             f"GB, on disk {sum(disk.values()) * gb:,.1f} GB (measured compression of these random-init states)",
-             f"  states (T + 1 = {T + 1} x d per token): bfloat16/float16 {2 * state_raw * gb:,.1f} GB, float32 "
-             f"{4 * state_raw * gb:,.1f} GB; per extra looped layer (dump.layers) {2 * T * d * gb:,.1f} GB",
-             f"  logits: top-{k} {topk_raw * gb:,.2f} GB, top-64 {T * 64 * 8 * gb:,.2f} GB, full float32 "
-             f"(full_logits_max_vocab ≥ {V}) {T * V * 4 * gb:,.1f} GB; statistics + token fields {rest_raw * gb:,.2f} GB",
+    return [f"capacity per 1M scored tokens, {shape.name} (published shape: d {d}, T = {T}, vocab {V}):",
+            f"  default store (bfloat16 states + top-{k} logits + statistics): raw {(sum(raw.values())) * gb:,.1f} "
+            f"GB, on disk {sum(disk.values()) * gb:,.1f} GB (measured compression of these random-init states)",
+            f"  states (T + 1 = {T + 1} x d per token): bfloat16/float16 {2 * state_raw * gb:,.1f} GB, float32 "
+            f"{4 * state_raw * gb:,.1f} GB; per extra looped layer (dump.layers) {2 * T * d * gb:,.1f} GB",
+            f"  logits: top-{k} {topk_raw * gb:,.2f} GB, top-64 {T * 64 * 8 * gb:,.2f} GB, full float32 "
+            f"(full_logits_max_vocab ≥ {V}) {T * V * 4 * gb:,.1f} GB; statistics + token fields {rest_raw * gb:,.2f} GB"]
+
+
+def capacity(res: dict) -> list[str]:
+    """Per 1M scored tokens: the store under each storage choice, each stage's time (extrapolated linearly from the
+    largest size), and the dump on one H100 (FLOP estimate)."""
+    shape: Shape = res["shape"]
+    big = res["rows"][-1]
+    n = big["tokens"]
+    lines = [*storage_lines(shape, big["dump"]["per_array"], n),
              f"  each stage per 1M tokens on this machine, extrapolated linearly from the {n}-token run (CPU h of "
              "its process, wall h; the cost exponent measured across the sizes beside it):"]
     toks = [r["tokens"] for r in res["rows"]]
