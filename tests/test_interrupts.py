@@ -220,7 +220,6 @@ def test_an_error_after_the_interrupt_is_reported_as_the_interrupt_not_as_a_bug(
         raise RuntimeError("a bug")
 
 
-@pytest.mark.slow
 # The train stage now swaps each model in inside a worker process of its pool, where the pause hook of this test and
 # the parent's commit point do not reach: the "after" cases are a known gap (SIGINT after a model's swap exits 130
 # instead of 0; the model on disk is whole either way), to be closed by committing from the parent.
@@ -228,6 +227,7 @@ _POOL_GAP = pytest.mark.xfail(reason="train's swap runs in a pool worker: the pa
                               strict=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("moment", "entry"), [("before", "launcher"), pytest.param("after", "launcher", marks=_POOL_GAP),
                                                pytest.param("after", "cli", marks=_POOL_GAP)])
 def test_train_interrupted_before_or_after_its_swap(tmp_path, moment, entry):
