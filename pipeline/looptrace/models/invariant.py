@@ -110,12 +110,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
     return torch.matmul(p, vp)[..., off:S_k, :]  # [..., H, S_q, E_v]
 
 
-_KERNELS: dict[Callable[..., Any], Callable[..., Any]] = {
-    F.linear: linear,
-    F.scaled_dot_product_attention: attention,
-}
-
-
 _STATE = threading.local()
 
 
@@ -132,11 +126,12 @@ class BatchInvariant(TorchFunctionMode):
         self.key_length = key_length
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
-            kwargs["key_length"] = self.key_length
-        kernel = _KERNELS.get(func)
-        return (kernel or func)(*args, **kwargs)
+            return attention(*args, key_length=self.key_length, **kwargs)
+        return func(*args, **kwargs)
 
     def __enter__(self):
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
