@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
-import platform
 import shutil
 import tempfile
 import time
@@ -137,17 +136,6 @@ def step_cost(job: dict, steps: int) -> float:
     return 1000 * float(np.median(times))
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", action="append", default=None, help="params files, later winning (params.yaml)")
@@ -175,8 +163,11 @@ def main() -> None:
             for name, over in recipes for t in a.tasks for r in a.regimes for s in a.seeds]
     import torch
 
-    print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {_cpu_name()}, torch {torch.__version__} CPU "
-          f"kernels {torch.backends.cpu.get_cpu_capability()}, {len(jobs)} runs, {a.jobs} at once, "
+    from looptrace.models.train import cpu_capability
+    from looptrace.project import machine
+
+    print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {machine()['cpu']}, torch {torch.__version__} CPU "
+          f"kernels {cpu_capability()}, {len(jobs)} runs, {a.jobs} at once, "
           f"{a.threads} thread(s) each")
     if a.step_cost:
         for job in jobs:

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import hashlib
+import importlib
 import os
 import platform
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterable, Mapping
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -66,6 +70,25 @@ def machine() -> dict:
     return {"date": when.isoformat().replace("+00:00", "Z"), "platform": platform.platform(),
             "machine": platform.machine(), "cpu": cpu or platform.processor() or "unknown",
             "cpu_count": os.cpu_count()}
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def source_hash(modules: Iterable[str]) -> str:
+    """sha256 of the source of the named modules (each imported if it is not yet), in name order: the part of a
+    stage's fingerprint that changes when the code that decides its values does."""
+    h = hashlib.sha256()
+    for name in sorted(set(modules)):
+        module = sys.modules.get(name) or importlib.import_module(name)
+        source = getattr(module, "__file__", None)
+        h.update(name.encode() + b"\0" + (Path(source).read_bytes() if source else b""))
+    return h.hexdigest()
 
 
 def model_name(task: str, regime: str, seed: int | None = None) -> str:

@@ -35,9 +35,7 @@ import ctypes
 import ctypes.util
 import dataclasses
 import hashlib
-import importlib
 import json
-import os
 import queue
 import sys
 import threading
@@ -72,7 +70,7 @@ from looptrace.io.store.schema import DIMS, DTYPES, HIDDEN_DTYPES, SCHEMA_VERSIO
 from looptrace.io.store.writer import ArraySpec, StoreWriter
 from looptrace.models.adapters.loading import AdapterConfig
 from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
-from looptrace.project import versions
+from looptrace.project import host_cores, source_hash, versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
 from looptrace.tasks.base import prefix_keys, shared_prefixes, split_overlap
@@ -191,12 +189,7 @@ VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrac
 def _code_hash(*extra_modules: str) -> str:
     """sha256 of the source of :data:`VALUE_MODULES` and ``extra_modules`` (the adapter's class and the looptrace
     classes it derives from, a finalizer's)."""
-    h = hashlib.sha256()
-    for name in sorted({*VALUE_MODULES, *extra_modules}):
-        module = sys.modules.get(name) or importlib.import_module(name)
-        source = getattr(module, "__file__", None)
-        h.update(name.encode() + b"\0" + (Path(source).read_bytes() if source else b""))
-    return h.hexdigest()
+    return source_hash((*VALUE_MODULES, *extra_modules))
 
 
 def weights_hash(adapter: LoopedModelAdapter) -> str:
@@ -381,14 +374,6 @@ class _BackgroundWriter:
 
 
 _ENCODE_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS tells it, else every core)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def encode_pool(device: torch.device) -> ThreadPoolExecutor | None:

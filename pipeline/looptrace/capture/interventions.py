@@ -32,6 +32,7 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from looptrace.capture.contraction import sequence_rows
 from looptrace.config import ConfigError
 
 #: Intervention kinds.
@@ -98,9 +99,7 @@ def perturbation(h_k: torch.Tensor, cfg: InterventionConfig, rows: np.ndarray | 
             from :func:`patch_donors` over its sample); None = a :func:`patch_donors` derangement within the batch.
     """
     B = h_k.shape[0]
-    rows = np.arange(B) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    if rows.shape[0] != B:
-        raise ValueError(f"rows: one index per sequence of the batch ({B}), got {rows.shape[0]}")
+    rows = sequence_rows(0 if rows is None else rows, B)
     if cfg.kind == "noise":
         xi = np.stack([np.random.default_rng([int(cfg.seed), int(cfg.loop), int(r)]).standard_normal(h_k.shape[1:])
                        for r in rows])

@@ -51,6 +51,7 @@ from looptrace.diagnose.loopmap import (
 )
 from looptrace.intervals import Resampler
 from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
+from looptrace.rules.certified import CERTIFIED, ESTIMATED
 from looptrace.rules.scoring import pareto_mask
 from looptrace.signals.certified import certified_bound
 from looptrace.signals.steps import step_metrics
@@ -61,7 +62,6 @@ from looptrace.tasks.base import IGNORE
 MEASURES = ("state", "linear", "kl", "flip")
 #: The fixed-point exit's name in ``frontier.parquet``: certified (ρ̄_t, an upper bound; d_model ≤ exact_width) or
 #: estimated (the power-method ρ_t, a lower bound; wider models).
-CERTIFIED_RULE, ESTIMATED_RULE = "certified_fixed_point", "estimated_fixed_point"
 
 PER_LOOP_SCHEMA = {"model": pl.String, "loop": pl.Int64, "rho_median": pl.Float64, "rho_lo": pl.Float64,
                    "rho_hi": pl.Float64, "share_rho_below_1": pl.Float64, "ftle_median": pl.Float64,
@@ -308,8 +308,8 @@ def fixed_point_rule(raw: dict) -> tuple[str, np.ndarray]:
     the blocks were read whole (``raw["exact"]``), else ``estimated_fixed_point`` with the power-method ρ_t (a lower
     bound of the Jacobian norm: an estimate, never a certificate)."""
     if raw.get("exact", False):
-        return CERTIFIED_RULE, raw["rho_bound"]
-    return ESTIMATED_RULE, raw["rho"]
+        return CERTIFIED.name, raw["rho_bound"]
+    return ESTIMATED.name, raw["rho"]
 
 
 def frontier_table(model: str, raw: dict, cfg: LoopmapConfig) -> pl.DataFrame:
@@ -397,8 +397,8 @@ def summary_words(frames: dict, regime_words: str, min_class: int = LoopmapConfi
     """The regime sentence, where the certified exit sits on the sample's front, and the state windows."""
     words = [regime_words]
     fr = frames["frontier"]
-    estimated = bool(fr.filter(pl.col("rule") == ESTIMATED_RULE).height)
-    cert = fr.filter(pl.col("rule") == (ESTIMATED_RULE if estimated else CERTIFIED_RULE))
+    estimated = bool(fr.filter(pl.col("rule") == ESTIMATED.name).height)
+    cert = fr.filter(pl.col("rule") == (ESTIMATED.name if estimated else CERTIFIED.name))
     on = cert.filter(pl.col("pareto"))
     fired = cert["share_certified"].max()
     if estimated:
@@ -506,7 +506,7 @@ def write_loopmap(out_dir: Path | str, frames: dict[str, pl.DataFrame], words: l
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=True) + "\n")
 
 
-__all__ = ["CERTIFIED_RULE", "ESTIMATED_RULE", "FRONTIER_SCHEMA", "LoopmapConfig", "MEASURES", "PER_LOOP_SCHEMA",
+__all__ = ["FRONTIER_SCHEMA", "LoopmapConfig", "MEASURES", "PER_LOOP_SCHEMA",
            "REGIME_SCHEMA", "WINDOWS_SCHEMA", "WINDOW_LENGTH_SCHEMA", "empty_frames", "fixed_point_rule",
            "frontier_table", "load_sample", "loopmap_model", "loopmap_tables", "measure", "no_loop_step",
            "per_loop_table", "summary_words", "threshold_points", "window_tables", "write_loopmap"]

@@ -13,14 +13,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
 import json
 import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,7 +56,7 @@ from looptrace.models.looped import (
     save_checkpoint,
 )
 from looptrace.models.regimes import RegimeConfig, per_depth_loss, regime_loss
-from looptrace.project import model_name, versions
+from looptrace.project import host_cores, model_name, source_hash, versions
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch, TaskConfig, make_task
 
 
@@ -253,13 +251,6 @@ def recipe(cfg: TrainConfig, task: str) -> dict:
     return {k: v for k, v in out.items() if k not in MATRIX_KEYS}
 
 
-def host_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS tells it, else every core)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
 
 def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> ModelConfig:
     return ModelConfig(
@@ -349,12 +340,7 @@ TRAIN_MODULES = ("looptrace.models.train", "looptrace.models.looped", "looptrace
 @functools.cache
 def _code_hash() -> str:
     """sha256 of the source of :data:`TRAIN_MODULES`."""
-    h = hashlib.sha256()
-    for name in sorted(TRAIN_MODULES):
-        module = sys.modules.get(name) or importlib.import_module(name)
-        source = getattr(module, "__file__", None)
-        h.update(name.encode() + b"\0" + (Path(source).read_bytes() if source else b""))
-    return h.hexdigest()
+    return source_hash(TRAIN_MODULES)
 
 
 def _fingerprint(meta: dict, device: str) -> str:

@@ -17,12 +17,12 @@ import polars as pl
 
 from looptrace.intervals import fmt_ci
 from looptrace.io.artifacts import read_parquet
+from looptrace.rules.certified import CERTIFIED, ESTIMATED
 
 #: the loopmap stage's tables the report reads (artifacts/loopmap/<model>/<name>.parquet)
 TABLES = ("regime", "per_loop", "windows", "window_length", "frontier")
 #: the fixed-point rule's names in the stage's frontier table: certified (an upper bound of the Jacobian norm) or,
 #: for a model wider than loopmap.exact_width, estimated (the power-method ρ_t, a lower bound)
-CERTIFIED, ESTIMATED = "certified_fixed_point", "estimated_fixed_point"
 
 INTRO = ("The loop map h_t = f(h_{t−1}) of every model on a fixed sample of test sequences (the loopmap stage, "
          "docs/loopmap.md): its regime from the finite-time Lyapunov exponent λ_T (median over sequences, 95 % "
@@ -75,11 +75,11 @@ def loopmap_rows(lm: dict[str, pl.DataFrame]) -> pl.DataFrame:
         m = r["model"]
         cert = "—"
         if fr is not None and fr.height:
-            c = fr.filter((pl.col("model") == m) & (pl.col("rule").is_in([CERTIFIED, ESTIMATED])))
+            c = fr.filter((pl.col("model") == m) & (pl.col("rule").is_in([CERTIFIED.name, ESTIMATED.name])))
             if c.height:
                 best = float(np.nanmax(c["share_certified"].to_numpy()))
                 cert = f"{100 * best:.0f} % at most; {'on' if bool(c['pareto'].any()) else 'not on'} the front"
-                if bool((c["rule"] == ESTIMATED).any()):
+                if bool((c["rule"] == ESTIMATED.name).any()):
                     cert = f"estimated, not certified: {cert}"
         rows.append({"model": m, "regime": r["regime"],
                      "ftle_text": fmt_ci(r["ftle_median"], r["ftle_lo"], r["ftle_hi"], 3),
