@@ -132,7 +132,6 @@ class Patch:
     """One compatibility patch: ``apply`` returns True when it changed something (False: not needed here)."""
 
     name: str
-    family: str
     target: Callable[[RemoteCode], Any]  # the object the patch changes (its record lives there)
     apply: Callable[[RemoteCode], bool]
 
@@ -153,17 +152,12 @@ def _record(obj: Any) -> dict[str, bool]:
     return d
 
 
-def patches() -> tuple[Patch, ...]:
-    """Every family's patches: the ``patches`` of each adapter kind, in kind order."""
-    return tuple(p for cls in adapter_kinds().values() for p in getattr(cls, "patches", ()))
-
-
 def apply_patches(rc: RemoteCode) -> list[str]:
     """Apply every patch of ``rc.family`` that the installed transformers needs (once per object); returns the
     names of the patches in force on these classes."""
     off = disabled()
     for p in KINDS[rc.family].patches:
-        if p.family != rc.family or p.name in off:
+        if p.name in off:
             continue
         target = p.target(rc)
         if target is None:
@@ -178,8 +172,6 @@ def active_patches(rc: RemoteCode) -> list[str]:
     """Names of the patches in force on ``rc`` (provenance)."""
     out = []
     for p in KINDS[rc.family].patches:
-        if p.family != rc.family:
-            continue
         target = p.target(rc)
         if target is not None and target.__dict__.get(_MARK, {}).get(p.name):
             out.append(p.name)
@@ -432,6 +424,6 @@ def describe_failure(path: Path | str, kind: str, exc: BaseException, verb: str 
 
 __all__ = ["DISABLE_ENV", "SUPPORTED_TRANSFORMERS", "CheckpointLoadError", "Patch", "RemoteCode", "active_patches",
            "apply_patches", "check_transformers", "describe_failure", "family_classes", "family_of", "is_incompatibility",
-           "load_remote_model", "output_past_key_values", "patches", "quiet_transformers", "read_auto_map", "remote_code",
+           "load_remote_model", "output_past_key_values", "quiet_transformers", "read_auto_map", "remote_code",
            "tf_generate_passes_cache", "tf_mask_sizes_take_length", "tf_rope_has_default", "tied_weights_mapping",
            "transformers_version"]

@@ -373,12 +373,12 @@ def _huginn_generate_route(rc: compat.RemoteCode) -> bool:
 
 #: Huginn's compatibility patches (:mod:`looptrace.models.adapters.compat`), in the order they are applied.
 PATCHES: tuple[compat.Patch, ...] = (
-    compat.Patch("huginn.config_tie_word_embeddings", "huginn", lambda rc: rc.config_cls, _huginn_config_tie),
-    compat.Patch("huginn.tied_weights_mapping", "huginn", lambda rc: rc.model_cls, compat.tied_weights_mapping),
-    compat.Patch("huginn.output_past_key_values", "huginn", lambda rc: rc.module, compat.output_past_key_values),
-    compat.Patch("huginn.generation_cache_position", "huginn", lambda rc: rc.model_cls,
+    compat.Patch("huginn.config_tie_word_embeddings", lambda rc: rc.config_cls, _huginn_config_tie),
+    compat.Patch("huginn.tied_weights_mapping", lambda rc: rc.model_cls, compat.tied_weights_mapping),
+    compat.Patch("huginn.output_past_key_values", lambda rc: rc.module, compat.output_past_key_values),
+    compat.Patch("huginn.generation_cache_position", lambda rc: rc.model_cls,
                  _huginn_generation_cache_position),
-    compat.Patch("huginn.generate_route", "huginn", lambda rc: rc.model_cls, _huginn_generate_route),
+    compat.Patch("huginn.generate_route", lambda rc: rc.model_cls, _huginn_generate_route),
 )
 
 

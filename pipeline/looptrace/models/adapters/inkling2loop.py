@@ -74,8 +74,5 @@ class Inkling2LoopAdapter(HFAdapter):
         h = tm.norm(h).to(tm.embed_tokens.weight.dtype)
         return self.model.logit_softcap(self.model.lm_head(h).float())
 
-    def _reference(self, ids):
-        return self.info.n_loops - 1, self.model(input_ids=ids, use_cache=False).logits
-
 
 __all__ = ["Inkling2LoopAdapter"]

@@ -315,13 +315,13 @@ def _ouro_cache_mask_sizes(rc: compat.RemoteCode) -> bool:
 
 #: Ouro's compatibility patches (:mod:`looptrace.models.adapters.compat`), in the order they are applied.
 PATCHES: tuple[compat.Patch, ...] = (
-    compat.Patch("ouro.config_pad_token_id", "ouro", lambda rc: rc.config_cls, _ouro_pad_token_id),
-    compat.Patch("ouro.rope_default", "ouro", lambda rc: rc.module, _ouro_rope_default),
-    compat.Patch("ouro.rope_init_weights", "ouro", lambda rc: rc.module, _ouro_rope_init_weights),
-    compat.Patch("ouro.mask_kwargs", "ouro", lambda rc: rc.module, _ouro_mask_kwargs),
-    compat.Patch("ouro.tied_weights_mapping", "ouro", lambda rc: rc.model_cls, compat.tied_weights_mapping),
-    compat.Patch("ouro.cache_kwarg", "ouro", lambda rc: rc.model_cls, _ouro_cache_kwarg),
-    compat.Patch("ouro.cache_mask_sizes", "ouro", lambda rc: rc.module, _ouro_cache_mask_sizes),
+    compat.Patch("ouro.config_pad_token_id", lambda rc: rc.config_cls, _ouro_pad_token_id),
+    compat.Patch("ouro.rope_default", lambda rc: rc.module, _ouro_rope_default),
+    compat.Patch("ouro.rope_init_weights", lambda rc: rc.module, _ouro_rope_init_weights),
+    compat.Patch("ouro.mask_kwargs", lambda rc: rc.module, _ouro_mask_kwargs),
+    compat.Patch("ouro.tied_weights_mapping", lambda rc: rc.model_cls, compat.tied_weights_mapping),
+    compat.Patch("ouro.cache_kwarg", lambda rc: rc.model_cls, _ouro_cache_kwarg),
+    compat.Patch("ouro.cache_mask_sizes", lambda rc: rc.module, _ouro_cache_mask_sizes),
 )
 
 
