@@ -111,13 +111,11 @@ def swap_in(staged: Path | str, out_dir: Path | str) -> None:
     staged, out_dir = Path(staged), Path(out_dir)
     _claim_and_manifest(staged, out_dir)
     old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)  # a stale one of an earlier kill (not part of the commit)
     with committing(out_dir):  # a Ctrl-C waits for the renames; the stage's own directory commits it
         if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
             os.replace(out_dir, old)
-            os.replace(staged, out_dir)
-        else:
-            os.replace(staged, out_dir)
+        os.replace(staged, out_dir)
     shutil.rmtree(old, ignore_errors=True)
 
 

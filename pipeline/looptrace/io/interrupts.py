@@ -1,8 +1,8 @@
 """Interrupts (Ctrl-C, SIGTERM) and a stage's commit point: the exit status says which came first.
 
 A stage *commits* its output at one moment: the atomic swap of the directory it holds under
-:func:`looptrace.io.claims.stage_output` (:func:`looptrace.io.artifacts.swap_in`; the clean exit of the
-``stage_output`` block counts too, for a stage with nothing to swap), or, for the dump (Zarr stores written in place
+:func:`looptrace.io.claims.stage_output` (:func:`looptrace.io.artifacts.swap_in`; a stage with nothing to swap
+commits when its body returns, :func:`guarded`), or, for the dump (Zarr stores written in place
 under claims), when its share of every store is written and verified (:func:`mark_committed`). The stage launcher
 (:func:`looptrace.errors.launch`) installs :func:`on_signal` for SIGINT and SIGTERM, so that:
 

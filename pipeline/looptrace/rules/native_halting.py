@@ -23,6 +23,7 @@ them).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,23 +106,25 @@ def _act_score(s: Mapping[str, np.ndarray]) -> np.ndarray:
     return act_cumulative(s["gate_logit"])
 
 
+GATE_STEP = ExitRule(
+    name="gate_step", score=_gate_step_score, signals=("gate_logit",), op="ge", kind="native",
+    thresholds=(GATE_STEP_GAMMA,), online=GateStepOnline,  # [RT]
+    description="exit when the native head's per-step stop probability σ(gate_t) reaches 0.5 (RecurTrace's "
+                "oracle-supervised head at its own decision; the refit label gates' rule; gated models only)")
+ACT_EXIT = ExitRule(
+    name="act_exit", score=_act_score, signals=("gate_logit",), op="ge",
+    kind="native", thresholds=act_native_threshold, online=ActExitOnline,  # Graves 2016
+    description="ACT's halting step N: exit when the native gate's cumulative halting mass Σ σ(gate_j) reaches "
+                "1 − ε, ε of the model's act regime (Graves' 0.01 on other models; gated models only)")
+
 NATIVE_HALTING_RULES: dict[str, ExitRule] = {r.name: r for r in (
-    ExitRule(name="gate_step", score=_gate_step_score, signals=("gate_logit",), op="ge", kind="native",
-             thresholds=(GATE_STEP_GAMMA,), online=GateStepOnline,  # [RT]
-             description="exit when the native head's per-step stop probability σ(gate_t) reaches 0.5 (RecurTrace's "
-                         "oracle-supervised head at its own decision; the refit label gates' rule; gated models "
-                         "only)"),
-    ExitRule(name="act_exit", score=_act_score, signals=("gate_logit",), op="ge", kind="native",
-             thresholds=act_native_threshold, online=ActExitOnline,  # Graves 2016
-             description="ACT's halting step N: exit when the native gate's cumulative halting mass Σ σ(gate_j) "
-                         "reaches 1 − ε, ε of the model's act regime (Graves' 0.01 on other models; gated models "
-                         "only)"),
-    ExitRule(name="gate_step_calibrated", score=_gate_step_score, signals=("gate_logit",), op="ge", kind="native",
-             online=GateStepOnline,
-             description="gate_step with γ calibrated on val (the quantile grid) instead of 0.5: the head's "
-                         "frontier (gated models only)"),
-    ExitRule(name="act_exit_calibrated", score=_act_score, signals=("gate_logit",), op="ge", kind="native",
-             online=ActExitOnline,
-             description="act_exit with γ calibrated on val (the quantile grid) instead of 1 − ε: the head's "
-                         "frontier (gated models only)"),
+    GATE_STEP,
+    ACT_EXIT,
+    # the same scores on the quantile grid (no thresholds of their own)
+    dataclasses.replace(GATE_STEP, name="gate_step_calibrated", thresholds=None,
+                        description="gate_step with γ calibrated on val (the quantile grid) instead of 0.5: the "
+                                    "head's frontier (gated models only)"),
+    dataclasses.replace(ACT_EXIT, name="act_exit_calibrated", thresholds=None,
+                        description="act_exit with γ calibrated on val (the quantile grid) instead of 1 − ε: the "
+                                    "head's frontier (gated models only)"),
 )}
