@@ -19,7 +19,7 @@ one operation order, whatever its batch — which is what this mode gives:
 
 The mode is on for looptrace's own model whenever it runs without autograd (the dump, the online engine,
 generation, evaluation: :class:`~looptrace.models.looped.LoopedTransformer`), and off in training (the fast
-kernels; nothing there is compared across batch shapes). Its cost is in benchmarks/generate.py. Models of the
+kernels; nothing there is compared across batch shapes); its cost is measured in docs/generate.md. Models of the
 adapters run their published code unchanged (their kernels, their bits).
 
 The property is checked in tests/test_invariant.py for every row count 1..16 and row position, under each CPU
