@@ -41,7 +41,7 @@ test-lowest: $(LOW)/.installed
 	PATH="$(abspath $(LOW)/bin):$$PATH" $(LOW)/bin/python -m pytest -n 2 --dist loadfile -m "not slow"
 
 # mypy reads pyproject.toml's [tool.mypy] (the package from the tree, the DVC launchers); a type error fails the
-# target (#30 item 4). The floor in the dev extra (mypy>=2.0) passes as well as the newest.
+# target. The floor in the dev extra (mypy>=2.0) passes as well as the newest.
 # The exactness tests (one token's numbers whatever its batch; device decisions = host decisions; online = offline)
 # run again under two other CPU code paths of ATen and MKL than the machine's own: a claim that holds on one CPU
 # family only fails here (SPEC §8 "Batch-invariant inference").

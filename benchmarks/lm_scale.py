@@ -40,8 +40,9 @@ nanbeige`` fails with one line; ``--model all`` runs the rest and says so. Addin
     python benchmarks/lm_scale.py [--model ouro|huginn|nanbeige|all] [--tokens N1 N2 N3] [--layers L]
                                   [--threads 2] [--workdir DIR] [--profile] [--profile-dump] [--smoke]
 
-``--smoke``: the same code at the builders' tiny default shapes (d_model 32) and tiny sizes, both models, in
-seconds (tests/test_benchmarks.py); targets are printed but not enforced. Exit status 1 when a target is missed.
+``--smoke``: the same code at the builders' tiny default shapes (d_model 32) and tiny sizes (Ouro at two, Huginn at
+one), about a minute on an idle 2-core machine — the stages' fixed costs (tests/test_benchmarks.py); targets are
+printed but not enforced. Exit status 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def _huginn_config(s: Shape, layers: int) -> dict:
             "torch_dtype": "bfloat16"}
 
 
-#: ``--smoke``: the builders' own tiny defaults (d_model 32, vocab 300, 4 loops, 2 loop-block layers), tiny sizes.
+#: ``--smoke``: the builders' own tiny defaults (d_model 32, vocab 300, 4 loops, 2 loop-block layers), tiny sizes
+#: (Huginn at one size: the same code path, half the time).
 _TINY = {"config": lambda s, n: {}, "layers": 2, "tokens": (32, 128), "seq_len": 8, "batch": 8, "chunk": 16}
 
 #: The models (published shapes: Ouro-1.4B config.json; Huginn-0125 config.json). A new model is one row here.
@@ -164,7 +166,8 @@ SHAPES: dict[str, Shape] = {
     "huginn": Shape("huginn", "huginn", "build_huginn", d_model=5280, heads=55, vocab=65536, loops=32, mlp=17920,
                     published=(2, 4, 2), layers=1, config=_huginn_config, tokens=(32, 128, 512), seq_len=8,
                     batch=32, chunk=8, injection=2 * 5280 * 5280, exit_layers=2, verify_exit=False,
-                    smoke=dict(_TINY, d_model=32, heads=2, vocab=300, loops=4, mlp=64, injection=2 * 32 * 32)),
+                    smoke=dict(_TINY, d_model=32, heads=2, vocab=300, loops=4, mlp=64, injection=2 * 32 * 32,
+                               tokens=(32,))),
 }
 
 #: Models named by ``--model`` that cannot run yet: one line each (say what is missing and what to add).
@@ -437,20 +440,23 @@ def _dir_bytes(path: Path) -> int:
 
 
 def _array_bytes(model_dir: Path) -> dict[str, dict[str, float]]:
-    """Per array of the stores: bytes on disk (all splits) and raw bytes per token (from the zarr metadata)."""
-    out: dict[str, dict[str, float]] = {}
+    """Per array of the stores with a ``token`` axis: bytes on disk (all splits), raw bytes per token (zarr
+    metadata) and tokens; ``_other``: the disk bytes of the rest (loop_group, chunk markers and digests)."""
+    out: dict[str, dict[str, float]] = {"_other": {"disk": 0.0, "raw_per_token": 0.0, "tokens": 0.0}}
     for store in sorted(Path(model_dir).glob("*.zarr")):
         for meta in sorted(store.glob("*/zarr.json")):
             m = json.loads(meta.read_text())
             if m.get("node_type") != "array":
                 continue
-            name = meta.parent.name
             shape = m["shape"]
-            item = _itemsize(m["data_type"])
-            row = out.setdefault(name, {"disk": 0.0, "raw_per_token": float(math.prod(shape[1:]) * item),
-                                        "tokens": 0.0})
-            row["disk"] += _dir_bytes(meta.parent / "c") if (meta.parent / "c").exists() else 0
-            row["tokens"] += shape[0] if len(shape) else 0
+            disk = _dir_bytes(meta.parent / "c") if (meta.parent / "c").exists() else 0
+            if not shape or (m.get("dimension_names") or [None])[0] != "token":
+                out["_other"]["disk"] += disk
+                continue
+            row = out.setdefault(meta.parent.name, {
+                "disk": 0.0, "raw_per_token": float(math.prod(shape[1:]) * _itemsize(m["data_type"])), "tokens": 0.0})
+            row["disk"] += disk
+            row["tokens"] += shape[0]
     return out
 
 
@@ -513,7 +519,7 @@ def run_model(shape: Shape, sizes: list[int], work: Path, profile: bool, profile
         spec = {"params": str(params), "root": str(root), "model": shape.name}
         d = forked(dump_child, {**spec, "what": f"{shape.name} N={n}: dump", "bare": n == max(sizes)},
                    root / "dump.log")
-        tokens = int(sum(v["tokens"] for k, v in d["per_array"].items() if k == "target"))
+        tokens = int(d["per_array"]["target"]["tokens"])
         row = {"n": n, "tokens": tokens, "sequences": seqs, "dump": d, "stages": {}}
         print(f"  N={n}: {tokens} scored tokens ({seqs['fit']}/{seqs['val']}/{seqs['test']} sequences of "
               f"{shape.seq_len}); dump {d['wall']:.1f} s (load {d['load_s']:.1f} s apart), store "
@@ -617,29 +623,35 @@ def report_model(res: dict) -> tuple[list[str], bool]:
     return lines, ok
 
 
-def capacity(res: dict) -> list[str]:
-    """Per 1M scored tokens: the store under each storage choice, each stage's time (extrapolated linearly from the
-    largest size), and the dump on one H100 (FLOP estimate)."""
-    shape: Shape = res["shape"]
-    big = res["rows"][-1]
-    n = big["tokens"]
+def storage_lines(shape: Shape, per: dict, n: int) -> list[str]:
+    """Per 1M scored tokens, the store under each storage choice: the default store as dumped (raw from the zarr
+    metadata, on disk as measured: ``per`` of :func:`_array_bytes` over ``n`` tokens) and the other choices from
+    their raw sizes (states dtype, per-layer states, top-k, full logits)."""
     T, d, V = shape.loops, shape.d_model, shape.vocab
-    per = big["dump"]["per_array"]
-    raw = {k: v["raw_per_token"] for k, v in per.items() if v["tokens"]}
-    disk = {k: v["disk"] / max(v["tokens"], 1) for k, v in per.items() if v["tokens"]}
+    raw = {k: v["raw_per_token"] for k, v in per.items() if k != "_other"}
+    disk = {k: v["disk"] / n for k, v in per.items()}  # the markers and digests too: bytes of the store
     states = ("hidden", "hidden_init")
     rest_raw = sum(v for k, v in raw.items() if k not in states and k not in ("topk_ids", "topk_logits"))
     topk_raw = raw.get("topk_ids", 0) + raw.get("topk_logits", 0)
     k = int(round(raw.get("topk_ids", 0) / (4 * T))) if "topk_ids" in raw else 0
     state_raw = (T + 1) * d
     gb = 1e6 / 1e9
-    lines = [f"capacity per 1M scored tokens, {shape.name} (published shape: d {d}, T = {T}, vocab {V}):",
-             f"  default store (bfloat16 states + top-{k} logits + statistics): raw {(sum(raw.values())) * gb:,.1f} "
-             f"GB, on disk {sum(disk.values()) * gb:,.1f} GB (measured compression of these random-init states)",
-             f"  states (T + 1 = {T + 1} x d per token): bfloat16/float16 {2 * state_raw * gb:,.1f} GB, float32 "
-             f"{4 * state_raw * gb:,.1f} GB; per extra looped layer (dump.layers) {2 * T * d * gb:,.1f} GB",
-             f"  logits: top-{k} {topk_raw * gb:,.2f} GB, top-64 {T * 64 * 8 * gb:,.2f} GB, full float32 "
-             f"(full_logits_max_vocab ≥ {V}) {T * V * 4 * gb:,.1f} GB; statistics + token fields {rest_raw * gb:,.2f} GB",
+    return [f"capacity per 1M scored tokens, {shape.name} (published shape: d {d}, T = {T}, vocab {V}):",
+            f"  default store (bfloat16 states + top-{k} logits + statistics): raw {(sum(raw.values())) * gb:,.1f} "
+            f"GB, on disk {sum(disk.values()) * gb:,.1f} GB (measured compression of these random-init states)",
+            f"  states (T + 1 = {T + 1} x d per token): bfloat16/float16 {2 * state_raw * gb:,.1f} GB, float32 "
+            f"{4 * state_raw * gb:,.1f} GB; per extra looped layer (dump.layers) {2 * T * d * gb:,.1f} GB",
+            f"  logits: top-{k} {topk_raw * gb:,.2f} GB, top-64 {T * 64 * 8 * gb:,.2f} GB, full float32 "
+            f"(full_logits_max_vocab ≥ {V}) {T * V * 4 * gb:,.1f} GB; statistics + token fields {rest_raw * gb:,.2f} GB"]
+
+
+def capacity(res: dict) -> list[str]:
+    """Per 1M scored tokens: the store under each storage choice, each stage's time (extrapolated linearly from the
+    largest size), and the dump on one H100 (FLOP estimate)."""
+    shape: Shape = res["shape"]
+    big = res["rows"][-1]
+    n = big["tokens"]
+    lines = [*storage_lines(shape, big["dump"]["per_array"], n),
              f"  each stage per 1M tokens on this machine, extrapolated linearly from the {n}-token run (CPU h of "
              "its process, wall h; the cost exponent measured across the sizes beside it):"]
     toks = [r["tokens"] for r in res["rows"]]
@@ -692,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                     "largest size (untimed): where its time goes")
     ap.add_argument("--profile-dump", action="store_true", help="also a cProfile run of the dump at the smallest "
                     "size (a whole extra dump)")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes and sizes (seconds): does it still run "
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and sizes (about a minute): does it still run "
                     "(tests/test_benchmarks.py); targets not enforced")
     args = ap.parse_args(argv)
     THREADS = args.threads
@@ -713,14 +725,13 @@ def main(argv: list[str] | None = None) -> int:
             s = replace(s, layers=args.layers)
         shapes.append(s)
     # Import every stage entry now (torch, polars, zarr, matplotlib, ...): each forked child starts from here.
-    from looptrace.models.adapters.registry import adapter_kind
-
+    from looptrace.models.adapters.kinds import KINDS
     from looptrace.stages import registered
 
     registered()
     _warm_imports()
     for s in shapes:
-        adapter_kind(s.kind)  # an unknown kind: one line from the registry
+        KINDS[s.kind]  # an unknown kind: one line from the registry
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"# looptrace benchmarks/lm_scale.py — {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.node()}, {cpu}, "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; command: python benchmarks/lm_scale.py "
