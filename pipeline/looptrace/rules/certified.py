@@ -2,7 +2,7 @@
 *estimated* twin: the ``certified_fixed_point`` and ``estimated_fixed_point`` rules, registered here (importing
 :mod:`looptrace.rules` registers them).
 
-If the loop map is a contraction with constant ρ < 1 between h_t and the fixed point h*, then
+If the loop map is a contraction with constant ρ < 1 between h_{t−1} and the fixed point h*, then
 ‖h_t − h*‖ ≤ ‖Δ_t‖·ρ/(1 − ρ) ([BA], a posteriori estimate); the relative bound is b_t = r_t·ρ/(1 − ρ) with
 r_t = ``rel_step`` = ‖Δ_t‖/‖h_t‖ (:func:`looptrace.signals.certified.certified_bound`). The rule exits at the first t
 with b_t ≤ ε; where ρ ≥ 1 the bound is undefined (NaN) and the rule never fires. ε is calibrated like every
@@ -12,7 +12,7 @@ threshold rule (the [AD] quantile grid of the val bound, SPEC §4).
   σ_max(J_t[i, i]) (its exact float64 value plus a rounding margin, :mod:`looptrace.capture.contraction`), as a
   certificate needs. It is computed only up to ``dump.contraction.exact_width``; a wider model's bound is NaN and
   this rule refuses it in one line (use ``estimated_fixed_point`` there). What the certificate still assumes: for a
-  nonlinear loop map, that ‖J_ii‖₂ stays ≤ ρ̄_t on the way from h_t to h* (one point's derivative is not a Lipschitz
+  nonlinear loop map, that ‖J_ii‖₂ stays ≤ ρ̄_t on the way from h_{t−1} to h* (one point's derivative is not a Lipschitz
   constant; exact for an affine map), and that the other positions hold still (the block is the token's own).
 - ``estimated_fixed_point`` uses ρ_t = ``contraction``: the same exact value up to ``exact_width`` (where the two
   rules agree up to the margin), a power-method estimate — a *lower* bound of σ_max, so b_t can undercut the true

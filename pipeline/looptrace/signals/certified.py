@@ -2,7 +2,7 @@
 ``certified_fixed_point`` and ``estimated_fixed_point`` exit rules (:mod:`looptrace.rules.certified`) and the loop-map
 diagnosis (:mod:`looptrace.diagnose.loopmap`).
 
-b_t = r_t·ρ/(1 − ρ) bounds ‖h_t − h*‖/‖h_t‖ when ρ bounds the loop map's Lipschitz constant between h_t and h*
+b_t = r_t·ρ/(1 − ρ) bounds ‖h_t − h*‖/‖h_t‖ when ρ bounds the loop map's Lipschitz constant between h_{t−1} and h*
 (Banach's a-posteriori estimate): h_t − h* = F(h_{t−1}) − F(h*), so ‖h_t − h*‖ ≤ ρ(‖Δ_t‖ + ‖h_t − h*‖). It is a
 *certificate* only with an upper bound of the Jacobian's norm — ``contraction_bound`` ρ̄_t — and an *estimate* with
 the power-method ρ_t, a lower bound of it.
