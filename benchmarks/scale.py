@@ -1,4 +1,4 @@
-"""Benchmark of scale-out (issue 13). Parts are separate functions and flags:
+"""Benchmark of scale-out. Parts are separate functions and flags:
 
 (a) ``--part a``: a sharded dump by 2 cooperating processes (``shard=(0, 2)`` and ``(1, 2)``, one torch thread
     each) vs a 1-process dump of the same store (``--threads`` torch threads, default 2) — the **named

@@ -1,4 +1,4 @@
-"""Training-recipe study: which recipe makes every default model learn its task, and at what cost (issue 29).
+"""Training-recipe study: which recipe makes every default model learn its task, and at what cost.
 
 Each run trains one model with the project's own :func:`looptrace.models.train.train_model` (params.yaml ``train``
 with the recipe's overrides layered on top, exactly as a profile would be), evaluates val at ``--evals`` evenly

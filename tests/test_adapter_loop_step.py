@@ -1,4 +1,4 @@
-"""The HF adapters' loop step and loop-block layers (issue 27 items 1, 3, 4) on tiny random-weight checkpoints.
+"""The HF adapters' loop step and loop-block layers on tiny random-weight checkpoints.
 
 Huginn and Ouro run the stand-ins of their published code (tests/hf_helpers.py; the same checks against the real
 code: tests/test_real_code.py), Dory and retrofit (Llama) transformers' own classes. Independent references:

@@ -1,4 +1,4 @@
-"""The capture's cheaper paths write the same bytes as the paths they replace (issue 28).
+"""The capture's cheaper paths write the same bytes as the paths they replace.
 
 - :class:`looptrace.io.store.writer._DirectChunk` encodes whole chunks with zarr's own compressor object and crc32c,
   outside zarr's codec pipeline: every file of a store written that way equals the file zarr's pipeline writes

@@ -1,4 +1,4 @@
-"""Every config value is validated where it is declared (issue 15, item 1).
+"""Every config value is validated where it is declared.
 
 Types are exact (a bool is not an int, a string is not a number, NaN is not a finite float), ranges make the
 computation meaningful, a device must exist on this machine, a section of the wrong shape and a misspelled

@@ -1,4 +1,4 @@
-"""Diagnose on the halting regimes (issue 26): the verdict's "native" is the regime's own exit, and [AD]'s claims
+"""Diagnose on the halting regimes: the verdict's "native" is the regime's own exit, and [AD]'s claims
 count a decoupled RecurTrace trajectory as fixed-prior trained."""
 
 from __future__ import annotations

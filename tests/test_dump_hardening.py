@@ -1,4 +1,4 @@
-"""What is on disk is checked before it is trusted, one writer per output, disk full (issue 15, items 5, 6, 10).
+"""What is on disk is checked before it is trusted, one writer per output, disk full.
 
 - a dump into an output another live run writes is refused in one line naming it (pid, host, start time),
   with the same and with different params; once that run is killed, its claim is taken over and the resumed

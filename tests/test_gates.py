@@ -248,7 +248,7 @@ def test_feature_columns_stats_and_loop_encoding(tmp_path):
 
 
 def test_non_finite_states_and_infinite_stats_are_refused_with_counts(tmp_path):
-    """Issue 15 item 8: a NaN/inf state is never silently turned into 0 / ±1.8e308; NaN stats (undefined) are kept."""
+    """A NaN/inf state is never silently turned into 0 / ±1.8e308; NaN stats (undefined) are kept."""
     from looptrace.config import InputError
 
     st = two_group_stores(tmp_path, n=(64, 40, 40))["val"]

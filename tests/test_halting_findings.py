@@ -1,4 +1,4 @@
-"""Issue 26 item 6: the halting findings in words (``looptrace.diagnose.halting_findings``) on synthetic tables whose
+"""The halting findings in words (``looptrace.diagnose.halting_findings``) on synthetic tables whose
 answers are known by construction, and the statistics behind the words by hand."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The ``loopmap`` stage (issue 27, SPEC §2b): closed forms on a linear loop map h ← a·h + b (every figure the stage
+"""The ``loopmap`` stage (SPEC §2b): closed forms on a linear loop map h ← a·h + b (every figure the stage
 measures is known exactly there), a size-0 intervention, the vectorised bootstrap AUC against scikit-learn, and the
 stage run on a tiny checkpoint (outputs, figure widths, same params → same bytes)."""
 

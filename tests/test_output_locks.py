@@ -1,4 +1,4 @@
-"""One writer per output for every stage, and a killed run's staging debris removed (issue 15, items 5-6).
+"""One writer per output for every stage, and a killed run's staging debris removed.
 
 Every stage takes :func:`looptrace.io.claims.output_lock` on its output before it writes: a second run on the same
 output while the first is alive is refused with one line naming it (pid, host, start); a killed run's claim is

@@ -141,7 +141,7 @@ ABOUT = {
            "dvc status profiles/ad/dvc.yaml)"),
     "study": ("The study profile (the full 18-model matrix: both tasks x three regimes x three seeds)",
               "make study   (= dvc repro profiles/study/dvc.yaml; dvc status profiles/study/dvc.yaml)"),
-    "halting": ("The halting profile (RecurTrace +- loop memory, ACT, beside geometric and joint; issue 26)",
+    "halting": ("The halting profile (RecurTrace +- loop memory, ACT, beside geometric and joint)",
                 "dvc repro profiles/halting/dvc.yaml     (dvc status profiles/halting/dvc.yaml)"),
 }
 

@@ -186,7 +186,7 @@ def test_ouro_cached_generate_equals_uncached_greedy():
     assert torch.equal(gen, seq) and diff(cached, plain) <= TOL
 
 
-# ----------------------------------------------------------------------------------------------- loop step (issue 27)
+# ----------------------------------------------------------------------------------------------- loop step
 
 @pytest.mark.parametrize("name", ["huginn", "ouro"])
 def test_loop_step_and_layers_are_the_real_models_own(name):

@@ -1,4 +1,4 @@
-"""Issue 25 item 1: figures sized for the page, seeds aggregated, the Pareto curves the text talks about in colour."""
+"""Figures sized for the page, seeds aggregated, the Pareto curves the text talks about in colour."""
 
 from __future__ import annotations
 

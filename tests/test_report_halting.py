@@ -1,4 +1,4 @@
-"""The report on the halting regimes (issue 26): one colour per regime everywhere, the native exits told apart, the
+"""The report on the halting regimes: one colour per regime everywhere, the native exits told apart, the
 halting table and the faithfulness tests as sections with intervals, "collapse" in words no stronger than the
 interval."""
 

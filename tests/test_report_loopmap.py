@@ -1,4 +1,4 @@
-"""The report's loop-map section (issue 27 item 5, ``looptrace.report.loopmap``) on hand-made loopmap-stage tables
+"""The report's loop-map section (``looptrace.report.loopmap``) on hand-made loopmap-stage tables
 of two seeds: what it reads back per loop and per intervention, the per-model text (intervals, the certified
 exit's share and front, the windows) and the figure; absent tables -> no section, a "not shown" note."""
 

@@ -1,4 +1,4 @@
-"""Several processes, one store (issue 13): N cooperating writers each dump a chunk-aligned range; the result
+"""Several processes, one store: N cooperating writers each dump a chunk-aligned range; the result
 equals a 1-process dump file for file; a killed shard resumes; an overlapping claim is refused in one line.
 Also the claims protocol itself (io/claims.py): liveness, takeover, leases of other hosts, fencing, locks."""
 

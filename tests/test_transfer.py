@@ -1,4 +1,4 @@
-"""The dump's overlapping device → host copies (looptrace.capture.transfer, issue 28 item 1).
+"""The dump's overlapping device → host copies (looptrace.capture.transfer).
 
 The asynchronous form (side stream, pinned buffers, events; each batch resolved after the next one is captured) runs
 here on CPU tensors with the host stand-ins for CUDA's stream and events. The reference is the synchronous form,

@@ -186,7 +186,7 @@ def test_user_rule_in_diagnose_failure_classes(pipeline_run):
 
 def test_user_rule_drawn_in_the_report(pipeline_run):
     root, drawn = pipeline_run["root"], pipeline_run["drawn"]
-    assert f"{NAME} — user rule" in drawn["pareto_running_sum.png"]   # its Pareto front, in colour (issue 25)
+    assert f"{NAME} — user rule" in drawn["pareto_running_sum.png"]   # its Pareto front, in colour
     assert NAME in drawn["failure_classes.png"]      # its failure classes
     assert f"rule: {NAME}" in drawn["latency.png"]   # its real early exit
     assert (root / "report" / "figures" / "pareto_running_sum.png").stat().st_size > 0

@@ -1,4 +1,4 @@
-"""Issue 25: group verdicts that never outrun their evidence, and across-seed intervals within the figure's range.
+"""Group verdicts that never outrun their evidence, and across-seed intervals within the figure's range.
 
 Expected values are derived by hand (closed forms of the Student-t interval on the paired differences, the
 logit transform written out with ``math``) or by brute force (the seeds-needed search re-done with scipy)."""

@@ -529,7 +529,7 @@ def _geometry_into(stores: dict[str, Any], cfg: GeometryConfig, tmp: Path, meta:
     scratch = tmp / "_scratch"
     # the opt-in columns (SPEC §2b) only when every split's store has them: the default table is unchanged
     opt_in = [c for c in OPT_IN_COLUMNS if all(c in st for st in stores.values())]
-    tl_writer = parquet_writer(tmp / "token_loop.parquet", token_loop_schema(opt_in))  # page checksums (issue 24)
+    tl_writer = parquet_writer(tmp / "token_loop.parquet", token_loop_schema(opt_in))  # page checksums
     cv_writer = parquet_writer(tmp / "convergence.parquet", _CONVERGENCE_SCHEMA)
     summaries, dlr_rows, split_metrics = [], [], {}
     try:

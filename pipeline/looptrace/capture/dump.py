@@ -295,7 +295,7 @@ class _BackgroundWriter:
         encode_pool: when given, each chunk is encoded in the thread that queues it, its arrays spread over
             these threads (:meth:`StoreWriter.prepare_chunk`), and the background threads only write files: for a
             forward pass on the host's cores, which wait meanwhile, instead of a compressing thread preempting
-            the forward pass's threads mid-GEMM (issue 28; docs/dump.md).
+            the forward pass's threads mid-GEMM (docs/dump.md).
     """
 
     def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int,

@@ -1,4 +1,4 @@
-"""Issue 26's findings in words, derived from the numbers (``diagnose.halting_table``; SPEC §7 "Halting findings").
+"""The halting findings in words, derived from the numbers (``diagnose.halting_table``; SPEC §7 "Halting findings").
 
 Five questions, each answered per task from the diagnose stage's own artifacts, with the interval, p-value and n
 behind every word:
@@ -476,7 +476,7 @@ def halting_findings(figs: pl.DataFrame, fronts: dict, table: pl.DataFrame | Non
 def findings_markdown(rows: list[dict], cfg: DiagnoseConfig) -> str:
     """The summary.md section: one heading per question, its sentences, and a closing line on the protocol."""
     conv = f"{cfg.convergence_signal} < {cfg.convergence_eps:g}, {cfg.convergence_kind}"
-    lines = ["## Halting findings (issue 26, from the numbers)", "",
+    lines = ["## Halting findings (from the numbers)", "",
              "Each sentence is derived from the artifacts: differences are a − b seed by seed with the Student-t 95 % "
              "interval over seeds and the paired t-test's p (n = seeds); with one seed, the two models' bootstrap "
              "intervals (no p). A direction is stated only when its interval excludes 0, else *undecided*. "

@@ -1,4 +1,4 @@
-"""The halting methods side by side at matched compute, in [RT]'s form (issue 26; ``diagnose.halting_table``).
+"""The halting methods side by side at matched compute, in [RT]'s form (``diagnose.halting_table``).
 
 One row per task × regime × method, over the training seeds of the group:
 
@@ -135,7 +135,7 @@ def halting_table(models: Sequence[str], readouts_root: Path | str, gates_root: 
             for r in rows:
                 methods.setdefault(r["method"], []).append(r)
         for method, rs in sorted(methods.items(), key=lambda kv: kv[1][0]["order"]):
-            # within the figures' ranges (issue 25): accuracy in [0, 1], loops in [1, T]
+            # within the figures' ranges: accuracy in [0, 1], loops in [1, T]
             T = info.get("n_loops")
             acc = across_seeds([r["accuracy"] for r in rs], level, bounds=(0.0, 1.0))
             loops = across_seeds([r["loops"] for r in rs], level,

@@ -100,7 +100,7 @@ def _figure(sub: pl.DataFrame, rule: str) -> tuple[Interval, float, int, bool]:
     no threshold reached it, so the accuracy is not matched)."""
     rs = list(sub.filter(pl.col("rule") == rule).iter_rows(named=True))
     T = max((int(r["n_loops"]) for r in rs if r.get("n_loops") is not None), default=None)
-    # across seeds within [1, T] (issue 25: a depth interval never leaves its range)
+    # across seeds within [1, T] (a depth interval never leaves its range)
     iv = across_seeds([from_row(r, "test_depth") for r in rs], bounds=(1.0, float(T)) if T and T > 1 else None)
     accs = [float(r["test_accuracy"]) for r in rs if r.get("test_accuracy") is not None]
     within = all(r.get("within_delta") is not False for r in rs)

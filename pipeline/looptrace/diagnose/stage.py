@@ -204,7 +204,7 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
                gates_present: bool, cfg: DiagnoseConfig, meta: dict | None, faith_rows: list | None = None,
                router_rows: list | None = None) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
-    # n_loops: the claims' across-seed depth intervals stay within [1, T] (issue 25); without it they were unbounded
+    # n_loops: the claims' across-seed depth intervals stay within [1, T]; without it they were unbounded
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
                                               "regime_kind": pl.String, "n_loops": pl.Int64,
                                               "fixed_prior": pl.Boolean, "loop_memory": pl.Boolean})

@@ -1,4 +1,4 @@
-"""Exit decisions computed on the device, certified equal to the host's (issue 28 item 2; docs/generate.md).
+"""Exit decisions computed on the device, certified equal to the host's (docs/generate.md).
 
 The online rules of :mod:`looptrace.online.engine` compute some signals on the host: the step signals
 (``rel_step``, ``step_norm``/``hidden_change``, ``state_cos_dist``) and ``q_exit``'s halting CDF are float64 numpy

@@ -627,7 +627,7 @@ def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None
     """Write ``generate.parquet`` and ``metrics.json`` atomically."""
 
     with atomic_dir(out_dir) as tmp:
-        write_parquet(df, tmp / "generate.parquet")  # page checksums (issue 24)
+        write_parquet(df, tmp / "generate.parquet")  # page checksums
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2) + "\n")
 
 

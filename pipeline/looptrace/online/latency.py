@@ -500,5 +500,5 @@ def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``latency.parquet`` and ``metrics.json`` atomically (temp dir + os.replace)."""
 
     with atomic_dir(out_dir) as tmp:
-        write_parquet(df, tmp / "latency.parquet")  # page checksums (issue 24)
+        write_parquet(df, tmp / "latency.parquet")  # page checksums
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2) + "\n")

@@ -1,6 +1,6 @@
 """The report's numbers for DVC's own run comparison: data series for ``dvc plots show/diff`` (declared as top-level
 ``plots`` in dvc.yaml with a template and ``x``/``y``) and the headline table for ``dvc metrics show`` /
-``dvc exp show`` (issue 25).
+``dvc exp show``.
 
 Files (``artifacts/report/plots/`` and ``artifacts/report/headline.json``), each a pure function of the artifacts:
 

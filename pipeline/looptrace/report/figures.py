@@ -26,13 +26,13 @@ FAILURE_CLASSES = (("correct", "#4c9f50"), ("trajectory", "#7f7f7f"), ("readout_
                    ("readout_overthinking", "#c44e52"))
 _REGIME_COLOURS = {"final": "#7f7f7f", "uniform": "#1f77b4", "geometric": "#2ca02c", "joint": "#d62728",
                    "recurtrace": "#9467bd", "act": "#8c564b"}
-#: Regimes named as in profiles/halting (issue 26), several of one kind: a colour per name, the same in every figure.
+#: Regimes named as in profiles/halting, several of one kind: a colour per name, the same in every figure.
 _REGIME_NAME_COLOURS = {"recurtrace": "#9467bd", "recurtrace_flow": "#e377c2", "recurtrace_mem": "#17becf",
                         "act": "#8c564b"}
 
 
 #: Figure width in inches: at the default ``report.dpi`` (110) 1155 px, inside the page's 1180 px column, so a
-#: figure is shown 1:1 and its 10 pt text stays 10 pt (issue 25: ≤ 1400 px wide at the page's scale).
+#: figure is shown 1:1 and its 10 pt text stays 10 pt (≤ 1400 px wide at the page's scale).
 FIG_W = 10.5
 #: Smallest font size on any figure (points).
 MIN_PT = 10
@@ -322,7 +322,7 @@ def pareto_highlights(chosen: pl.DataFrame | None, kinds: dict[str, str]) -> dic
     out: dict[str, tuple[str, str]] = {}
     natives = [r for r, k in kinds.items() if k == "native"]
     for rule, kind in kinds.items():
-        if kind == "native" and len(natives) > 1:  # several readings of the gate (issue 26): whose exit each is
+        if kind == "native" and len(natives) > 1:  # several readings of the gate: whose exit each is
             own = [k for k, r in NATIVE_EXITS.items() if r == rule]
             tuned = [k for k, r in NATIVE_CALIBRATED.items() if r == rule and k not in own]
             extra = [c for c in _NATIVE_SPARE if c not in _NATIVE_COLOURS.values()]
@@ -644,7 +644,7 @@ def _slug(s: str) -> str:
 
 def fig_loopmap(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi: int, seed_lines: bool = False
                 ) -> Path | None:
-    """The loop-map figure (issue 27; the loopmap stage's tables, :mod:`looptrace.report.loopmap`): ρ_t, λ_t and
+    """The loop-map figure (the loopmap stage's tables, :mod:`looptrace.report.loopmap`): ρ_t, λ_t and
     the noise decay by loop: rows = the three measures, columns = tasks, one line per regime
     (geometric mean over seeds for ρ and the decay, plain mean for λ, each with the across-seed 95 % band)."""
     if lm is None or "per_loop" not in lm:

@@ -1,4 +1,4 @@
-"""The report's halting sections (issue 26): diagnose's matched-compute table of the halting methods
+"""The report's halting sections: diagnose's matched-compute table of the halting methods
 (``halting_table.parquet``, when ``diagnose.halting_table`` wrote it) with its intervals and, per method, whether it
 collapses to one loop; and the counterfactual faithfulness of every halting signal (``faithfulness.parquet``, SPEC
 §7a) per task × regime × rule over seeds. Every figure is read from diagnose's artifacts; the words of "collapse"

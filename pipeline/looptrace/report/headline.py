@@ -68,7 +68,7 @@ def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
         figs: dict[str, Interval | None] = {}
         figs["dx_fixed"], _ = dx_best(dx, ["fixed"])
         figs["dx_best_posthoc"], dx_rule = dx_best(dx, ["posthoc"])
-        # the regime's own exit, as diagnose's verdict reads it (issue 26: not the best of every native rule)
+        # the regime's own exit, as diagnose's verdict reads it (not the best of every native rule)
         own = native_rule(m["regime_kind"], dx.filter(pl.col("kind") == "native")["rule"].to_list())
         figs["dx_native"], _ = dx_best(native_filter(dx, own), ["native"])
         figs["dx_best_gate"], _ = dx_best(dx, ["gate"])
@@ -267,7 +267,7 @@ def generate_table(gen: pl.DataFrame, meta: pl.DataFrame) -> tuple[pl.DataFrame,
 def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: dict[str, Path],
                    groups: pl.DataFrame | None = None) -> dict:
     """``metrics.json`` (``dvc metrics show``): the headline numbers per model (point values under the keys
-    of before issue 12, and every figure with its interval under ``intervals``), per task × regime across seeds
+    of older versions, and every figure with its interval under ``intervals``), per task × regime across seeds
     (``groups``: estimate, lo, hi, n_seeds, text) and the latency summary."""
     x = f"{cfg.x:g}"
 

@@ -1,4 +1,4 @@
-"""The report's interactive Pareto view (issue 25): every test operating point of every rule and seed, with hover
+"""The report's interactive Pareto view: every test operating point of every rule and seed, with hover
 (rule, seed, threshold, mean depth and accuracy with their 95 % bootstrap intervals), legend clicks that toggle a
 rule in every panel and seed, and a menu that shows one seed or all. Drawn by Plotly (offline): the page embeds
 the figures' JSON and loads ``plotly.min.js`` written beside ``index.html``, so it works from disk with no

@@ -1,4 +1,4 @@
-"""The report's loop-map section (issue 27 item 5): what the ``loopmap`` stage measured on every model
+"""The report's loop-map section: what the ``loopmap`` stage measured on every model
 (``artifacts/loopmap/<model>/``, docs/loopmap.md) — the regime per model with its intervals, the certified
 fixed-point exit against the sample's Pareto front, the intervention windows — and one figure by loop: the local
 contraction ρ_t, the finite-time Lyapunov exponent λ_t ([LY], SPEC §2b) and the decay of a noise intervention

@@ -52,7 +52,7 @@ def main(
             with dask_runner(base.dask) as runner:
                 frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta,
                                                            runner=runner, intervals=ivc, seed=base.seed)
-            if cfg.halting_table:  # issue 26: the halting methods at matched compute (profiles/halting)
+            if cfg.halting_table:  # the halting methods at matched compute (profiles/halting)
                 table = halting_table(names, readouts_root, gates_root, cfg.collapse_tol, ivc.level)
                 frames = {**frames, "halting_table": table}
                 summary += "\n" + halting_table_markdown(table, cfg.collapse_tol)
@@ -61,7 +61,7 @@ def main(
                 found = halting_findings(figs, fronts, table, frames["convergence_router"], cfg, ivc.level)
                 summary += "\n" + findings_markdown(found, cfg)
                 metrics = {**metrics, "halting_findings": found}
-            # issue 27: only models dumped with dump.contraction; none (the default) -> nothing written
+            # only models dumped with dump.contraction; none (the default) -> nothing written
             loopmap, loopmap_words = loopmap_models(names, dump_root, base.seed)
             if loopmap is None:  # the default: the loopmap stage's fixed sample of every model
                 loopmap, loopmap_words = loopmap_artifacts(names, loopmap_root)

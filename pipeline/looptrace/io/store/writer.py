@@ -140,7 +140,7 @@ class StoreWriter:
         codecs = _codecs(clevel)
         token_names = []
         # every array's metadata written in one round trip to zarr's event loop (concurrently) rather than one
-        # blocking call each: ~20 arrays cost ~0.2 s of wall on a busy 2-core host otherwise (issue 28)
+        # blocking call each: ~20 arrays cost ~0.2 s of wall on a busy 2-core host otherwise
         create = group._async_group.create_array
         todo = []
         for name, spec in specs.items():
@@ -256,7 +256,7 @@ class StoreWriter:
         Why a separate step: a dump whose forward pass runs on the host's cores compresses between batches,
         while the forward pass's threads wait, and leaves only the file writes to a background thread; a
         compressing thread beside the forward pass preempts its threads mid-GEMM, which then stall at their
-        barrier (issue 28; docs/dump.md). Arguments as :meth:`write_chunk`, and ``pool``: threads that encode the
+        barrier (docs/dump.md). Arguments as :meth:`write_chunk`, and ``pool``: threads that encode the
         arrays concurrently (each array's bytes are the same from any thread).
         """
         self._check_own(chunk)
@@ -270,7 +270,7 @@ class StoreWriter:
         # as zarr's codec pipeline: tests/test_store.py); a partial last chunk or another chain goes through zarr.
         # Why: zarr's pipeline costs ~50 ms of CPU per 4096-token d_model-512 chunk beyond the compressor itself
         # (a hop to a worker thread per codec, a copy of every compressed chunk to append its checksum), which on
-        # a busy host is taken from the forward pass (issue 28; docs/dump.md).
+        # a busy host is taken from the forward pass (docs/dump.md).
         full = n == self.chunk_tokens
         stored = {name: self._stored_rows(chunk, name, data[name], n) for name in names}
         # the CPU work as independent tasks, largest first so that a pool's threads finish together (a chunk's
@@ -555,7 +555,7 @@ def _write_file_uncached(path: Path, parts: Sequence[bytes]) -> bool:
     zarr's local store does (a ``.<uuid>.partial`` file in the same directory, renamed over ``path``).
 
     Why: a buffered write copies every byte into page-cache pages, CPU that a dump on the host's cores takes from
-    the forward pass (issue 28). On the 2-vCPU VM of docs/dump.md fresh page-cache pages cost ~2 ms of kernel
+    the forward pass. On the 2-vCPU VM of docs/dump.md fresh page-cache pages cost ~2 ms of kernel
     time per MB (the hypervisor faults them in): 0.31 s per 150 MB dump, against ~0 for O_DIRECT, whose device
     writes ran at 1.2 GB/s there. The parts are copied into an aligned buffer; its aligned head goes through
     O_DIRECT, the last ``len % 4096`` bytes through a buffered write.
