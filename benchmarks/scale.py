@@ -208,7 +208,7 @@ def analysis_child(spec: dict) -> None:
     from looptrace.geometry import GeometryConfig, geometry_model
     from looptrace.io.parallel import dask_runner
     from looptrace.io.store.reader import open_store
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     def usage() -> tuple[float, float]:
@@ -248,7 +248,7 @@ def analysis_child(spec: dict) -> None:
 
 def _warm_up() -> None:
     import looptrace.geometry
-    import looptrace.rules.evaluate  # noqa: F401
+    import looptrace.rules.readouts  # noqa: F401
 
 
 def _analysis_run(store_dir: Path, out: Path, workers: int) -> dict:

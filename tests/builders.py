@@ -349,7 +349,7 @@ def tiny_artifacts(root: Path | str, name: str = "rs-tiny", rules: Sequence[str]
     from looptrace.capture.dump import DumpConfig, dump_model
     from looptrace.geometry import GeometryConfig, geometry_model
     from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     torch.set_num_threads(1)

@@ -27,7 +27,7 @@ from looptrace.config import (
 from looptrace.gates.config import GatesConfig
 from looptrace.models import check_device
 from looptrace.models.train import TrainConfig
-from looptrace.rules.evaluate import ReadoutsConfig
+from looptrace.rules.readouts import ReadoutsConfig
 from looptrace.rules.scoring import MIN_QUANTILES, CalibrationConfig
 
 REPO = Path(__file__).resolve().parents[1]

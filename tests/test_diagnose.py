@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import rankdata
 
 from looptrace.config import ConfigError, from_dict
-from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.ad_claims import ad_claims
 from looptrace.diagnose.config import CLASSES, DiagnoseConfig
 from looptrace.diagnose.stage import diagnose_models
 from looptrace.diagnose.stats import (
@@ -31,7 +31,7 @@ from looptrace.intervals import IntervalsConfig
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.tables import SplitArrays
 from looptrace.project import resolve_model
-from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.readouts import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
 from tests.builders import token_loop_splits, write_token_loop
 

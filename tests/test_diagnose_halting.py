@@ -8,7 +8,7 @@ import math
 import polars as pl
 import pytest
 
-from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.ad_claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.verdicts import group_verdicts, native_rule
 from looptrace.diagnose.verdicts import verdict as model_verdict

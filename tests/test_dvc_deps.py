@@ -36,10 +36,10 @@ from tests.import_graph import GRAPH, REPO, ImportGraph, closure, module_file, r
 OFFLINE = ("geometry", "readouts", "diagnose", "report")
 #: looptrace packages/modules each stage must never reach, and external packages likewise.
 FORBIDDEN = {
-    **{s: (("looptrace.models", "looptrace.capture", "looptrace.online", "looptrace.online.gates"),
+    **{s: (("looptrace.models", "looptrace.capture", "looptrace.online", "looptrace.online.live_gate"),
            ("torch", "transformers")) for s in OFFLINE},
     "gates": (("looptrace.models.looped", "looptrace.models.interface", "looptrace.models.adapters",
-               "looptrace.models.train", "looptrace.capture", "looptrace.online", "looptrace.online.gates"),
+               "looptrace.models.train", "looptrace.capture", "looptrace.online", "looptrace.online.live_gate"),
               ("transformers",)),
 }
 #: Stage modules that must import without torch (torch, where a stage needs it, only inside functions).

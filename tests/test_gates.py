@@ -20,7 +20,7 @@ from looptrace.gates.fit import ModelGates, fit_model_gates, fit_sklearn_gate, p
 from looptrace.gates.labels import consistent_stop, oracle_continue, stop_targets, utility_continue
 from looptrace.gates.ponder import _ponder_module, fit_ponder, ponder_loss, ponder_prior
 from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
-from looptrace.online.gates import load_fitted, load_online_gate
+from looptrace.online.live_gate import load_fitted, load_online_gate
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.signals.halting_torch import halting_distribution
 from tests.builders import two_group_stores

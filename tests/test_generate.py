@@ -25,7 +25,7 @@ from looptrace.models.kv import CODA, LOOP, PRELUDE, LoopKVCache
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens, prefix_agreement
-from looptrace.online.signals import LiveSignals
+from looptrace.online.live_signals import LiveSignals
 from looptrace.rules.registry import get_rule, loop_signals
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.logits import logit_stats

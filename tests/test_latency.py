@@ -173,7 +173,7 @@ def test_live_signals_equal_stored_values_bit_for_bit_under_compaction():
     """LiveSignals fed the same states and readouts as the dump and geometry stage, with rows dropped and
     positions truncated between loops, returns exactly the stored float32 values of the kept positions.
     (``gate_logit`` is the model's own output, not a signal formula: not part of this check.)"""
-    from looptrace.online.signals import LiveSignals
+    from looptrace.online.live_signals import LiveSignals
     from looptrace.signals.logits import LoopStats
 
     m = _model(gate="linear", loops=6)
@@ -306,7 +306,7 @@ def test_stage_cli_one_line_error(tmp_path):
 
 
 def test_refit_gate_runs_online_exactly(tmp_path):
-    """The gates stage's fitted gate (saved without pickle, loaded through looptrace.online.gates.load_online_gate)
+    """The gates stage's fitted gate (saved without pickle, loaded through looptrace.online.live_gate.load_online_gate)
     runs in the engine and reproduces the gates stage's offline chosen exits token by token."""
     from looptrace.gates.config import GatesConfig
     from looptrace.gates.stage import gates_stage

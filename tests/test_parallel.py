@@ -182,7 +182,7 @@ def test_readouts_gates_diagnose_same_bytes(runner, tmp_path):
     from looptrace.gates.config import GatesConfig
     from looptrace.gates.stage import gates_stage
     from looptrace.geometry import GeometryConfig, geometry_model
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     models = ("rp-uniform", "rp-joint")

@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import t as student_t
 
 from looptrace.report.figures import pareto_highlights, regime_colours
-from looptrace.report.halting import collapse_text, faithfulness_groups, halting_rows
+from looptrace.report.halting_section import collapse_text, faithfulness_groups, halting_rows
 from looptrace.report.inputs import Inputs
 from looptrace.report.page import halting_html
 

@@ -156,7 +156,7 @@ def test_first_loop_is_where_the_functions_define_the_signal():
 
 def test_live_signals_know_every_online_signal():
     pytest.importorskip("torch")
-    from looptrace.online.signals import LiveSignals
+    from looptrace.online.live_signals import LiveSignals
 
     LiveSignals([n for n in select(online=True)])  # raises on a signal it cannot compute
 

@@ -17,7 +17,7 @@ from looptrace.config import ConfigError, from_dict
 from looptrace.io.tables import SplitArrays
 from looptrace.rules import ExitRule, exit_rule, get_rule
 from looptrace.rules.builtin import ALL_RULES
-from looptrace.rules.evaluate import ReadoutsConfig, evaluate_model_rules
+from looptrace.rules.readouts import ReadoutsConfig, evaluate_model_rules
 from looptrace.rules.scoring import CalibrationConfig
 from tests import user_rules
 

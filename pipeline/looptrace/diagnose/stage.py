@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import InputError, MissingInputError
-from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.ad_claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.faithfulness import (
     faithfulness_frame,

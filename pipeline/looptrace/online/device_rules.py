@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptrace.online.engine import OnlineRule, RegistryRule
-from looptrace.online.signals import _ROUNDING
+from looptrace.online.live_signals import _ROUNDING
 from looptrace.rules.base import SIGNAL
 from looptrace.rules.builtin import QExitOnline
 from looptrace.signals.logits import STAT_NAMES, LoopStats
@@ -171,7 +171,7 @@ class _BoundedDeviceRule(DeviceRule):
 
 class _StepDeviceRule(_BoundedDeviceRule):
     """A step-signal rule (``rel_step``, ``step_norm``, ``state_cos_dist``) in torch float64 on the device, with
-    the states rounded to the store's hidden dtype as :class:`~looptrace.online.signals.LiveSignals` does."""
+    the states rounded to the store's hidden dtype as :class:`~looptrace.online.live_signals.LiveSignals` does."""
 
     def __init__(self, host: RegistryRule, signal: str):
         super().__init__(host)

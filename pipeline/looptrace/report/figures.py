@@ -14,7 +14,7 @@ import polars as pl
 from looptrace.diagnose.stats import with_val_columns
 from looptrace.intervals import Interval, across_seeds, from_row
 from looptrace.report.inputs import Inputs, ReportConfig
-from looptrace.report.loopmap import decay_values, per_loop_values
+from looptrace.report.loopmap_section import decay_values, per_loop_values
 from looptrace.rules.native_halting import NATIVE_CALIBRATED, NATIVE_EXITS
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import best_chosen
@@ -644,7 +644,7 @@ def _slug(s: str) -> str:
 
 def fig_loopmap(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi: int, seed_lines: bool = False
                 ) -> Path | None:
-    """The loop-map figure (the loopmap stage's tables, :mod:`looptrace.report.loopmap`): ρ_t, λ_t and
+    """The loop-map figure (the loopmap stage's tables, :mod:`looptrace.report.loopmap_section`): ρ_t, λ_t and
     the noise decay by loop: rows = the three measures, columns = tasks, one line per regime
     (geometric mean over seeds for ρ and the decay, plain mean for λ, each with the across-seed 95 % band)."""
     if lm is None or "per_loop" not in lm:

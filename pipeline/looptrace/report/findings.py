@@ -8,7 +8,7 @@ from typing import cast
 
 import polars as pl
 
-from looptrace.report.halting import HALTING_COLUMNS, collapse_tol_of, halting_intro, halting_rows
+from looptrace.report.halting_section import HALTING_COLUMNS, collapse_tol_of, halting_intro, halting_rows
 from looptrace.report.headline import HEADLINE_FIGURES, nonfinite_table
 from looptrace.report.inputs import Inputs, ReportConfig
 

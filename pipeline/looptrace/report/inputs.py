@@ -14,7 +14,7 @@ import polars as pl
 from looptrace.config import ConfigError, MissingInputError
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.io.parquet import read_verified
-from looptrace.report.loopmap import load_loopmap
+from looptrace.report.loopmap_section import load_loopmap
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Inputs:
         generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
         halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``), collapse_tol: the
             diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
-        loopmap: the loopmap stage's tables (:data:`looptrace.report.loopmap.TABLES`), table -> rows.
+        loopmap: the loopmap stage's tables (:data:`looptrace.report.loopmap_section.TABLES`), table -> rows.
         missing: input -> what to run.
     """
 

@@ -13,7 +13,7 @@ import polars as pl
 from markdown.treeprocessors import Treeprocessor
 
 from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings
-from looptrace.report.halting import (
+from looptrace.report.halting_section import (
     FAITH_COLUMNS,
     FAITH_INTRO,
     HALTING_COLUMNS,
@@ -32,9 +32,9 @@ from looptrace.report.headline import (
 )
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.report.interactive import PLOTLY_JS, interactive_html
-from looptrace.report.loopmap import COLUMNS as LOOPMAP_COLUMNS
-from looptrace.report.loopmap import INTRO as LOOPMAP_INTRO
-from looptrace.report.loopmap import loopmap_rows
+from looptrace.report.loopmap_section import COLUMNS as LOOPMAP_COLUMNS
+from looptrace.report.loopmap_section import INTRO as LOOPMAP_INTRO
+from looptrace.report.loopmap_section import loopmap_rows
 
 
 class _ShiftHeadings(Treeprocessor):
@@ -122,7 +122,7 @@ _CAPTIONS = {
 
 
 def halting_html(inp: Inputs) -> list[str]:
-    """The page's sections on the halting methods (:mod:`looptrace.report.halting`): the matched-compute
+    """The page's sections on the halting methods (:mod:`looptrace.report.halting_section`): the matched-compute
     table when diagnose wrote one, the faithfulness tests when diagnose ran them."""
     parts = []
     if inp.halting_table is not None and inp.halting_table.height:
