@@ -58,8 +58,8 @@ from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.device_rules import device_rule
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens
-from looptrace.online.lookahead import decode_tokens_lookahead
 from looptrace.online.live_signals import LiveSignals
+from looptrace.online.lookahead import decode_tokens_lookahead
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 
