@@ -207,7 +207,7 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
     bares = [w for n, w, _ in seq if n == "bare"]
     peak = {n: max(p for m, _, p in seq if m == n) for n in ("bare", "dump")}
     t_plain = plain_write(out / "plain.bin", size)
-    from looptrace.capture.dump import weights_hash
+    from looptrace.capture.resume import weights_hash
 
     t0 = time.perf_counter()
     weights_hash(adapter)  # part of every dump_split call's fingerprint (a checkpoint file hash: at load)

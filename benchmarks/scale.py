@@ -205,7 +205,7 @@ def analysis_child(spec: dict) -> None:
     import resource
 
     from looptrace.config import DaskConfig
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.io.parallel import dask_runner
     from looptrace.io.store.reader import open_store
     from looptrace.rules.readouts import ReadoutsConfig, readouts_model

@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 
 from looptrace.config import ConfigError, InputError
-from looptrace.geometry import TOKEN_LOOP_COLUMNS, GeometryConfig, geometry_model
+from looptrace.geometry.stage import TOKEN_LOOP_COLUMNS, GeometryConfig, geometry_model
 from looptrace.io.store.writer import write_store
 from looptrace.io.tables import load_token_loop
 from looptrace.rules import get_rule

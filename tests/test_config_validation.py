@@ -124,7 +124,7 @@ def test_repository_params_and_profiles_are_valid():
     from looptrace.capture.dynamics import DynamicsConfig
     from looptrace.capture.loopmap import LoopmapConfig
     from looptrace.diagnose.config import DiagnoseConfig
-    from looptrace.geometry import GeometryConfig
+    from looptrace.geometry.stage import GeometryConfig
     from looptrace.intervals import IntervalsConfig
     from looptrace.online.generate import GenerateConfig
     from looptrace.online.latency import LatencyConfig

@@ -32,8 +32,9 @@ import torch
 import xarray as xr
 from fsspec.implementations.memory import MemoryFileSystem
 
-from looptrace.capture.dump import DumpConfig, dump_split, weights_hash
-from looptrace.io.claims import ClaimError, claims_location
+from looptrace.capture.dump import DumpConfig, dump_split
+from looptrace.capture.resume import weights_hash
+from looptrace.io.claims_dir import ClaimError, claims_location
 from looptrace.io.store.identity import check_same_model, open_split_stores
 from looptrace.io.store.location import memory_store
 from looptrace.io.store.reader import open_store

@@ -280,7 +280,7 @@ def test_params_are_loaded_only_by_stage_scripts():
 
 def test_value_modules_of_the_dump_are_its_deps():
     """The dump hashes the source of VALUE_MODULES into the store; each is a dep of the dump stage."""
-    from looptrace.capture.dump import VALUE_MODULES
+    from looptrace.capture.resume import VALUE_MODULES
 
     stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["dump"]
     have = code_deps(REPO / "dvc.yaml", stage)

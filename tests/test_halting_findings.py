@@ -23,7 +23,7 @@ from looptrace.diagnose.halting_findings import (
     regime_role,
 )
 from looptrace.diagnose.router import COMPARISON_SCHEMA
-from looptrace.intervals import Interval
+from looptrace.estimates import Interval
 
 
 def test_regime_role_from_definition():

@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import t as student_t
 
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown, matched_fixed_accuracy
-from looptrace.intervals import DEFAULT_RESOLUTION
+from looptrace.estimates import DEFAULT_RESOLUTION
 from looptrace.io.artifacts import write_outputs
 
 

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from looptrace.cli import app
 from looptrace.io.artifacts import clear_debris
-from looptrace.io.claims import claims_location, output_lock
+from looptrace.io.claims import output_lock
+from looptrace.io.claims_dir import claims_location
 from tests.builders import random_signal_arrays, write_arrays
 
 

@@ -41,7 +41,7 @@ def test_merge_params_mappings_merge_everything_else_replaces():
 
 
 def test_layered_params_files(tmp_path):
-    from looptrace.geometry import GeometryConfig
+    from looptrace.geometry.stage import GeometryConfig
 
     base, over = tmp_path / "params.yaml", tmp_path / "over.yaml"
     base.write_text("geometry: {splits: [val, test], eps: {kl_prev: [0.001]}}\nbase: {seed: 3}\n")

@@ -10,10 +10,11 @@ import polars as pl
 import pytest
 from scipy.stats import t as student_t
 
-from looptrace.report.figures import pareto_highlights, regime_colours
+from looptrace.report.fig_pareto import pareto_highlights
 from looptrace.report.halting_section import collapse_text, faithfulness_groups, halting_rows
 from looptrace.report.inputs import Inputs
 from looptrace.report.page import halting_html
+from looptrace.report.plotting import regime_colours
 
 HALTING = ["geometric", "joint", "recurtrace", "recurtrace_flow", "recurtrace_mem", "act"]
 KINDS = {"geometric": "geometric", "joint": "joint", "recurtrace": "recurtrace", "recurtrace_flow": "recurtrace",

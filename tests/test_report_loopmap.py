@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from looptrace.io.artifacts import write_outputs
-from looptrace.report.figures import fig_loopmap
+from looptrace.report.fig_loopmap import fig_loopmap
 from looptrace.report.loopmap_section import decay_values, load_loopmap, loopmap_rows, per_loop_values
 
 T = 3

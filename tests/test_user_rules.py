@@ -75,7 +75,7 @@ def pipeline_run(tmp_path_factory):
 
     from looptrace.capture.dump import DumpConfig, dump_model
     from looptrace.cli import app
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
     from looptrace.tasks import make_task
@@ -104,9 +104,9 @@ def pipeline_run(tmp_path_factory):
     pfile = root.parent / "params.yaml"
     pfile.write_text(yaml.safe_dump(params))
     drawn: dict[str, list[str]] = {}
-    import looptrace.report.figures as report
+    import looptrace.report.plotting as report
 
-    save = report._save
+    save = report.save
 
     def recording_save(fig, path, dpi):  # what each figure draws: legend entries and y tick labels
         drawn[path.name] = [t.get_text() for lg in fig.legends for t in lg.get_texts()] + [
@@ -118,7 +118,7 @@ def pipeline_run(tmp_path_factory):
     args = ["--params", str(pfile)]
     outs = {}
     mp = pytest.MonkeyPatch()
-    mp.setattr(report, "_save", recording_save)
+    mp.setattr(report, "save", recording_save)
     try:
         outs["readouts"] = run.invoke(app, ["readouts", "--model", MODEL, *args, "--geometry-root",
                                             str(root / "geometry"), "--out", str(root / "readouts")])

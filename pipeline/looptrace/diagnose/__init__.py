@@ -11,7 +11,7 @@ gates'), each test token falls in exactly one class:
 Verdict per model ([AD]'s decision aid, made explicit). Every figure is a val-chosen point on test with its
 95 % interval (bootstrap over test sequences; across seeds the Student-t interval on the logit scale of [1, T],
 :func:`group_verdicts`). Each comparison is the difference of two figures with an interval
-(:class:`looptrace.intervals.Difference`: per model from the two bootstrap intervals, per task × regime the
+(:class:`looptrace.estimates.Difference`: per model from the two bootstrap intervals, per task × regime the
 paired per-seed differences): a gap counts only when that interval excludes 0 *and* the estimate is at least
 ``gap_tol`` loops; the absence of a gap counts only when the interval rules out one of ``gap_tol``. A verdict
 is one of the three outcomes only when the comparisons it rests on are decided; otherwise it is

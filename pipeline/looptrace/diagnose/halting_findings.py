@@ -27,7 +27,7 @@ false``; ``joint``, ``act`` = those kinds (the first regime of the task with the
 
 **Comparisons.** Two regimes are compared seed by seed (the models ``<task>-<regime>-s<k>`` of one k share the
 data order and, for the decoupled pair, the initialisation): d_k = a_k − b_k, the mean with its Student-t 95 %
-interval over the n seeds (:func:`looptrace.intervals.paired_difference`) and the two-sided paired t-test's p
+interval over the n seeds (:func:`looptrace.estimates.paired_difference`) and the two-sided paired t-test's p
 (``scipy.stats.ttest_1samp`` of the d_k against 0). With one seed, the two models' own bootstrap intervals when the
 figure has them (a conservative interval [a_lo − b_hi, a_hi − b_lo], no p), else no interval. A difference is stated
 in words (higher / lower) only when its interval excludes 0; otherwise **undecided** — never a direction the interval
@@ -51,7 +51,7 @@ import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.halting_table import CALIBRATED
-from looptrace.intervals import Interval, difference, from_row, paired_difference
+from looptrace.estimates import Interval, difference, from_row, paired_difference
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
 from looptrace.rules.native_halting import NATIVE_CALIBRATED, NATIVE_EXITS

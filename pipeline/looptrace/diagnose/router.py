@@ -8,7 +8,7 @@ counter, and ``kl_prev``). All are read at their val-chosen operating points —
 (val accuracy within δ of full depth, SPEC §4) — so their test depths are compared at matched accuracy (a rule none of
 whose thresholds reaches δ is flagged ``*_within_delta`` False: its point is its most accurate one): per
 model on the bootstrap intervals, per task × regime on the Student-t interval over seeds, with
-:func:`looptrace.intervals.compare` and ``diagnose.gap_tol`` (as the verdicts).
+:func:`looptrace.estimates.compare` and ``diagnose.gap_tol`` (as the verdicts).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
-from looptrace.intervals import Interval, across_seeds, compare, from_row
+from looptrace.estimates import Interval, across_seeds, compare, from_row
 from looptrace.project import split_seed
 
 #: Suffix of a refit gate trained on convergence labels (``gate:logreg-converged``).

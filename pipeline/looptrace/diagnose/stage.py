@@ -24,7 +24,8 @@ from looptrace.diagnose.stats import _row_iv, failure_codes, failure_rows, spear
 from looptrace.diagnose.summary import summary_markdown
 from looptrace.diagnose.verdicts import group_verdicts, verdict
 from looptrace.diagnose.words import _ci, _dx_ci
-from looptrace.intervals import Interval, IntervalsConfig, boot_seed, split_resampler
+from looptrace.estimates import Interval
+from looptrace.intervals import IntervalsConfig, boot_seed, split_resampler
 from looptrace.io.artifacts import read_json, read_parquet, write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop

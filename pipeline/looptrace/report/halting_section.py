@@ -11,7 +11,7 @@ import math
 import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
-from looptrace.intervals import Interval, across_seeds, fmt_ci
+from looptrace.estimates import Interval, across_seeds, fmt_ci
 
 
 def collapse_text(row: dict, collapse_tol: float) -> str:

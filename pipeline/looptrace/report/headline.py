@@ -11,7 +11,7 @@ import polars as pl
 
 from looptrace.diagnose.stats import dx_best, with_val_columns
 from looptrace.diagnose.verdicts import native_filter, native_rule
-from looptrace.intervals import Interval, across_seeds, from_row
+from looptrace.estimates import Interval, across_seeds, from_row
 from looptrace.project import split_seed
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.rules.scoring import best_chosen
@@ -146,7 +146,7 @@ def figure_bounds(kind: str, n_loops: float) -> tuple[float, float] | None:
 def group_headline(head: pl.DataFrame, inp: Inputs, level: float = 0.95) -> pl.DataFrame:
     """One row per task × regime (the models that differ only by training seed): every headline figure as the
     across-seed mean with its Student-t 95 % interval on the logit scale of the figure's range (accuracy
-    [0, 1], depths [1, T]: :func:`looptrace.intervals.across_seeds`, :func:`figure_bounds`; one seed: that
+    [0, 1], depths [1, T]: :func:`looptrace.estimates.across_seeds`, :func:`figure_bounds`; one seed: that
     model's bootstrap interval), the seed count, the rules chosen per seed, and diagnose's group verdict
     (``verdict_groups.parquet``) when present.
 

@@ -3,7 +3,7 @@
 fixed-point exit against the sample's Pareto front, the intervention windows — and one figure by loop: the local
 contraction ρ_t, the finite-time Lyapunov exponent λ_t ([LY], SPEC §2b) and the decay of a noise intervention
 with its linearised prediction ‖J^j δ‖/‖δ‖, per task × regime (mean over seeds with the across-seed 95 % band,
-the report's one protocol: :func:`looptrace.report.figures.seed_band`).
+the report's one protocol: :func:`looptrace.report.plotting.seed_band`).
 
 Every number is read from the stage's tables; nothing is recomputed here.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from looptrace.intervals import fmt_ci
+from looptrace.estimates import fmt_ci
 from looptrace.io.artifacts import read_parquet
 
 #: the loopmap stage's tables the report reads (artifacts/loopmap/<model>/<name>.parquet)

@@ -27,7 +27,8 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import Check, ConfigError, InputError, Percent
-from looptrace.intervals import Interval, Resampler, dx_samples, percentile_interval
+from looptrace.estimates import Interval
+from looptrace.intervals import Resampler, dx_samples, percentile_interval
 from looptrace.io.tables import SplitArrays
 from looptrace.signals import firing
 
