@@ -16,7 +16,7 @@ import yaml
 from looptrace.config import ConfigError, from_dict
 from looptrace.io.tables import SplitArrays
 from looptrace.rules import ExitRule, exit_rule, get_rule
-from looptrace.rules.builtin import ALL_RULES
+from looptrace.rules.builtin import ALL_RULES, CONFIDENCE_RULES
 from looptrace.rules.readouts import ReadoutsConfig, evaluate_model_rules
 from looptrace.rules.scoring import CalibrationConfig
 from tests import user_rules
@@ -350,9 +350,11 @@ def test_decorator_refuses_bad_declarations():
 
 
 def test_builtins_are_registered_in_output_order():
-    assert ALL_RULES == ("fixed", "entropy", "top1", "margin", "kl_prev", "kl_prev_rev", "logit_change",
-                         "hidden_change", "rel_step", "state_cosine", "accel_two_hit", "argmax_stable", "q_exit",
-                         "oracle")
+    # output order: fixed depth first, then the post-hoc rules ([AD]'s confidence readouts leading), the native
+    # exits, the oracle last (ceiling, not a rule)
+    kinds = [get_rule(r).kind for r in ALL_RULES]
+    assert kinds == sorted(kinds, key=("fixed", "posthoc", "native", "oracle").index), kinds
+    assert ALL_RULES[0] == "fixed" and ALL_RULES[-1] == "oracle" and ALL_RULES[1:4] == CONFIDENCE_RULES
     spec = {r: (get_rule(r).signals, get_rule(r).op, get_rule(r).min_loop, get_rule(r).two_hit, get_rule(r).kind)
             for r in ALL_RULES}
     assert spec["top1"] == (("max_prob",), "ge", 1, False, "posthoc")
