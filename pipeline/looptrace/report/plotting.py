@@ -110,7 +110,7 @@ def legend_below(fig, handles: dict[str, object], ncol: int = 4) -> None:
 def seed_band(values: np.ndarray, bounds: tuple[float, float] | None = None, log: bool = False
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean over seeds with the across-seed 95 % interval, per column (the report's one protocol,
-    :func:`looptrace.intervals.across_seeds`: Student-t, on the logit scale of ``bounds`` when given).
+    :func:`looptrace.estimates.across_seeds`: Student-t, on the logit scale of ``bounds`` when given).
 
     Args:
         values: [seed, point] float (NaN = absent in that seed).
