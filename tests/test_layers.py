@@ -10,8 +10,8 @@ from looptrace.capture.layers import layer_states
 from looptrace.config import ConfigError
 from looptrace.diagnose.layer_geometry import layer_geometry, layer_metrics
 from looptrace.io.store.location import memory_store
-from looptrace.models.invariant import BatchInvariant
 from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.models.invariant import BatchInvariant
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.tasks import IGNORE
 from tests.builders import tiny_adapter_and_data

@@ -108,6 +108,9 @@ REGISTRY: tuple[Signal, ...] = (
     # engine computes no Jacobian, so only an offline rule (online=None) reads it
     Signal("contraction", "jacobian", 1, True, "§2", online=False, offline_why=_JVP, feature=False,
            no_feature_why=_OPT_IN, opt_in="dump.contraction"),
+    # its upper bound ρ̄_t (NaN beyond dump.contraction.exact_width): what the certified exit reads
+    Signal("contraction_bound", "jacobian", 1, True, "§2", online=False, offline_why=_JVP, feature=False,
+           no_feature_why=_OPT_IN, opt_in="dump.contraction"),
 )
 
 #: name -> :class:`Signal` (the one registry mechanism, :class:`looptrace.registry.Registry`; an unknown name raises
