@@ -122,10 +122,10 @@ def test_repository_params_and_profiles_are_valid():
     # The shipped params (alone and with each profile layered) load through every stage's section.
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig
-    from looptrace.capture.loopmap import LoopmapConfig
     from looptrace.diagnose.config import DiagnoseConfig
     from looptrace.geometry.stage import GeometryConfig
     from looptrace.intervals import IntervalsConfig
+    from looptrace.loopmap.config import LoopmapConfig
     from looptrace.online.generate import GenerateConfig
     from looptrace.online.latency import LatencyConfig
     from looptrace.report import ReportConfig

@@ -193,7 +193,7 @@ def test_loop_step_and_layers_are_the_real_models_own(name):
     """The adapters' differentiable loop step, iterated from h_0, reproduces the states bit for bit; its per-layer
     outputs are the layer outputs hooked in the real model's own forward; ρ (power method through the step) equals
     the exact diagonal-block singular value of the reverse-mode Jacobian (float64)."""
-    from looptrace.capture.contraction import ContractionConfig, contraction_stats
+    from looptrace.loopmap.contraction import ContractionConfig, contraction_stats
 
     path = _dir(name)
     a = load_adapter(AdapterConfig(kind=name, path=str(path), trust_remote_code=True))

@@ -47,7 +47,7 @@ def test_store_schema_agrees():
     assert store.STAT_NAMES == select("logits", stored=True)
     stored = select(stored=True)
     # every per-(token, loop) array of the store is a registered stored signal, but the opt-in loop-map statistics
-    # (dump.contraction, SPEC §2b) that only looptrace.diagnose.loopmap reads (ftle, ftle_share); ρ_t
+    # (dump.contraction, SPEC §2b) that only looptrace.loopmap.diagnoses reads (ftle, ftle_share); ρ_t
     # (``contraction``) is a registered opt-in signal (the certified_fixed_point rule reads it)
     per_loop = {k for k, d in store.DIMS.items() if d == ("token", "loop")}
     assert per_loop - (set(store.CONTRACTION_NAMES) - set(names.OPT_IN)) == set(stored)

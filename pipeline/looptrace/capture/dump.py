@@ -43,7 +43,6 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from looptrace.capture import contraction as _contraction
 from looptrace.capture import layers as _layers
 from looptrace.capture.chunks import (
     NONFINITE,
@@ -54,7 +53,6 @@ from looptrace.capture.chunks import (
     reuse_freed_memory,
     writer_threads,
 )
-from looptrace.capture.contraction import ContractionConfig
 from looptrace.capture.encode import encode_states_counted
 from looptrace.capture.prefix_overlap import (
     check_prefix_overlap,
@@ -79,6 +77,8 @@ from looptrace.io.store.location import (
 from looptrace.io.store.reader import TrajectoryStore, open_store
 from looptrace.io.store.schema import DIMS, DTYPES, HIDDEN_DTYPES, STAT_NAMES, StoreError
 from looptrace.io.store.writer import ArraySpec, StoreWriter
+from looptrace.loopmap import contraction as _contraction
+from looptrace.loopmap.contraction import ContractionConfig
 from looptrace.models.adapters.loading import AdapterConfig
 from looptrace.models.interface import LoopedModelAdapter
 from looptrace.project import versions
@@ -116,7 +116,7 @@ class DumpConfig:
             false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
             store's ``prefix_overlap`` attribute either way.
         contraction: also store the loop map's local contraction and FTLE per (token, loop) (SPEC §2b,
-            :mod:`looptrace.capture.contraction`; JVPs through the model's loop step, 25–100× the cost of a plain
+            :mod:`looptrace.loopmap.contraction`; JVPs through the model's loop step, 25–100× the cost of a plain
             dump on the toy models: docs/dump.md); null (default) = off.
         layers: also store the outputs of these layers of the looped block at every loop, ``layer_hidden``
             [token, loop, layer, d_model] in the states' dtype (:mod:`looptrace.capture.layers`; its size is

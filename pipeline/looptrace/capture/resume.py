@@ -52,7 +52,7 @@ def _data_hash(data: TaskBatch) -> str:
 VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.chunks", "looptrace.capture.encode",
                  "looptrace.signals.logits", "looptrace.signals.names", "looptrace.io.precision",
                  "looptrace.io.store.schema", "looptrace.io.store.writer", "looptrace.io.store.chunk_io",
-                 "looptrace.models.interface", "looptrace.models.looped", "looptrace.capture.contraction",
+                 "looptrace.models.interface", "looptrace.models.looped", "looptrace.loopmap.contraction",
                  "looptrace.capture.layers")
 
 

@@ -59,4 +59,4 @@ The package, statistics apart from prose: ``config`` (``DiagnoseConfig``), ``sta
 """
 
 # The stage's code is in looptrace/diagnose/stage.py (as looptrace/gates/stage.py): importing one of this package's
-# modules (the loopmap stage reads diagnose/loopmap.py) then loads that module, not the whole diagnose stage.
+# modules (the loopmap stage reads loopmap/diagnoses.py) then loads that module, not the whole diagnose stage.

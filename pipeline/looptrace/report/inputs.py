@@ -69,7 +69,7 @@ class Inputs:
         generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
         halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``), collapse_tol: the
             diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
-        loopmap: the loopmap stage's tables (:data:`looptrace.report.loopmap_section.TABLES`), table -> rows.
+        loopmap: the loopmap stage's tables (:data:`looptrace.loopmap.tabulate.TABLES`), table -> rows.
         missing: input -> what to run.
     """
 

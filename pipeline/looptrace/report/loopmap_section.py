@@ -17,12 +17,9 @@ import polars as pl
 
 from looptrace.estimates import fmt_ci
 from looptrace.io.artifacts import read_parquet
-
-#: the loopmap stage's tables the report reads (artifacts/loopmap/<model>/<name>.parquet)
-TABLES = ("regime", "per_loop", "windows", "window_length", "frontier")
-#: the fixed-point rule's names in the stage's frontier table: certified (an upper bound of the Jacobian norm) or,
-#: for a model wider than loopmap.exact_width, estimated (the power-method ρ_t, a lower bound)
-CERTIFIED, ESTIMATED = "certified_fixed_point", "estimated_fixed_point"
+from looptrace.loopmap.tabulate import CERTIFIED_RULE as CERTIFIED
+from looptrace.loopmap.tabulate import ESTIMATED_RULE as ESTIMATED
+from looptrace.loopmap.tabulate import TABLES
 
 INTRO = ("The loop map h_t = f(h_{t−1}) of every model on a fixed sample of test sequences (the loopmap stage, "
          "docs/loopmap.md): its regime from the finite-time Lyapunov exponent λ_T (median over sequences, 95 % "
@@ -127,5 +124,5 @@ def decay_values(lm: dict[str, pl.DataFrame], models: list[str], measure: str, T
     return out, f"noise of relative scale {scale:g} at loop k = {k}"
 
 
-__all__ = ["COLUMNS", "INTRO", "TABLES", "decay_values", "load_loopmap", "loopmap_rows",
+__all__ = ["COLUMNS", "INTRO", "decay_values", "load_loopmap", "loopmap_rows",
            "per_loop_values"]

@@ -10,13 +10,12 @@ from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, t
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.halting_findings import findings_markdown, halting_findings, model_figures
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
-from looptrace.diagnose.loopmap_artifacts import loopmap_artifacts
-from looptrace.diagnose.loopmap_models import loopmap_models
 from looptrace.diagnose.stage import diagnose_models, write_diagnosis
 from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
+from looptrace.loopmap.diagnose_rows import loopmap_artifacts, loopmap_models
 from looptrace.project import model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.stages import register_stage
