@@ -287,6 +287,22 @@ def test_value_modules_of_the_dump_are_its_deps():
     assert {rel(module_file(m)) for m in VALUE_MODULES} <= have
 
 
+def test_train_modules_are_the_train_stages_value_code():
+    """The train fingerprint hashes the source of TRAIN_MODULES (a finished model dir of the same fingerprint is
+    kept, not retrained): each is a dep of the train stage, and every task, regime, model and halting module the
+    stage imports is one of them."""
+    from looptrace.models.train import TRAIN_MODULES
+
+    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train"]
+    have = code_deps(REPO / "dvc.yaml", stage)
+    listed = {rel(module_file(m)) for m in TRAIN_MODULES}
+    assert listed <= have
+    value_code = {d for d in have if d.startswith(("pipeline/looptrace/tasks/", "pipeline/looptrace/signals/halting"))
+                  or d in ("pipeline/looptrace/models/looped.py", "pipeline/looptrace/models/regimes.py",
+                           "pipeline/looptrace/models/train.py")}
+    assert value_code <= listed, sorted(value_code - listed)
+
+
 @pytest.mark.parametrize("stage", TORCH_FREE_IMPORT)
 def test_stage_import_loads_no_torch_and_only_its_closure(stage):
     script = REPO / "stages" / f"{stage}.py"
