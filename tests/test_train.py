@@ -91,6 +91,13 @@ def test_cli_train_and_errors(tmp_path, repo_root):
     assert (tmp_path / "out" / "rp-u" / "model.pt").is_file()
     res = runner.invoke(app, ["train", "--task", "nope", "--regime", "u", "--params", str(params)])
     assert res.exit_code == 2 and "task 'nope' is not defined" in res.output
+    res = runner.invoke(app, ["train", "--task", "rp", "--params", str(params)])
+    assert res.exit_code == 2 and "give --task and --regime" in res.output and len(res.output.strip().splitlines()) == 1
+    # no --task/--regime: every model of the matrix (here train.tasks x train.regimes, no seed axis: rp-u), which the
+    # run above already trained with these params: kept as it is
+    params.write_text(params.read_text().replace("train:\n", "train:\n  tasks: [rp]\n  regimes: [u]\n"))
+    res = runner.invoke(app, ["train", "--params", str(params), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0 and res.output.startswith("rp-u: up to date (budget at step 4, val accuracy per loop")
     params.write_text("train:\n  stepz: 3\n")
     res = runner.invoke(app, ["train", "--task", "rp", "--regime", "u", "--params", str(params)])
     assert res.exit_code == 2 and "unknown key 'stepz' in params section 'train'" in res.output

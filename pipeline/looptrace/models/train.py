@@ -105,11 +105,11 @@ class StopConfig:
     ``train.data_seeds.val``) after every ``every`` optimiser steps, and training stops after the first evaluation
     that completes ``patience`` consecutive evaluations whose full-depth (loop T) accuracy is ≥ ``target``, or at the
     step cap (:meth:`cap`), whichever comes first. Past the schedule's ``steps`` the learning rate stays at
-    ``min_lr`` for ``hold × steps`` steps (a model that nearly holds the target gets there), then the schedule starts again
-    (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle), and so on.
-    The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a step are
-    the same whatever the criterion: it only decides where the run ends, and the same evaluations on every machine
-    decide it. Without a ``target`` the run trains exactly ``steps`` (a fixed budget). Never wall time.
+    ``min_lr`` for ``hold × steps`` steps (a model that nearly holds the target gets there), then the schedule
+    starts again (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle),
+    and so on. The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a
+    step are the same whatever the criterion: it only decides where the run ends, by the same rule at the same steps
+    on every machine. Without a ``target`` the run trains exactly ``steps`` (a fixed budget). Never wall time.
 
     Attributes:
         target: full-depth val accuracy (fraction) a model must hold; null = a fixed budget of ``steps``.
@@ -340,8 +340,9 @@ def staging_dir(out_dir: Path | str) -> Path:
 #: Modules whose code decides a trained model (weights and recorded metrics). Their source is part of a run's
 #: fingerprint: DVC re-runs the stage when one of them changes, and a model directory holding a run of the earlier
 #: code must then be trained again, not kept as up to date; a resume likewise never mixes two versions of the code.
-TRAIN_MODULES = ("looptrace.models.train", "looptrace.models.looped", "looptrace.models.regimes",
-                 "looptrace.signals.halting_torch", "looptrace.tasks", "looptrace.tasks.base", "looptrace.tasks.mano",
+TRAIN_MODULES = ("looptrace.models.train", "looptrace.models.looped", "looptrace.models.invariant",
+                 "looptrace.models.regimes", "looptrace.signals.halting", "looptrace.signals.halting_torch",
+                 "looptrace.tasks", "looptrace.tasks.base", "looptrace.tasks.mano",
                  "looptrace.tasks.parity", "looptrace.tasks.running")
 
 
@@ -620,8 +621,8 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         "val_acc_by_difficulty": ev["acc_by_difficulty"],
         "history": history,
     }
-    if show is not None:
-        show(done, cap, f"{reason} at step {done}, val {acc[-1]:.4f}")
+    if show is not None:  # the run's length is known now: its line ends full
+        show(done, done, f"{reason} at step {done}, val {acc[-1]:.4f}")
     # Wall-clock figures go to metrics.json only: model.pt's sha256 is the checkpoint hash every store records, so
     # identical weights retrained must write identical bytes (the fingerprint, which hashes the code, likewise).
     timeless = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
@@ -677,12 +678,21 @@ class _Lines:
     def __init__(self, names: list[str], totals: list[int], enabled: bool) -> None:
         self.bars = [tqdm(total=t, desc=f"train {n}", position=i, leave=True, disable=None if enabled else True)
                      for i, (n, t) in enumerate(zip(names, totals, strict=True))]
+        self.started: set[int] = set()
+        self.closed: set[int] = set()
 
     def reporter(self, i: int) -> Reporter:
         return lambda done, total, text: self.update(i, done, total, text)
 
     def update(self, i: int, done: int, total: int, text: str) -> None:
         bar = self.bars[i]
+        if i in self.closed:
+            return
+        if i not in self.started:  # its clock starts with its model's training, not with the pool
+            self.started.add(i)
+            bar.reset(total=total)
+        if total != bar.total:
+            bar.total = total
         bar.update(done - bar.n)
         bar.set_postfix_str(text)
 
@@ -692,6 +702,15 @@ class _Lines:
                 self.update(*queue.get_nowait())
             except queue_mod.Empty:
                 return
+
+    def finish(self, i: int, metrics: dict) -> None:
+        """Model ``i`` is done: its line shows how it ended and stops its clock (closed, kept on screen); a report
+        still on its way from the worker is dropped."""
+        st = metrics.get("stop") or {}
+        self.update(i, metrics["steps"], metrics["steps"],
+                    f"{st.get('reason', 'budget')} at step {metrics['steps']}, val {metrics['val_acc_last_loop']:.4f}")
+        self.bars[i].close()
+        self.closed.add(i)
 
     def close(self) -> None:
         for bar in reversed(self.bars):
@@ -745,8 +764,9 @@ def train_models(base: BaseConfig, cfg: TrainConfig, models: list[tuple[str, str
     caps = [cfg.stop.cap(cfg.steps_for(models[i][0])) for i in todo]
     lines = _Lines([outs[i].name for i in todo], caps, progress)
 
-    def finished(i: int, metrics: dict) -> None:
-        results[i] = metrics
+    def finished(k: int, metrics: dict) -> None:
+        results[todo[k]] = metrics
+        lines.finish(k, metrics)
         if echo is not None:
             with tqdm.external_write_mode():
                 echo(summary_line(metrics))
@@ -756,7 +776,7 @@ def train_models(base: BaseConfig, cfg: TrainConfig, models: list[tuple[str, str
         if n == 1:
             for k, i in enumerate(todo):
                 t, r, s = models[i]
-                finished(i, train_model(lean, cfg, t, r, outs[i], progress=lines.reporter(k), seed=s, threads=threads))
+                finished(k, train_model(lean, cfg, t, r, outs[i], progress=lines.reporter(k), seed=s, threads=threads))
         elif todo:
             # spawn: a fresh interpreter per worker (forking a process whose OpenMP pool is running can deadlock).
             # A worker trains one model after another, as the serial path does in this process: a run seeds and
@@ -765,7 +785,7 @@ def train_models(base: BaseConfig, cfg: TrainConfig, models: list[tuple[str, str
             queue = ctx.Queue()
             with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init,
                                      initargs=(queue, CURRENT_STAGE.get())) as pool:
-                futures = {pool.submit(_train_job, (k, lean, cfg, *models[i][:2], outs[i], models[i][2], threads)): i
+                futures = {pool.submit(_train_job, (k, lean, cfg, *models[i][:2], outs[i], models[i][2], threads)): k
                            for k, i in enumerate(todo)}
                 pending = set(futures)
                 try:
