@@ -93,9 +93,9 @@ def main() -> int:
             setattr(args, k, v)
     torch.set_num_threads(args.threads)
 
-    from looptrace.capture.contraction import ContractionConfig
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.io.store.location import memory_store
+    from looptrace.loopmap.contraction import ContractionConfig
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
     from looptrace.tasks import TaskBatch

@@ -1,4 +1,4 @@
-"""Benchmark of ``dump.contraction`` and ``dump.layers`` through an HF adapter's loop step (issue 27): the cost ratio
+"""Benchmark of ``dump.contraction`` and ``dump.layers`` through an HF adapter's loop step: the cost ratio
 to a plain dump of the same adapter, measured in the same run.
 
 The model is one of the adapter tests' tiny checkpoints (tests/hf_helpers.py: the Huginn / Ouro stand-ins of the
@@ -62,9 +62,9 @@ def main() -> int:
             setattr(args, k, v)
     torch.set_num_threads(args.threads)
 
-    from looptrace.capture.contraction import ContractionConfig
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.io.store.location import memory_store
+    from looptrace.loopmap.contraction import ContractionConfig
     from looptrace.tasks import TaskBatch
 
     tmp = Path(tempfile.mkdtemp(prefix="looptrace-bench-contraction-hf-"))

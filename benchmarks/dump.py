@@ -17,7 +17,7 @@ of each comes first (warm-up: the first dump of a process is ~25 % slower than t
 3. naive: the model's forward with per-loop readouts, then ``np.save`` of ``hidden``, ``hidden_init``
    and ``logits`` as float32, one set of files per batch, in the main thread (no statistics).
 
-All three run after ``looptrace.capture.dump.reuse_freed_memory()`` (the allocator setting the dump applies to its
+All three run after ``looptrace.capture.chunks.reuse_freed_memory()`` (the allocator setting the dump applies to its
 process), so the baselines get the same allocator as the dump.
 
 Reported: wall(dump) / wall(bare), wall(dump) / wall(naive), bytes on disk of the store / bytes of the
@@ -27,7 +27,7 @@ by bare/naive — on a CPU, where the forward dominates, the ≤ 0.7 target is o
 
 Then a per-part breakdown of one more, instrumented dump (each part's wall in seconds and over the median bare
 forward): forward, readouts, statistics, cast + checks, the rest of the capture, chunk assembly, encoding between batches
-(when the forward pass has every core: ``looptrace.capture.dump.encode_pool``), time blocked on the writer's queue,
+(when the forward pass has every core: ``looptrace.capture.chunks.encode_pool``), time blocked on the writer's queue,
 setup (fingerprint, layout, claims), drain + finish, and the background writer's own CPU and wall.
 
     python benchmarks/dump.py [--sequences 256] [--seq-len 64] [--d-model 512] [--loops 8] [--threads 2] [--reps 5]
@@ -67,6 +67,7 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
     """Where one dump's wall time goes: the dump's functions wrapped with timers (main thread: wall; the
     background writer: its own thread's CPU and wall), then one untimed-elsewhere dump. Returns
     part -> (seconds, what it is)."""
+    import looptrace.capture.chunks as C
     import looptrace.capture.dump as D
     from looptrace.io.store.writer import StoreWriter
 
@@ -107,7 +108,7 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
                 acc["stats"] += time.perf_counter() - t0
 
     saved = {"_capture": D._capture, "encode_states_counted": D.encode_states_counted, "LoopStats": D.LoopStats}
-    real_write, real_add, real_put = StoreWriter.write_chunk, D._ChunkAssembler.add, D._BackgroundWriter.put
+    real_write, real_add, real_put = StoreWriter.write_chunk, C.ChunkAssembler.add, C.BackgroundWriter.put
     real_prepare = StoreWriter.prepare_chunk
     main = threading.main_thread()
 
@@ -122,8 +123,8 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
         D.LoopStats = TimedStats
         adapter.states = timed(real_states, "forward")
         adapter.readout = timed(real_readout, "readout")
-        D._ChunkAssembler.add = timed(real_add, "assemble")  # type: ignore[method-assign]
-        D._BackgroundWriter.put = timed(real_put, "queue wait")  # type: ignore[method-assign]
+        C.ChunkAssembler.add = timed(real_add, "assemble")  # type: ignore[method-assign]
+        C.BackgroundWriter.put = timed(real_put, "queue wait")  # type: ignore[method-assign]
         StoreWriter.write_chunk = writer_chunk  # type: ignore[method-assign]
         StoreWriter.prepare_chunk = prepare  # type: ignore[method-assign]
         shutil.rmtree(tmp / "val.zarr", ignore_errors=True)
@@ -135,7 +136,7 @@ def breakdown(adapter, dump: Callable[[], None], tmp: Path) -> dict[str, tuple[f
         for k, v in saved.items():
             setattr(D, k, v)
         del adapter.states, adapter.readout  # the instance attributes: back to the class's methods
-        StoreWriter.write_chunk, D._ChunkAssembler.add, D._BackgroundWriter.put = real_write, real_add, real_put
+        StoreWriter.write_chunk, C.ChunkAssembler.add, C.BackgroundWriter.put = real_write, real_add, real_put
         StoreWriter.prepare_chunk = real_prepare  # type: ignore[method-assign]
     inner = acc["forward"] + acc["readout"] + acc["stats"] + acc["cast"]
     return {
@@ -179,7 +180,8 @@ def main() -> int:
     if args.smoke:
         vars(args).update(SMOKE)
 
-    from looptrace.capture.dump import DumpConfig, bare_forward, dump_split, reuse_freed_memory
+    from looptrace.capture.chunks import reuse_freed_memory
+    from looptrace.capture.dump import DumpConfig, bare_forward, dump_split
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
     from looptrace.tasks import TaskBatch

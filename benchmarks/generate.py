@@ -1,5 +1,5 @@
 """Generation-time early exit on a wide random-init looped model: realised vs ideal speedup at batch 1, and where
-the gap goes (issue 14; docs/generate.md).
+the gap goes (docs/generate.md).
 
 A looptrace :class:`~looptrace.models.looped.LoopedTransformer` of LM-like width (default d_model 1024, 16 heads,
 a looped block of 8 layers run T = 8 times, one prelude layer, vocab 32000; random init, seeded) decodes
@@ -58,8 +58,8 @@ from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.device_rules import device_rule
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens
+from looptrace.online.live_signals import LiveSignals
 from looptrace.online.lookahead import decode_tokens_lookahead
-from looptrace.online.signals import LiveSignals
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 
@@ -284,7 +284,7 @@ def main() -> None:
     # paired timing
     twall0, tcpu0 = time.perf_counter(), time.process_time()
     times: dict[str | None, list[float]] = {None: [], **{n: [] for n in rules}}
-    la_times: dict[str, list[float]] = {n: [] for n in rules}  # the same rule, lookahead path (issue 28 item 2)
+    la_times: dict[str, list[float]] = {n: [] for n in rules}  # the same rule, lookahead path
     # ... and the lookahead path with the rule on the host (signals in numpy, a host read per loop: the path before
     # online/device_rules.py), for the rules that have a device form
     dev_rules = [n for n in rules if device_rule(factories[n]()) is not None] if args.lookahead else []

@@ -77,7 +77,7 @@ def build_store(path: Path, n_tokens: int, d_model: int, loops: int, vocab: int,
 
 def child(mode: str, store: Path, out: Path) -> None:
     """Run ``geometry_model`` once and print {"seconds", "cpu_seconds", "max_rss_mb"} as JSON."""
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.io.store.reader import open_store
 
     st = open_store(store)

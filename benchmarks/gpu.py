@@ -1,5 +1,5 @@
 """One prepared command for an accelerator: the dump and early-exit generation at Ouro-1.4B shape, each as a ratio
-against the bare model measured in the same run (issue 28; docs/dump.md, docs/generate.md).
+against the bare model measured in the same run (docs/dump.md, docs/generate.md).
 
 On one CUDA device (``--timeout`` seconds of wall in all, default 360) it builds two random-init models at the
 shape of Ouro-1.4B in bfloat16 — d_model 2048, 16 heads, a block of 24 layers looped T = 4 times, vocab 49,152:
@@ -207,7 +207,7 @@ def dump_section(adapter, args, shape: dict, out: Path, clock: Clock, left: Call
     bares = [w for n, w, _ in seq if n == "bare"]
     peak = {n: max(p for m, _, p in seq if m == n) for n in ("bare", "dump")}
     t_plain = plain_write(out / "plain.bin", size)
-    from looptrace.capture.dump import weights_hash
+    from looptrace.capture.resume import weights_hash
 
     t0 = time.perf_counter()
     weights_hash(adapter)  # part of every dump_split call's fingerprint (a checkpoint file hash: at load)
@@ -305,7 +305,7 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float],
                         np.concatenate([r.tokens for r in out]))
 
             clock(lambda: run(None))  # warm-up
-            # the lookahead path too (issue 28 item 2), where the policy allows it (Ouro's native runs every loop)
+            # the lookahead path too, where the policy allows it (Ouro's native runs every loop)
             la_ok = policy != "native" or dec.native == "compact"
             # '+la': the lookahead path with the rule decided on the device where it can be (the default); '+la/h':
             # the same with the rule on the host (numpy signals, a host read per loop), for the rules with a device form
@@ -345,7 +345,7 @@ def gen_section(model, args, clock: Clock, left: Callable[[], float],
                              "agree": float((tok == full_tok).mean())})
             if breakdowns is None or B != 1 or policy != "share":
                 continue
-            # per-phase cost (issue 28 item 2): block, head (readout), rule, KV policy, python; each timed call
+            # per-phase cost: block, head (readout), rule, KV policy, python; each timed call
             # between two synchronisations on a device (its own cost: the overlap is in the table above)
             sync = torch.cuda.synchronize if dev.type == "cuda" else None
             for r in rules:

@@ -12,7 +12,7 @@ For each model of ``--model`` (a row of :data:`SHAPES`):
    JSONL corpus tokenised by the checkpoint's tokenizer): the LM profile (params.yaml + profiles/lm/params.yaml,
    merged into one file with this run's paths and sizes) run stage by stage:
 
-   - **dump**: what the dump entry runs (``load_adapter`` then :func:`looptrace.capture.dump.dump_text_model`),
+   - **dump**: what the dump entry runs (``load_adapter`` then :func:`looptrace.capture.dump_text.dump_text_model`),
      the load timed apart; at the largest size also the **bare forward** over the same batches
      (:func:`looptrace.capture.dump.bare_forward`: states + every loop's readout, nothing kept) — dump / bare is the
      capture's cost. The store's bytes on disk per token·loop against raw bfloat16 states (2·d bytes).
@@ -295,7 +295,8 @@ def dump_child(spec: dict) -> dict:
     bare forward over the same batches when ``spec['bare']``."""
     import torch
 
-    from looptrace.capture.dump import DumpConfig, bare_forward, dump_text_model
+    from looptrace.capture.dump import DumpConfig, bare_forward
+    from looptrace.capture.dump_text import dump_text_model
     from looptrace.config import load_base, load_section
     from looptrace.models.adapters.loading import load_adapter
     from looptrace.tasks.text import text_dataset

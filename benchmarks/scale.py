@@ -1,4 +1,4 @@
-"""Benchmark of scale-out (issue 13). Parts are separate functions and flags:
+"""Benchmark of scale-out. Parts are separate functions and flags:
 
 (a) ``--part a``: a sharded dump by 2 cooperating processes (``shard=(0, 2)`` and ``(1, 2)``, one torch thread
     each) vs a 1-process dump of the same store (``--threads`` torch threads, default 2) — the **named
@@ -205,10 +205,10 @@ def analysis_child(spec: dict) -> None:
     import resource
 
     from looptrace.config import DaskConfig
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.io.parallel import dask_runner
     from looptrace.io.store.reader import open_store
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     def usage() -> tuple[float, float]:
@@ -248,7 +248,7 @@ def analysis_child(spec: dict) -> None:
 
 def _warm_up() -> None:
     import looptrace.geometry
-    import looptrace.rules.evaluate  # noqa: F401
+    import looptrace.rules.readouts  # noqa: F401
 
 
 def _analysis_run(store_dir: Path, out: Path, workers: int) -> dict:

@@ -1,4 +1,4 @@
-"""Benchmark of verified reads (issue 24): what checking a table costs when a stage reads it.
+"""Benchmark of verified reads: what checking a table costs when a stage reads it.
 
 A synthetic ``token_loop.parquet`` (the geometry stage's columns, written as the stage writes it: page checksums on,
 and the directory's ``manifest.json``) is read the way the readouts stage reads it, two ways, alternating
@@ -6,7 +6,7 @@ and the directory's ``manifest.json``) is read the way the readouts stage reads 
 
 1. verified: what :func:`looptrace.io.tables.load_token_loop` does now — :func:`looptrace.io.parquet.verify_parquet`
    (the manifest's sha256 of the file) and then the read (polars ``scan_parquet``, filter, sort);
-2. unverified: the read alone (the read path before issue 24): ``ratio`` = verified / unverified;
+2. unverified: the read alone (the read path without verification): ``ratio`` = verified / unverified;
 3. verified_pages: as 1. with the manifest moved away (a directory DVC restored file by file), so the check is a
    pyarrow decode with ``page_checksum_verification=True``: ``ratio_pages``, for reference.
 
@@ -64,7 +64,7 @@ def main() -> int:
         cols = ["split", "token", "difficulty", "token_type", "target", "loop", "correct", "argmax", "target_logprob",
                 "entropy"]
 
-        def read() -> pl.DataFrame:  # the read itself (polars, as before issue 24)
+        def read() -> pl.DataFrame:  # the read itself (polars, unverified)
             return (pl.scan_parquet(path).filter(pl.col("split").is_in(["val", "test"])).select(cols)
                     .sort("split", "token", "loop").collect())
 

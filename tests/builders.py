@@ -312,7 +312,7 @@ def token_loop_splits(n: int = 400, T: int = 4, seed: int = 0, gate: bool = Fals
 
 def write_token_loop(path: Path, splits: Mapping[str, Mapping[str, Any]], shuffle_seed: int | None = 1) -> Path:
     """Write ``token_loop.parquet`` with exactly the geometry stage's columns (row order shuffled)."""
-    from looptrace.geometry import TOKEN_LOOP_COLUMNS
+    from looptrace.geometry.stage import TOKEN_LOOP_COLUMNS
 
     frames = []
     for split, cols in splits.items():
@@ -347,9 +347,9 @@ def tiny_artifacts(root: Path | str, name: str = "rs-tiny", rules: Sequence[str]
     import torch
 
     from looptrace.capture.dump import DumpConfig, dump_model
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.models.interface import LoopedTransformerAdapter
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""The HF adapters' loop step and loop-block layers (issue 27 items 1, 3, 4) on tiny random-weight checkpoints.
+"""The HF adapters' loop step and loop-block layers on tiny random-weight checkpoints.
 
 Huginn and Ouro run the stand-ins of their published code (tests/hf_helpers.py; the same checks against the real
 code: tests/test_real_code.py), Dory and retrofit (Llama) transformers' own classes. Independent references:
@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.capture.contraction import ContractionConfig, _start_vectors, check_adapter, contraction_stats
-from looptrace.capture.interventions import InterventionConfig, adapter_intervention
 from looptrace.capture.layers import layer_states
 from looptrace.config import ConfigError
+from looptrace.loopmap.config import InterventionConfig
+from looptrace.loopmap.contraction import ContractionConfig, _start_vectors, check_adapter, contraction_stats
+from looptrace.loopmap.interventions import adapter_intervention
 from looptrace.models.adapters.huginn import sequence_seed
 from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from tests import hf_helpers as H

@@ -1,4 +1,4 @@
-"""The bad-input table (issue 15): every bad input a user can give a stage gives one line naming the key or the
+"""The bad-input table: every bad input a user can give a stage gives one line naming the key or the
 file, and exit 2 — never a traceback.
 
 Each case runs the real CLI (``looptrace <stage> ...`` through typer's CliRunner) on the repository's params.yaml
@@ -372,14 +372,14 @@ CASES = [
     Case("rep-metrics", "report", "a truncated readouts `metrics.json`",
          ("readouts/m/metrics.json does not match its manifest.json", "re-run the readouts stage"),
          setup=_truncated_readouts_metrics),
-    # issue 24: nothing quiet
+    # nothing quiet
     Case("store-format", "geometry", "a store whose `zarr.json` declares `zarr_format: 2`",
          ("fit.zarr: 'zarr.json' field 'zarr_format' is 2, expected 3", "re-run `looptrace dump`"),
          setup=_zarr_format_2),
     Case("array-format", "gates", "an array whose `zarr.json` declares `zarr_format: 2`",
          ("fit.zarr: 'margin/zarr.json' field 'zarr_format' is 2, expected 3",),
          setup=lambda t: _zarr_format_2(t, "margin")),
-    # issue 24: every artifact verified on read
+    # every artifact verified on read
     Case("token-loop-page", "readouts", "64 bytes overwritten in a data page of `token_loop.parquet` (no manifest)",
          ("token_loop.parquet has a damaged data page", "re-run the geometry stage"), setup=_damaged_page_token_loop),
     Case("token-loop-manifest", "readouts", "64 bytes overwritten in `token_loop.parquet` beside its manifest",
@@ -388,7 +388,7 @@ CASES = [
     Case("lm-short-split", "dump", "an LM corpus that yields fewer test sequences than `dump.sequences` asks",
          ("corpus.jsonl': split 'test' gets", "of the 64 asked (dump.sequences)",
           "set dump.text.short_splits: warn"), _lm_short_override(), setup=_lm_checkpoint),
-    # issue 24: the environment's faults are the user's to fix
+    # the environment's faults are the user's to fix
     Case("dask-unparsable", "geometry", "`base.dask.scheduler: 'foo:bar:baz'` (does not parse)",
          ("Dask scheduler address 'foo:bar:baz'", "does not parse", "write it as tcp://host:8786"),
          "base: {dask: {scheduler: 'foo:bar:baz'}}", setup=_stores),
@@ -413,7 +413,7 @@ CASES = [
           "user_rules.py:", "raised IndexError", "shape (", "not in looptrace"),
          "readouts: {rules: [fixed, 'tests.user_rules:reads_a_loop_it_does_not_have']}",
          setup=lambda t: _token_loop(t)),
-    # issue 24: params that mean exactly what they say
+    # params that mean exactly what they say
     Case("dup-key", "readouts", "a key given twice (`calibration: {delta: 0.5, delta: 5}`)",
          ("key 'calibration.delta' is given twice (line 1 and line 1)", "keep one of them"),
          "calibration: {delta: 0.5, delta: 5}"),

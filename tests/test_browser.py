@@ -1,4 +1,4 @@
-"""Issue 25 item 5: the report page in a real browser (headless Chromium from the machine's package manager).
+"""The report page in a real browser (headless Chromium from the machine's package manager).
 
 A tiny report (hand-built artifacts: 2 tasks × 2 regimes × 2 seeds, tests/test_report.py's builders) is opened at
 1300 px: every figure must load, every interactive view must be drawn by Plotly, nothing may be wider than the
@@ -25,7 +25,7 @@ from tests.test_report import _model_outputs, _write
 
 pytestmark = pytest.mark.slow
 
-#: The window the page must fit (issue 25: a laptop at 1300 px).
+#: The window the page must fit (a laptop at 1300 px).
 WIDTH = 1300
 CHROMIUM = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
 

@@ -15,7 +15,7 @@ from looptrace.intervals import IntervalsConfig
 from looptrace.io.tables import load_token_loop
 from looptrace.rules import get_rule
 from looptrace.rules.calm import NEVER, calm_grid, consistency_risks, hb_pvalue, ltt_choice, softmax_response
-from looptrace.rules.evaluate import ReadoutsConfig, readouts_model, rule_columns
+from looptrace.rules.readouts import ReadoutsConfig, readouts_model, rule_columns
 from looptrace.rules.registry import loop_signals
 from looptrace.rules.scoring import CalibrationConfig, exit_depths
 from tests.builders import token_loop_splits, write_token_loop

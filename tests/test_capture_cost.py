@@ -1,6 +1,6 @@
-"""The capture's cheaper paths write the same bytes as the paths they replace (issue 28).
+"""The capture's cheaper paths write the same bytes as the paths they replace.
 
-- :class:`looptrace.io.store.writer._DirectChunk` encodes whole chunks with zarr's own compressor object and crc32c,
+- :class:`looptrace.io.store.chunk_io.DirectChunk` encodes whole chunks with zarr's own compressor object and crc32c,
   outside zarr's codec pipeline: every file of a store written that way equals the file zarr's pipeline writes
   (the alternative implementation is zarr itself, with the direct path switched off).
 - A dump's store is file-for-file the same with and without it.
@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from looptrace.io.store import chunk_io as CI
 from looptrace.io.store import writer as W
 from looptrace.io.store.writer import StoreWriter, write_store
 from tests.builders import random_store_arrays, tiny_model
@@ -50,7 +51,7 @@ def _tiny_dump(seed: int, n_seq: int, masked: bool = False):
 
 
 def _zarr_only(monkeypatch) -> None:
-    monkeypatch.setattr(W._DirectChunk, "of", classmethod(lambda cls, arr: None))
+    monkeypatch.setattr(CI.DirectChunk, "of", classmethod(lambda cls, arr: None))
 
 
 @pytest.mark.parametrize(("hidden_dtype", "topk", "n", "chunk"),
@@ -95,22 +96,23 @@ def test_dump_store_same_with_and_without_direct_chunks(tmp_path, monkeypatch):
 def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
     """Chunks encoded and written by 3 background threads at once (the accelerator setting) = the 1-thread store,
     file for file."""
+    import looptrace.capture.chunks as C
     import looptrace.capture.dump as D
     from looptrace.capture.dump import DumpConfig, dump_split
 
-    assert D.writer_threads(__import__("torch").device("cpu")) == 1
+    assert C.writer_threads(__import__("torch").device("cpu")) == 1
     ad, data = _tiny_dump(1, 12)
     cfg = DumpConfig(batch_size=2, chunk_tokens=5)
     dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
     seen = []
-    real = D._BackgroundWriter.__init__
+    real = C.BackgroundWriter.__init__
 
     def spy(self, *a, **k):
         real(self, *a, **k)
         seen.append(len(self.threads))
 
     monkeypatch.setattr(D, "writer_threads", lambda device: 3)
-    monkeypatch.setattr(D._BackgroundWriter, "__init__", spy)
+    monkeypatch.setattr(C.BackgroundWriter, "__init__", spy)
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     assert seen == [3]
     _assert_same_files(tmp_path / "a" / "val.zarr", tmp_path / "b" / "val.zarr")
@@ -119,13 +121,13 @@ def test_several_writer_threads_write_the_same_store(tmp_path, monkeypatch):
 def test_reused_chunk_arrays_write_the_same_store(tmp_path, monkeypatch):
     """Chunks assembled into arrays the writer handed back (many small multi-part chunks, so arrays are reused
     while others are queued) = chunks assembled by plain concatenation, file for file."""
-    import looptrace.capture.dump as D
+    import looptrace.capture.chunks as C
     from looptrace.capture.dump import DumpConfig, dump_split
 
     ad, data = _tiny_dump(2, 30)
     cfg = DumpConfig(batch_size=3, chunk_tokens=7)  # 18-token batches, 7-token chunks: most chunks span 2 batches
     reused = []
-    real_take = D._ChunkBuffers.take
+    real_take = C.ChunkBuffers.take
 
     def take(self, shape, dtype):
         before = sum(len(v) for v in self._free.values())
@@ -133,19 +135,19 @@ def test_reused_chunk_arrays_write_the_same_store(tmp_path, monkeypatch):
         reused.append(sum(len(v) for v in self._free.values()) < before)
         return out
 
-    monkeypatch.setattr(D._ChunkBuffers, "take", take)
+    monkeypatch.setattr(C.ChunkBuffers, "take", take)
     dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
     assert any(reused)  # arrays came back from the writer and were filled again
-    monkeypatch.setattr(D._ChunkAssembler, "_join", lambda self, parts: np.concatenate(parts))
+    monkeypatch.setattr(C.ChunkAssembler, "_join", lambda self, parts: np.concatenate(parts))
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     _assert_same_files(tmp_path / "a" / "val.zarr", tmp_path / "b" / "val.zarr")
 
 
 def test_chunk_buffers_lend_and_take_back():
     """Only arrays it lent come back; at most ``keep`` free arrays per shape and dtype."""
-    from looptrace.capture.dump import _ChunkBuffers
+    from looptrace.capture.chunks import ChunkBuffers
 
-    pool = _ChunkBuffers(keep=1)
+    pool = ChunkBuffers(keep=1)
     a, b = pool.take((4, 2), np.float16), pool.take((4, 2), np.float16)
     pool.give({"x": a, "y": b, "z": np.zeros((4, 2), np.float16)})
     assert pool.take((4, 2), np.float16) is a  # one kept (keep=1), the foreign array ignored
@@ -168,13 +170,13 @@ def _open_spy(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 3 * 4096 + 5, (1 << 20) + 17])
 def test_uncached_write_holds_the_bytes(tmp_path, monkeypatch, n):
     """The file is packed + crc exactly, written with O_DIRECT (this file system takes it), no .partial left."""
-    if not W._UNCACHED_OK:
+    if not CI.UNCACHED_OK:
         pytest.skip("no O_DIRECT on this platform")
     rng = np.random.default_rng(n)
     parts = (rng.integers(0, 256, max(n - 4, 0), dtype=np.uint8).tobytes(), b"\x01\x02\x03\x04"[:n])
     flags = _open_spy(monkeypatch)
     target = tmp_path / "a" / "c" / "0"
-    if not W._write_file_uncached(target, parts):
+    if not CI.write_file_uncached(target, parts):
         pytest.skip("this file system refuses O_DIRECT")
     assert target.read_bytes() == parts[0] + parts[1]
     assert flags and flags[0] & os.O_DIRECT
@@ -195,7 +197,7 @@ def test_uncached_write_refused_leaves_nothing(tmp_path, monkeypatch, code):
     arrays = random_store_arrays(n=40, T=3, D=16, V=7)
     write_store(tmp_path / "direct.zarr", arrays, chunk_tokens=8)
     monkeypatch.setattr(W.os, "open", refuse)
-    assert not W._write_file_uncached(tmp_path / "x" / "f", (b"a" * 5000, b"crc!"))
+    assert not CI.write_file_uncached(tmp_path / "x" / "f", (b"a" * 5000, b"crc!"))
     assert list((tmp_path / "x").iterdir()) == []
     write_store(tmp_path / "refused.zarr", arrays, chunk_tokens=8)
     _assert_same_files(tmp_path / "direct.zarr", tmp_path / "refused.zarr")
@@ -203,7 +205,7 @@ def test_uncached_write_refused_leaves_nothing(tmp_path, monkeypatch, code):
 
 def test_uncached_short_unaligned_write_finishes_buffered(tmp_path, monkeypatch):
     """A short write that ends off the 4 KiB grid (allowed by POSIX) is finished through the page cache."""
-    if not W._UNCACHED_OK:
+    if not CI.UNCACHED_OK:
         pytest.skip("no O_DIRECT on this platform")
     data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 100, dtype=np.uint8).tobytes()
     calls: list[int] = []
@@ -221,7 +223,7 @@ def test_uncached_short_unaligned_write_finishes_buffered(tmp_path, monkeypatch)
         return 5000
 
     monkeypatch.setattr(W.os, "write", short)
-    if not W._write_file_uncached(tmp_path / "f", (data[:-4], data[-4:])):
+    if not CI.write_file_uncached(tmp_path / "f", (data[:-4], data[-4:])):
         pytest.skip("this file system refuses O_DIRECT")
     assert len(calls) == 1  # the rest was not sent through O_DIRECT again
     assert (tmp_path / "f").read_bytes() == data
@@ -230,7 +232,7 @@ def test_uncached_short_unaligned_write_finishes_buffered(tmp_path, monkeypatch)
 
 def test_uncached_write_disk_full_is_one_line(tmp_path, monkeypatch):
     """ENOSPC while writing a chunk: StoreError naming the store and the fix, no .partial, the chunk not marked."""
-    if not W._UNCACHED_OK:
+    if not CI.UNCACHED_OK:
         pytest.skip("no O_DIRECT on this platform")
     arrays = random_store_arrays(n=16, T=2, D=512, V=5)  # a chunk's states: ~16 KB, past the 4 KiB grid
     w = StoreWriter.create(tmp_path / "s.zarr", {k: W.ArraySpec(v.shape, str(v.dtype) if k != "hidden" else "float16")
@@ -294,27 +296,27 @@ def test_encode_pool_rule(monkeypatch):
     """Between batches (a pool of torch's threads) only for a CPU forward pass on every core; else the writers."""
     import torch
 
-    import looptrace.capture.dump as D
+    import looptrace.capture.chunks as C
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(D, "host_cores", lambda: 2)
-    pool = D.encode_pool(torch.device("cpu"))
+    monkeypatch.setattr(C, "host_cores", lambda: 2)
+    pool = C.encode_pool(torch.device("cpu"))
     assert pool is not None and pool._max_workers == 2
-    assert D.encode_pool(torch.device("cpu")) is pool  # the process's, kept
-    assert D.encode_pool(torch.device("meta")) is None  # an accelerator: its host cores are free
-    monkeypatch.setattr(D, "host_cores", lambda: 4)
-    assert D.encode_pool(torch.device("cpu")) is None  # spare cores: the writer thread compresses beside it
+    assert C.encode_pool(torch.device("cpu")) is pool  # the process's, kept
+    assert C.encode_pool(torch.device("meta")) is None  # an accelerator: its host cores are free
+    monkeypatch.setattr(C, "host_cores", lambda: 4)
+    assert C.encode_pool(torch.device("cpu")) is None  # spare cores: the writer thread compresses beside it
 
 
 def test_encoding_between_batches_writes_the_same_store(tmp_path, monkeypatch):
     """A CPU dump that encodes between batches on the pool (the forward pass on every core) = one that encodes in
     its background writer thread, file for file (float16 states, a masked position, a partial last chunk)."""
-    import looptrace.capture.dump as D
+    import looptrace.capture.chunks as C
     from looptrace.capture.dump import DumpConfig, dump_split
 
     ad, data = _tiny_dump(3, 11, masked=True)
     cfg = DumpConfig(batch_size=3, chunk_tokens=8)
-    monkeypatch.setattr(D, "host_cores", lambda: 10**6)  # torch's threads never cover the cores: background
+    monkeypatch.setattr(C, "host_cores", lambda: 10**6)  # torch's threads never cover the cores: background
     dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
     used = []
     real_prepare = W.StoreWriter.prepare_chunk
@@ -323,7 +325,7 @@ def test_encoding_between_batches_writes_the_same_store(tmp_path, monkeypatch):
         used.append(pool is not None)
         return real_prepare(self, *a, pool=pool, **k)
 
-    monkeypatch.setattr(D, "host_cores", lambda: 1)  # every core: between batches, on the pool
+    monkeypatch.setattr(C, "host_cores", lambda: 1)  # every core: between batches, on the pool
     monkeypatch.setattr(W.StoreWriter, "prepare_chunk", spy)
     dump_split(ad, data, tmp_path / "b" / "val.zarr", cfg, progress=False)
     assert used and all(used)

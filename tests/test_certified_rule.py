@@ -10,11 +10,11 @@ import polars as pl
 import pytest
 
 from looptrace.config import ConfigError, InputError
-from looptrace.geometry import TOKEN_LOOP_COLUMNS, GeometryConfig, geometry_model
+from looptrace.geometry.stage import TOKEN_LOOP_COLUMNS, GeometryConfig, geometry_model
 from looptrace.io.store.writer import write_store
 from looptrace.io.tables import load_token_loop
 from looptrace.rules import get_rule
-from looptrace.rules.evaluate import ReadoutsConfig, evaluate_rule_on, readouts_model, rule_columns
+from looptrace.rules.readouts import ReadoutsConfig, evaluate_rule_on, readouts_model, rule_columns
 from looptrace.rules.registry import resolve_rules
 from looptrace.rules.scoring import CalibrationConfig
 from tests.builders import two_group_arrays

@@ -13,11 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from looptrace.capture.loopmap import LoopmapConfig, frontier_table, measure
-from looptrace.diagnose.loopmap import certified_exit
+from looptrace.loopmap.config import LoopmapConfig
+from looptrace.loopmap.diagnoses import certified_exit
+from looptrace.loopmap.measure import measure
+from looptrace.loopmap.tabulate import frontier_table
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
-from looptrace.signals.certified import certified_bound
+from looptrace.signals.fixed_point import certified_bound
 
 D, T, S, V = 6, 14, 5, 7
 EPS = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)

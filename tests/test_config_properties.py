@@ -1,4 +1,4 @@
-"""Property-based tests of the config surface (issue 15, item 3).
+"""Property-based tests of the config surface.
 
 Random mutations of the repository's params.yaml — a value of the wrong type, out of range or non-finite, an
 unknown key, a missing key, a section or sub-mapping of the wrong shape — for every stage:

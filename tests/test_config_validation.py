@@ -1,4 +1,4 @@
-"""Every config value is validated where it is declared (issue 15, item 1).
+"""Every config value is validated where it is declared.
 
 Types are exact (a bool is not an int, a string is not a number, NaN is not a finite float), ranges make the
 computation meaningful, a device must exist on this machine, a section of the wrong shape and a misspelled
@@ -27,7 +27,7 @@ from looptrace.config import (
 from looptrace.gates.config import GatesConfig
 from looptrace.models import check_device
 from looptrace.models.train import TrainConfig
-from looptrace.rules.evaluate import ReadoutsConfig
+from looptrace.rules.readouts import ReadoutsConfig
 from looptrace.rules.scoring import MIN_QUANTILES, CalibrationConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,10 +122,10 @@ def test_repository_params_and_profiles_are_valid():
     # The shipped params (alone and with each profile layered) load through every stage's section.
     from looptrace.capture.dump import DumpConfig
     from looptrace.capture.dynamics import DynamicsConfig
-    from looptrace.capture.loopmap import LoopmapConfig
     from looptrace.diagnose.config import DiagnoseConfig
-    from looptrace.geometry import GeometryConfig
+    from looptrace.geometry.stage import GeometryConfig
     from looptrace.intervals import IntervalsConfig
+    from looptrace.loopmap.config import LoopmapConfig
     from looptrace.online.generate import GenerateConfig
     from looptrace.online.latency import LatencyConfig
     from looptrace.report import ReportConfig

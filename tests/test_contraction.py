@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.capture.contraction import (
+from looptrace.config import ConfigError
+from looptrace.loopmap.contraction import (
     ContractionConfig,
     block_norm_bound,
     contraction_stats,
@@ -14,7 +15,6 @@ from looptrace.capture.contraction import (
     diagonal_jvp,
     round_up_float32,
 )
-from looptrace.config import ConfigError
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from tests.builders import run_map

@@ -14,7 +14,7 @@ from looptrace.gates.config import GatesConfig, GateSpec
 from looptrace.gates.features import convergence_signal
 from looptrace.gates.fit import fit_model_gates
 from looptrace.gates.labels import converged_stop, stop_targets
-from looptrace.geometry import GeometryConfig, geometry_model
+from looptrace.geometry.stage import GeometryConfig, geometry_model
 from tests.builders import two_group_stores
 
 NAN = math.nan

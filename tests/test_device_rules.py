@@ -1,4 +1,4 @@
-"""Exit decisions on the device (looptrace.online.device_rules, issue 28 item 2).
+"""Exit decisions on the device (looptrace.online.device_rules).
 
 - The bound: on random states (d_model 2048; float16 / bfloat16 / float32 rounding; scales 1e-3..1e3) and gate
   logits (−40..40), the device's float64 values lie within their bound e of numpy's (the functions that wrote

@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import rankdata
 
 from looptrace.config import ConfigError, from_dict
-from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.ad_claims import ad_claims
 from looptrace.diagnose.config import CLASSES, DiagnoseConfig
 from looptrace.diagnose.stage import diagnose_models
 from looptrace.diagnose.stats import (
@@ -31,7 +31,7 @@ from looptrace.intervals import IntervalsConfig
 from looptrace.io.artifacts import write_outputs
 from looptrace.io.tables import SplitArrays
 from looptrace.project import resolve_model
-from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.readouts import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig, evaluate_rule, result_frames
 from tests.builders import token_loop_splits, write_token_loop
 
@@ -152,7 +152,7 @@ def test_spearman_headline_with_intervals_in_summary_and_metrics():
     assert (m0["iv"].estimate, m0["iv"].lo, m0["iv"].hi, m0["n"]) == (0.62, 0.55, 0.69, 12)
     assert _rho_basis(m0) == "n = 12 difficulty levels, bootstrap over 200 test sequences, B = 1000"
     g = groups["t-joint"]["iv"]
-    # across seeds: Fisher's z (issue 25: ρ stays in [−1, 1]): tanh(mean atanh ρ ± t_{0.975, 1} · sd / √2)
+    # across seeds: Fisher's z (ρ stays in [−1, 1]): tanh(mean atanh ρ ± t_{0.975, 1} · sd / √2)
     zs = np.arctanh([0.62, 0.70])
     hz = 12.706204736174707 * np.std(zs, ddof=1) / math.sqrt(2)
     lo_r, hi_r = math.tanh(zs.mean() - hz), math.tanh(zs.mean() + hz)
@@ -208,7 +208,7 @@ FIX = (4.0, 3.9, 4.1)
 
 
 @pytest.mark.parametrize("case,expect,phrases", [
-    # best overlaps fixed and a gain of up to 0.8 loops is possible: undecided (issue 25), oracle far below
+    # best overlaps fixed and a gain of up to 0.8 loops is possible: undecided, oracle far below
     (dict(fixed=FIX, posthoc=(3.6, 3.3, 3.95), oracle=(1.5, 1.4, 1.6)), ("undecided", "undecided_early_exit"),
      ["best entropy at 3.60 [3.30, 3.95] is within noise of fixed depth 4.00 [3.90, 4.10]",
       "their difference is -0.40 [-0.80, 0.05] loops (intervals)", "the oracle ceiling 1.50 [1.40, 1.60]"]),
@@ -237,10 +237,10 @@ FIX = (4.0, 3.9, 4.1)
      ["entropy at 2.00 [1.90, 2.10] is lower than fixed depth 4.00 [3.90, 4.10] but higher than the oracle "
       "ceiling 1.20 [1.10, 1.30]"]),
     # the same gap of 0.8 loops, but the oracle's interval reaches best's: neither below nor at the ceiling is
-    # supported (the gap may be 1.0 loop or none) -> undecided (issue 25; was at_ceiling)
+    # supported (the gap may be 1.0 loop or none) -> undecided (was at_ceiling)
     (dict(fixed=FIX, posthoc=(2.0, 1.9, 2.1), oracle=(1.2, 1.1, 1.95)), ("undecided", "undecided_ceiling"),
      ["cannot tell whether it is at or above the oracle ceiling 1.20 [1.10, 1.95]"]),
-    # issue 12's running_parity-uniform: at the ceiling with every error a readout failure (0 trajectory)
+    # a running_parity-uniform model: at the ceiling with every error a readout failure (0 trajectory)
     (dict(fixed=FIX, posthoc=(1.9, 1.8, 2.0), oracle=(1.8, 1.7, 1.9), fails=(100, 80, 0)), ("at-ceiling", "at_ceiling"),
      ["errors at its chosen point: 20 of 100 test tokens, of which 0 (0 %) trajectory failures (no loop right) and "
       "20 (100 %) readout failures"]),
@@ -311,7 +311,7 @@ def test_verdicts_never_contradict_their_numbers_on_random_tables():
 
 def test_group_verdict_across_seeds_by_hand():
     """Three seeds: best 2.0/2.2/2.4, fixed 4/4/4, oracle 1.5/1.6/1.7. Figures: Student-t intervals on the logit
-    scale of [1, T] (t_{0.975, 2}); comparisons: paired per-seed differences (issue 25)."""
+    scale of [1, T] (t_{0.975, 2}); comparisons: paired per-seed differences."""
     t2 = 4.302652729911275
     rows = []
     for s, (b, o) in enumerate(((2.0, 1.5), (2.2, 1.6), (2.4, 1.7))):
@@ -333,7 +333,7 @@ def test_group_verdict_across_seeds_by_hand():
     assert g["fixed_depth_lo"] == pytest.approx(4.0) and g["fixed_depth_hi"] == pytest.approx(4.0)
     assert g["dx_best_posthoc"] == pytest.approx(1.6)
     # paired: best - oracle = 0.5, 0.6, 0.7 -> 0.6 ± t2 · 0.1 / √3 = [0.35, 0.85]: higher by ≥ gap_tol -> below the
-    # ceiling, as every seed says (the unpaired intervals overlapped, which read "at-ceiling" before issue 25)
+    # ceiling, as every seed says (the unpaired intervals overlapped, which an unpaired reading would call "at-ceiling")
     half = t2 * 0.1 / math.sqrt(3)
     assert g["diff_best_vs_oracle_lo"] == pytest.approx(0.6 - half) and g["diff_best_vs_oracle_method"] == \
         "paired t over seeds"
@@ -441,7 +441,7 @@ def test_ad_claims_across_seeds():
     (b,) = claims["b"]["details"]
     assert [p["fixed_prior_model"] for p in b["per_seed"]] == ["t-uniform-s0", "t-uniform-s1"]
     # native 2.1 ± 1.27 vs post-hoc 1.2 ± 1.27 overlap, but paired by seed the differences are 0.9 and 0.9:
-    # higher with a zero-width paired interval -> holds (issue 25: the seed-to-seed variation cancels)
+    # higher with a zero-width paired interval -> holds (the seed-to-seed variation cancels)
     assert b["comparison"] == "higher" and claims["b"]["status"] == "holds"
     assert b["paired_difference"]["estimate"] == pytest.approx(0.9) and b["paired_difference"]["lo"] == pytest.approx(0.9)
     assert "t-joint (2 seeds): native Q-exit D@95 = 2.10 [" in claims["b"]["sentences"][1]

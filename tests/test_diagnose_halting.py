@@ -1,4 +1,4 @@
-"""Diagnose on the halting regimes (issue 26): the verdict's "native" is the regime's own exit, and [AD]'s claims
+"""Diagnose on the halting regimes: the verdict's "native" is the regime's own exit, and [AD]'s claims
 count a decoupled RecurTrace trajectory as fixed-prior trained."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import polars as pl
 import pytest
 
-from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.ad_claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.verdicts import group_verdicts, native_rule
 from looptrace.diagnose.verdicts import verdict as model_verdict

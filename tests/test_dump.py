@@ -167,9 +167,9 @@ def test_nan_states_fail_the_dump_unless_allowed(tmp_path):
 
 
 def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
-    # DVC re-runs the stage when pipeline/capture/dump.py & co change, but keeps the old store (persist): it must be
+    # DVC re-runs the stage when pipeline/looptrace/capture/dump.py & co change, but keeps the old store (persist): it must be
     # dumped again, not returned as complete
-    import looptrace.capture.dump as dump_mod
+    import looptrace.capture.resume as resume_mod
 
     adapter, data = tiny_adapter_and_data()
     cfg = DumpConfig(batch_size=5, chunk_tokens=16)
@@ -182,7 +182,7 @@ def test_a_change_of_the_value_code_dumps_again(tmp_path, monkeypatch, capsys):
     dump_split(adapter, data, path, cfg)  # same code: returned as is
     monkeypatch.setattr(StoreWriter, "write_chunk", real)
     # one more module's source in the hash stands for a changed source
-    monkeypatch.setattr(dump_mod, "VALUE_MODULES", (*dump_mod.VALUE_MODULES, "looptrace.tasks"))
+    monkeypatch.setattr(resume_mod, "VALUE_MODULES", (*resume_mod.VALUE_MODULES, "looptrace.tasks"))
     capsys.readouterr()
     st = dump_split(adapter, data, path, cfg)
     assert "data or code; starting over" in capsys.readouterr().err
@@ -309,7 +309,8 @@ def test_dump_refuses_shared_prefixes_and_row_split_checkpoints(tmp_path):
     """dump_model measures the scored-prefix overlap of the splits it dumps and records it; it refuses, in one line
     and before writing, a test split that shares scored prefixes with fit/val or a checkpoint trained on row-split
     data, unless dump.allow_prefix_overlap."""
-    from looptrace.capture.dump import PrefixOverlapError, dump_model
+    from looptrace.capture.dump import dump_model
+    from looptrace.capture.prefix_overlap import PrefixOverlapError
 
     adapter, _ = tiny_adapter_and_data(n_seq=4)
     model, seeds = adapter.model, {"fit": 42, "val": 43, "test": 44}

@@ -1,4 +1,4 @@
-"""What is on disk is checked before it is trusted, one writer per output, disk full (issue 15, items 5, 6, 10).
+"""What is on disk is checked before it is trusted, one writer per output, disk full.
 
 - a dump into an output another live run writes is refused in one line naming it (pid, host, start time),
   with the same and with different params; once that run is killed, its claim is taken over and the resumed
@@ -32,8 +32,9 @@ import torch
 import xarray as xr
 from fsspec.implementations.memory import MemoryFileSystem
 
-from looptrace.capture.dump import DumpConfig, dump_split, weights_hash
-from looptrace.io.claims import ClaimError, claims_location
+from looptrace.capture.dump import DumpConfig, dump_split
+from looptrace.capture.resume import weights_hash
+from looptrace.io.claims_dir import ClaimError, claims_location
 from looptrace.io.store.identity import check_same_model, open_split_stores
 from looptrace.io.store.location import memory_store
 from looptrace.io.store.reader import open_store

@@ -36,10 +36,10 @@ from tests.import_graph import GRAPH, REPO, ImportGraph, closure, module_file, r
 OFFLINE = ("geometry", "readouts", "diagnose", "report")
 #: looptrace packages/modules each stage must never reach, and external packages likewise.
 FORBIDDEN = {
-    **{s: (("looptrace.models", "looptrace.capture", "looptrace.online", "looptrace.online.gates"),
+    **{s: (("looptrace.models", "looptrace.capture", "looptrace.online", "looptrace.online.live_gate"),
            ("torch", "transformers")) for s in OFFLINE},
     "gates": (("looptrace.models.looped", "looptrace.models.interface", "looptrace.models.adapters",
-               "looptrace.models.train", "looptrace.capture", "looptrace.online", "looptrace.online.gates"),
+               "looptrace.models.train", "looptrace.capture", "looptrace.online", "looptrace.online.live_gate"),
               ("transformers",)),
 }
 #: Stage modules that must import without torch (torch, where a stage needs it, only inside functions).
@@ -280,7 +280,7 @@ def test_params_are_loaded_only_by_stage_scripts():
 
 def test_value_modules_of_the_dump_are_its_deps():
     """The dump hashes the source of VALUE_MODULES into the store; each is a dep of the dump stage."""
-    from looptrace.capture.dump import VALUE_MODULES
+    from looptrace.capture.resume import VALUE_MODULES
 
     stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["dump"]
     have = code_deps(REPO / "dvc.yaml", stage)

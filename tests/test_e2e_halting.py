@@ -1,4 +1,4 @@
-"""End to end (slow): the halting profile (profiles/halting/, issue 26) on tiny params in a copy of the project.
+"""End to end (slow): the halting profile (profiles/halting/) on tiny params in a copy of the project.
 
 Every stage command of profiles/halting/dvc.yaml (matrix from the profile's params, topological order) runs in this
 process through the ``looptrace`` CLI, as tests/test_e2e_gates.py runs the default pipeline, on params.yaml and the
@@ -85,7 +85,7 @@ def test_halting_profile_runs_end_to_end_on_tiny_params(tmp_path):
         assert chosen.filter(pl.col("rule") == rule)["threshold"].to_list() == [thr]
     summary = (art / "diagnose" / "summary.md").read_text()
     assert "## Halting methods at matched compute" in summary
-    # issue 26 item 6: the findings in words, every question answered or said untestable, never "nan"
+    # the findings in words, every question answered or said untestable, never "nan"
     assert "## Halting findings" in summary and summary.count("\n### ") == 5
     findings = json.loads((art / "diagnose" / "metrics.json").read_text())["halting_findings"]
     assert {f["question"] for f in findings} == {"memory", "head_vs_joint", "flow", "collapse", "router"}

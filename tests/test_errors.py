@@ -1,4 +1,4 @@
-"""User errors and bugs told apart (issue 15, item 2).
+"""User errors and bugs told apart.
 
 A :class:`~looptrace.config.UserError` raised where the cause is known prints one line and exits 2; an
 operating-system refusal that names its file (disk full) likewise; anything else is a bug: a short message naming

@@ -20,7 +20,7 @@ from looptrace.gates.fit import ModelGates, fit_model_gates, fit_sklearn_gate, p
 from looptrace.gates.labels import consistent_stop, oracle_continue, stop_targets, utility_continue
 from looptrace.gates.ponder import _ponder_module, fit_ponder, ponder_loss, ponder_prior
 from looptrace.gates.stage import CROSS_SCHEMA, gates_stage
-from looptrace.online.gates import load_fitted, load_online_gate
+from looptrace.online.live_gate import load_fitted, load_online_gate
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.signals.halting_torch import halting_distribution
 from tests.builders import two_group_stores
@@ -248,7 +248,7 @@ def test_feature_columns_stats_and_loop_encoding(tmp_path):
 
 
 def test_non_finite_states_and_infinite_stats_are_refused_with_counts(tmp_path):
-    """Issue 15 item 8: a NaN/inf state is never silently turned into 0 / ±1.8e308; NaN stats (undefined) are kept."""
+    """A NaN/inf state is never silently turned into 0 / ±1.8e308; NaN stats (undefined) are kept."""
     from looptrace.config import InputError
 
     st = two_group_stores(tmp_path, n=(64, 40, 40))["val"]

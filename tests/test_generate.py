@@ -25,10 +25,11 @@ from looptrace.models.kv import CODA, LOOP, PRELUDE, LoopKVCache
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens, prefix_agreement
-from looptrace.online.signals import LiveSignals
+from looptrace.online.live_signals import LiveSignals
 from looptrace.rules.registry import get_rule, loop_signals
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.logits import logit_stats
+from looptrace.signals.names import select
 from looptrace.signals.steps import step_metrics
 from tests import hf_helpers as H
 
@@ -396,8 +397,9 @@ def test_native_lockstep_and_all_steps(standins):
 
 # ---------------------------------------------------------------------------------------------- signals
 
-SIGNALS = ("entropy", "max_prob", "margin", "argmax", "kl_prev", "kl_prev_rev", "logit_change", "step_norm",
-           "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2", "gate_logit")
+#: Every signal a rule or gate may read online that is a formula of the states or readouts (not an alias, not the
+#: loop index), and the native gate's logit: from the signal registry, so a new online signal is checked here too.
+SIGNALS = (*select("logits", online=True), *select("states", online=True, alias=False), *select("gate", online=True))
 
 
 @pytest.mark.parametrize("kind", ["own", "ouro"])

@@ -10,13 +10,8 @@ import polars as pl
 import pytest
 
 from looptrace.config import ConfigError
-from looptrace.geometry import (
-    GeometryConfig,
-    argmax_differs,
-    convergence_depth,
-    drift_to_loop_ratio,
-    group_handoffs,
-)
+from looptrace.geometry.blocks import argmax_differs, convergence_depth, drift_to_loop_ratio, group_handoffs
+from looptrace.geometry.stage import GeometryConfig
 from looptrace.signals.steps import step_metrics
 from tests.builders import random_signal_arrays, tiny_train_config, write_arrays
 
@@ -202,7 +197,7 @@ def test_params_yaml_section_loads_and_matches_defaults(repo_root):
 # ----------------------------------------------------------------------------- streamed stage on real stores
 
 def _run(stores, out, block, **cfg):
-    from looptrace.geometry import geometry_model
+    from looptrace.geometry.stage import geometry_model
 
     cfg.setdefault("eps", {"kl_prev": (0.3,), "rel_step": (0.5, 1.0), "argmax": (0.5,)})
     return geometry_model(stores, GeometryConfig(block_tokens=block, **cfg), out, meta={"model": "m"},
@@ -230,7 +225,7 @@ def stage_run(tmp_path_factory):
 
 
 def test_stage_token_loop_matches_independent_numpy(stage_run):
-    from looptrace.geometry import TOKEN_LOOP_COLUMNS
+    from looptrace.geometry.stage import TOKEN_LOOP_COLUMNS
 
     tmp, arrays, _, _, _ = stage_run
     df = pl.read_parquet(tmp / "out7" / "token_loop.parquet")
@@ -296,7 +291,7 @@ def test_loop_summary_matches_polars(stage_run):
 
 
 def test_summary_stats_count_what_they_leave_out():
-    from looptrace.geometry import summary_stats
+    from looptrace.geometry.stage import summary_stats
 
     mean, med, q25, q75, count, n_nan, n_inf = summary_stats(np.array([1.0, 2.0, np.inf, -np.inf, np.nan, 3.0]))
     assert (mean, med, q25, q75, count, n_nan, n_inf) == (2.0, 2.0, 1.5, 2.5, 3, 1, 2)

@@ -1,4 +1,4 @@
-"""Issue 26 item 6: the halting findings in words (``looptrace.diagnose.halting_findings``) on synthetic tables whose
+"""The halting findings in words (``looptrace.diagnose.halting_findings``) on synthetic tables whose
 answers are known by construction, and the statistics behind the words by hand."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from looptrace.diagnose.halting_findings import (
     regime_role,
 )
 from looptrace.diagnose.router import COMPARISON_SCHEMA
-from looptrace.intervals import Interval
+from looptrace.estimates import Interval
 
 
 def test_regime_role_from_definition():

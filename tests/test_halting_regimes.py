@@ -208,7 +208,7 @@ def test_act_native_exit_is_the_training_N_in_readouts_and_the_halting_table(tmp
     import polars as pl
 
     from looptrace.diagnose.halting_table import CALIBRATED, halting_table
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     g = torch.tensor(np.log(HAND_LAMBDA / (1 - HAND_LAMBDA)), dtype=torch.float32)

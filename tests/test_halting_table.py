@@ -1,4 +1,4 @@
-"""The halting methods' matched-compute table (``looptrace.diagnose.halting_table``, issue 26 item 4) on synthetic
+"""The halting methods' matched-compute table (``looptrace.diagnose.halting_table``) on synthetic
 readouts outputs of two seeds: fixed depths, the regime's own native exit, the best post-hoc rule chosen on val,
 the matched-fixed-depth Δ (linear between ⌊d⌋ and ⌈d⌉) and the across-seed Student-t intervals, by hand."""
 
@@ -12,7 +12,7 @@ import pytest
 from scipy.stats import t as student_t
 
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown, matched_fixed_accuracy
-from looptrace.intervals import DEFAULT_RESOLUTION
+from looptrace.estimates import DEFAULT_RESOLUTION
 from looptrace.io.artifacts import write_outputs
 
 
@@ -66,7 +66,7 @@ def test_halting_table_hand_case(tmp_path):
         m, half = (a + b) / 2, tq * abs(a - b) / math.sqrt(2) / math.sqrt(2)  # sd of two values = |a − b| / √2
         return m, m - half, m + half
 
-    def logit_iv(a, b, lo_end, hi_end):  # issue 25: the t-interval on the logit scale of the range, mapped back
+    def logit_iv(a, b, lo_end, hi_end):  # the t-interval on the logit scale of the range, mapped back
         p = (np.array([a, b]) - lo_end) / (hi_end - lo_end)
         z = np.log(p / (1 - p))
         half = tq * z.std(ddof=1) / math.sqrt(2)

@@ -1,4 +1,4 @@
-"""Issue 24 (hardening, second round): params that mean what they say, nothing quiet, the environment's faults as
+"""Hardening: params that mean what they say, nothing quiet, the environment's faults as
 user errors, every artifact verified on read. The one-line refusals themselves are rows of tests/test_bad_inputs.py;
 this file holds what is not a one-line refusal (warnings, exit status with a closed stdout, verification)."""
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from looptrace.intervals import Interval, Resampler, across_seeds, percentile_interval, spearman_token_samples
+from looptrace.estimates import Interval, across_seeds
+from looptrace.intervals import Resampler, percentile_interval, spearman_token_samples
 
 
 def test_ratio_over_every_resample_of_two_sequences_by_hand():

@@ -6,15 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.capture.interventions import (
-    InterventionConfig,
-    adapter_intervention,
-    intervene,
-    patch_donors,
-    perturbation,
-    window_summary,
-)
 from looptrace.config import ConfigError
+from looptrace.loopmap.config import InterventionConfig
+from looptrace.loopmap.interventions import adapter_intervention, intervene, patch_donors, perturbation
+from looptrace.loopmap.tabulate import window_summary
 from tests.builders import run_map, tiny_adapter_and_data
 
 
@@ -33,7 +28,7 @@ def test_linear_map_decay_equals_matrix_powers():
     k = 2
     out = intervene(step, h0, hidden, InterventionConfig(loop=k, scale=0.3, seed=1))
     # δ recovered from the same seeded draw: the effect after j loops is exactly A^j δ
-    from looptrace.capture.interventions import perturbation
+    from looptrace.loopmap.interventions import perturbation
 
     delta = perturbation(hidden[:, :, k - 1], InterventionConfig(loop=k, scale=0.3, seed=1)).numpy()
     for j in range(1, 7 - k + 1):

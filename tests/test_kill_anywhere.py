@@ -1,4 +1,4 @@
-"""Kill anywhere (issue 15, item 4): every stage SIGKILLed at random points, re-run, equal to an uninterrupted run.
+"""Kill anywhere: every stage SIGKILLed at random points, re-run, equal to an uninterrupted run.
 
 In a tiny copy of the project (the e2e profile, one seed, dynamics on, train long enough to be killed mid-run), every
 stage command of dvc.yaml runs once uninterrupted, in this process: the *reference*. Then, for each stage (one item of a
@@ -101,7 +101,7 @@ def _skeleton(obj):
 
 
 def _manifest_content(path: Path, stage: str):
-    """A stage's manifest.json (issue 24): every digest matches its file now; digests of the files compared without
+    """A stage's manifest.json: every digest matches its file now; digests of the files compared without
     their measured fields (JSON with timings, measured tables) are masked, the rest compared."""
     from looptrace.io.manifest import sha256_file
 

@@ -25,6 +25,7 @@ from looptrace.rules.registry import get_rule, loop_signals
 from looptrace.rules.scoring import CalibrationConfig, exit_depths
 from looptrace.signals.halting import halting_cdf
 from looptrace.signals.logits import logit_stats
+from looptrace.signals.names import select
 from looptrace.signals.steps import step_metrics
 from tests.builders import tiny_checkpoint, tiny_model, tiny_task
 
@@ -173,7 +174,7 @@ def test_live_signals_equal_stored_values_bit_for_bit_under_compaction():
     """LiveSignals fed the same states and readouts as the dump and geometry stage, with rows dropped and
     positions truncated between loops, returns exactly the stored float32 values of the kept positions.
     (``gate_logit`` is the model's own output, not a signal formula: not part of this check.)"""
-    from looptrace.online.signals import LiveSignals
+    from looptrace.online.live_signals import LiveSignals
     from looptrace.signals.logits import LoopStats
 
     m = _model(gate="linear", loops=6)
@@ -182,8 +183,8 @@ def test_live_signals_equal_stored_values_bit_for_bit_under_compaction():
     with torch.inference_mode():
         out = m(tokens)
         zs = [m.readout(out.hidden[:, :, t]) for t in range(T)]  # [B, S, V] per loop, as the engine reads out
-    names = ("entropy", "max_prob", "margin", "argmax", "kl_prev", "kl_prev_rev", "logit_change", "step_norm",
-             "rel_step", "step_cos", "state_cos_dist", "accel", "accel_norm", "step_d2", "hidden_change", "loop")
+    # every online logit and state signal of the registry (aliases too), and the loop index
+    names = (*select("logits", online=True), *select("states", online=True), "loop")
     # Offline: the dump's LoopStats on [token, vocab] rows, step_metrics on the float16 store, gate logits as stored.
     flat = [z.reshape(B * S, -1) for z in zs]
     acc = LoopStats(flat[-1], torch.zeros(B * S, dtype=torch.int64))
@@ -306,7 +307,7 @@ def test_stage_cli_one_line_error(tmp_path):
 
 
 def test_refit_gate_runs_online_exactly(tmp_path):
-    """The gates stage's fitted gate (saved without pickle, loaded through looptrace.online.gates.load_online_gate)
+    """The gates stage's fitted gate (saved without pickle, loaded through looptrace.online.live_gate.load_online_gate)
     runs in the engine and reproduces the gates stage's offline chosen exits token by token."""
     from looptrace.gates.config import GatesConfig
     from looptrace.gates.stage import gates_stage

@@ -128,6 +128,60 @@ def test_import_path_is_the_file_path():
         assert f"from looptrace.stages.{f.stem} import main" in f.read_text(), f
 
 
+#: The most modules over 600 lines (docs/DESIGN.md, "One concern per module").
+MAX_LARGE = 3
+
+
+def test_design_lists_every_module_over_600_lines():
+    """DESIGN.md's table of large modules is the tree's: every module of more than 600 lines (``wc -l``) has a row
+    with its reason, every row is such a module with a line count within 10 % of the one given, and there are at most
+    :data:`MAX_LARGE`."""
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    section = text.split("### One concern per module", 1)[1].split("\n### ", 1)[0]
+    rows = re.findall(r"^\| `([\w.]+)` \| ~?(\d+) \| (.+?) \|$", section, re.M)
+    listed = {m: (int(n), why) for m, n, why in rows}
+    actual = {GRAPH.module_name(f).removeprefix("looptrace."): f.read_text().count("\n")
+              for f in (REPO / "pipeline").rglob("*.py")}
+    large = {m for m, n in actual.items() if n > 600}
+    assert set(listed) == large, f"DESIGN.md's large-module table: missing {sorted(large - set(listed))}, " \
+                                 f"not over 600 lines {sorted(set(listed) - large)}"
+    for m, (n, why) in listed.items():
+        assert abs(actual[m] - n) <= 0.1 * actual[m], f"{m}: {actual[m]} lines, DESIGN.md says ~{n}"
+        assert len(why.split()) >= 8, f"{m}: say why it is one module"
+    assert len(large) <= MAX_LARGE, f"{len(large)} modules over 600 lines (at most {MAX_LARGE}): split one"
+
+
+#: Names several modules share because each is the same role in its own package (reason beside each).
+SHARED_ROLES = {
+    "config": "a package's config dataclasses (the params loader at the top)",
+    "base": "a package's base class (adapters, rules, tasks)",
+    "stage": "the driver of a stage package (gates, diagnose)",
+    "registry": "the registry mechanism, and the rules' registry built on it",
+}
+
+
+def test_no_two_modules_share_a_name_for_different_things():
+    """Every module or package name under looptrace names one thing: a name used twice is a stage's entry
+    (``looptrace.stages.<name>``) beside its library, or a role of :data:`SHARED_ROLES`."""
+    from looptrace.stages import registered
+
+    libraries = {s.name: s.library for s in registered()}
+    names: dict[str, set[str]] = {}
+    for f in (REPO / "pipeline" / "looptrace").rglob("*.py"):
+        mod = GRAPH.module_name(f)
+        if mod != "looptrace":
+            names.setdefault(mod.rsplit(".", 1)[-1], set()).add(mod)
+    clashes = {}
+    for name, mods in sorted(names.items()):
+        if len(mods) < 2 or name in SHARED_ROLES:
+            continue
+        lib = libraries.get(name, "")
+        stage_pair = {f"looptrace.stages.{name}", lib, lib.removesuffix(".stage")}
+        if not mods <= stage_pair:
+            clashes[name] = sorted(mods)
+    assert not clashes, f"one name, several things (rename one, or add a shared role): {clashes}"
+
+
 def test_installed_names_do_not_squat(tmp_path):
     """From a directory outside the repository (no cwd on sys.path), ``pipeline`` and ``stages`` are not importable;
     ``looptrace`` and ``looptrace.stages`` are, from this checkout's folders."""

@@ -1,4 +1,4 @@
-"""Decoding without a host round trip per loop (looptrace.online.lookahead, issue 28 item 2).
+"""Decoding without a host round trip per loop (looptrace.online.lookahead).
 
 - Exactness: the lookahead path gives the tokens, exit depths and log-probs of the per-loop path with masking
   (``compact=False``) bit for bit, and the tokens and depths of the default compaction (log-probs too at batch 1),

@@ -9,8 +9,8 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from looptrace.config import InputError
-from looptrace.diagnose.loopmap import (
-    LoopMapConfig,
+from looptrace.loopmap.config import LoopmapConfig
+from looptrace.loopmap.diagnoses import (
     certified_bound,
     certified_exit,
     certified_frontier,
@@ -70,7 +70,7 @@ def test_no_certificate_without_contraction_and_the_exit_is_the_first_hit():
 
 def test_regime_words():
     seq = np.repeat(np.arange(40), 3)
-    cfg = LoopMapConfig(n_boot=200)
+    cfg = LoopmapConfig(n_boot=200)
     rng = np.random.default_rng(1)
     con = regime(np.repeat(-0.5 + 0.01 * rng.standard_normal(40), 3), np.full((120, 4), 0.5), seq, cfg)
     assert con["regime"] == "contracting" and con["ftle_hi"] < -0.4 and con["share_rho_below_1"] == 1.0
@@ -93,7 +93,7 @@ def test_failure_auc_equals_sklearn_and_has_an_interval():
     correct[:20] = False  # trajectory failures
     score = rng.standard_normal(n) + 2.0 * ~correct.any(axis=1)
     seq = np.arange(n) // 2
-    out = failure_auc({"s": score}, correct, seq, LoopMapConfig(n_boot=200))
+    out = failure_auc({"s": score}, correct, seq, LoopmapConfig(n_boot=200))
     row = out.filter(out["failure"] == "trajectory").row(0, named=True)
     assert row["auc"] == pytest.approx(roc_auc_score(~correct.any(axis=1), score))
     assert row["auc_lo"] <= row["auc"] <= row["auc_hi"] and row["n_pos"] == int((~correct.any(axis=1)).sum())
@@ -103,40 +103,40 @@ def test_failure_auc_equals_sklearn_and_has_an_interval():
     assert rd["auc"] == pytest.approx(want)
     # fewer failures than min_class: no AUC (one failure's bootstrap interval is falsely narrow), n_pos still given
     n_traj = row["n_pos"]
-    few = failure_auc({"s": score}, correct, seq, LoopMapConfig(n_boot=20, min_class=n_traj + 1))
+    few = failure_auc({"s": score}, correct, seq, LoopmapConfig(n_boot=20, min_class=n_traj + 1))
     fr = few.filter(few["failure"] == "trajectory").row(0, named=True)
     assert math.isnan(fr["auc"]) and math.isnan(fr["auc_lo"]) and fr["n_pos"] == n_traj
-    ok = failure_auc({"s": score}, correct, seq, LoopMapConfig(n_boot=20, min_class=n_traj))
+    ok = failure_auc({"s": score}, correct, seq, LoopmapConfig(n_boot=20, min_class=n_traj))
     assert ok.filter(ok["failure"] == "trajectory")["auc"][0] == pytest.approx(row["auc"])
 
 
 def test_report_on_a_tiny_contraction_dump():
-    from looptrace.capture.contraction import ContractionConfig
     from looptrace.capture.dump import DumpConfig, dump_split
     from looptrace.io.store.location import memory_store
+    from looptrace.loopmap.contraction import ContractionConfig
     from tests.builders import tiny_adapter_and_data
 
     adapter, data = tiny_adapter_and_data(n_seq=12, unscored=False, gate="none")
     st = dump_split(adapter, data, memory_store(),
                     DumpConfig(batch_size=6, chunk_tokens=32, contraction=ContractionConfig(power_iters=2)))
-    rep = loopmap_report(st, LoopMapConfig(n_boot=200))
+    rep = loopmap_report(st, LoopmapConfig(n_boot=200))
     rho = st.read("contraction")
     assert rep["regime"]["share_rho_below_1"] == pytest.approx(float((rho < 1).mean()))
     assert rep["regime"]["regime"] in ("contracting", "marginal", "expanding")
-    assert rep["frontier"].height == len(LoopMapConfig().eps) and rep["auc"].height == 8
+    assert rep["frontier"].height == len(LoopmapConfig().eps) and rep["auc"].height == 8
     assert len(rep["words"]) == 4 and "FTLE" in rep["words"][0]
     assert rep["certified"] and "certified fixed-point exit" in rep["words"][1]
     np.testing.assert_allclose(  # the frontier of the certified exit: from the stored upper bound
         rep["frontier"]["share_certified"].to_numpy(),
         [float((certified_bound(st.read("contraction_bound"), _store_rel_step(st)) <= e).any(axis=1).mean())
-         for e in LoopMapConfig().eps])
+         for e in LoopmapConfig().eps])
     plain = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=6, chunk_tokens=32))
     with pytest.raises(InputError, match="dump.contraction"):
         loopmap_report(plain)
     # wider than exact_width: no upper bound stored (NaN), the exit is the estimated one, said so
     wide = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=6, chunk_tokens=32, contraction=(
         ContractionConfig(power_iters=2, exact_width=8))))
-    rep = loopmap_report(wide, LoopMapConfig(n_boot=0))
+    rep = loopmap_report(wide, LoopmapConfig(n_boot=0))
     assert not rep["certified"] and np.isnan(wide.read("contraction_bound")).all()
     assert rep["words"][1].startswith("No certified fixed-point exit") and "estimated" in rep["words"][1]
 
@@ -148,7 +148,7 @@ def _store_rel_step(st):
 
 
 def test_auc_sentences_best_first_or_why_not():
-    from looptrace.diagnose.loopmap import auc_sentences
+    from looptrace.loopmap.diagnoses import auc_sentences
 
     nan = float("nan")
     auc = pl.DataFrame({"failure": ["trajectory", "trajectory", "readout", "readout"],

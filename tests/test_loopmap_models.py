@@ -1,4 +1,4 @@
-"""The loop-map diagnoses in the diagnose stage (looptrace.diagnose.loopmap_models): rows and summary words for the
+"""The loop-map diagnoses in the diagnose stage (looptrace.loopmap.diagnose_rows): rows and summary words for the
 models whose test store was dumped with dump.contraction, nothing (and no error) for the others."""
 
 from __future__ import annotations
@@ -7,14 +7,15 @@ import numpy as np
 import polars as pl
 import pytest
 
-from looptrace.diagnose.loopmap import LoopMapConfig, loopmap_report
-from looptrace.diagnose.loopmap_models import LOOPMAP_SCHEMA, loopmap_models
 from looptrace.io.store.reader import open_store
+from looptrace.loopmap.config import LoopmapConfig
+from looptrace.loopmap.diagnose_rows import LOOPMAP_SCHEMA, loopmap_models
+from looptrace.loopmap.diagnoses import loopmap_report
 
 
 def test_loopmap_rows_only_for_models_dumped_with_contraction(tmp_path):
-    from looptrace.capture.contraction import ContractionConfig
     from looptrace.capture.dump import DumpConfig, dump_split
+    from looptrace.loopmap.contraction import ContractionConfig
     from tests.builders import tiny_adapter_and_data
 
     adapter, data = tiny_adapter_and_data(n_seq=12, unscored=False, gate="none")
@@ -30,7 +31,7 @@ def test_loopmap_rows_only_for_models_dumped_with_contraction(tmp_path):
     assert frame is not None and dict(frame.schema) == LOOPMAP_SCHEMA
     assert set(frame["model"]) == {"m-con"}
     # the same numbers as the library's report on that store (same seed)
-    rep = loopmap_report(open_store(root / "m-con" / "test.zarr"), LoopMapConfig(seed=3))
+    rep = loopmap_report(open_store(root / "m-con" / "test.zarr"), LoopmapConfig(), seed=3)
     reg = frame.filter(pl.col("failure").is_null()).row(0, named=True)
     assert reg["regime"] == rep["regime"]["regime"]
     for k in ("ftle_median", "ftle_lo", "ftle_hi", "share_rho_below_1", "share_lo", "share_hi"):

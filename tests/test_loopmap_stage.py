@@ -1,4 +1,4 @@
-"""The ``loopmap`` stage (issue 27, SPEC §2b): closed forms on a linear loop map h ← a·h + b (every figure the stage
+"""The ``loopmap`` stage (SPEC §2b): closed forms on a linear loop map h ← a·h + b (every figure the stage
 measures is known exactly there), a size-0 intervention, the vectorised bootstrap AUC against scikit-learn, and the
 stage run on a tiny checkpoint (outputs, figure widths, same params → same bytes)."""
 
@@ -15,16 +15,12 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from looptrace.capture.loopmap import (
-    LoopmapConfig,
-    frontier_table,
-    loopmap_tables,
-    measure,
-    no_loop_step,
-)
-from looptrace.capture.loopmap_plots import MAX_PX
 from looptrace.config import ConfigError
-from looptrace.diagnose.loopmap import weighted_auc
+from looptrace.loopmap.config import LoopmapConfig
+from looptrace.loopmap.diagnoses import weighted_auc
+from looptrace.loopmap.measure import measure, no_loop_step
+from looptrace.loopmap.plots import MAX_PX
+from looptrace.loopmap.tabulate import frontier_table, loopmap_tables
 from looptrace.models.interface import AdapterInfo, LoopedModelAdapter, States
 from tests.conftest import REPO
 
@@ -265,8 +261,7 @@ def test_stage_on_a_tiny_checkpoint_writes_every_output_and_the_same_bytes_twice
     assert "Loop map: rs-joint" in (a / "summary.md").read_text()
 
     # diagnose reads them: the regime row and the AUC rows as the stage wrote them, the stage's sentences
-    from looptrace.diagnose.loopmap_artifacts import loopmap_artifacts
-    from looptrace.diagnose.loopmap_models import LOOPMAP_SCHEMA
+    from looptrace.loopmap.diagnose_rows import LOOPMAP_SCHEMA, loopmap_artifacts
 
     frame, text = loopmap_artifacts(["absent", "rs-joint"], tmp_path / "a")
     assert frame is not None and dict(frame.schema) == LOOPMAP_SCHEMA and frame.height == 1 + 8

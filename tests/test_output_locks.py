@@ -1,4 +1,4 @@
-"""One writer per output for every stage, and a killed run's staging debris removed (issue 15, items 5-6).
+"""One writer per output for every stage, and a killed run's staging debris removed.
 
 Every stage takes :func:`looptrace.io.claims.output_lock` on its output before it writes: a second run on the same
 output while the first is alive is refused with one line naming it (pid, host, start); a killed run's claim is
@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from looptrace.cli import app
 from looptrace.io.artifacts import clear_debris
-from looptrace.io.claims import claims_location, output_lock
+from looptrace.io.claims import output_lock
+from looptrace.io.claims_dir import claims_location
 from tests.builders import random_signal_arrays, write_arrays
 
 

@@ -1,4 +1,4 @@
-"""Outputs never destroy inputs (issue 24): every stage refuses an ``--out`` equal to, inside or above one of its
+"""Outputs never destroy inputs: every stage refuses an ``--out`` equal to, inside or above one of its
 input roots (symlinks followed) in one line before writing anything, and a swap never replaces a directory that
 another stage wrote."""
 

@@ -85,7 +85,7 @@ def test_default_never_imports_dask(tmp_path):
     code = f"""
 import sys
 from looptrace.config import DaskConfig
-from looptrace.geometry import GeometryConfig, geometry_model
+from looptrace.geometry.stage import GeometryConfig, geometry_model
 from looptrace.io.parallel import dask_runner
 from tests.builders import random_signal_arrays, write_arrays
 import numpy as np
@@ -136,7 +136,7 @@ def test_map_chunks_opens_the_store_on_the_workers(runner, tmp_path):
 
 def test_a_worker_error_is_the_stage_error(runner, tmp_path):
     """A damaged chunk read on a worker raises the same one-line StoreError as in this process."""
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.io.store.schema import StoreError
 
     st = write_arrays(tmp_path / "s.zarr", random_signal_arrays(np.random.default_rng(2), N=64), chunk_tokens=16)
@@ -155,7 +155,7 @@ def test_a_worker_error_is_the_stage_error(runner, tmp_path):
 def test_geometry_same_bytes(runner, tmp_path):
     """Two looped groups (DLR rows), a native gate, float16 states, several chunks per split and a block size
     that is not the chunk size."""
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.io.store.reader import open_store
 
     stores = {}
@@ -181,8 +181,8 @@ def test_readouts_gates_diagnose_same_bytes(runner, tmp_path):
     from looptrace.diagnose.stage import diagnose_models, write_diagnosis
     from looptrace.gates.config import GatesConfig
     from looptrace.gates.stage import gates_stage
-    from looptrace.geometry import GeometryConfig, geometry_model
-    from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
+    from looptrace.rules.readouts import ReadoutsConfig, readouts_model
     from looptrace.rules.scoring import CalibrationConfig
 
     models = ("rp-uniform", "rp-joint")

@@ -41,7 +41,7 @@ def test_merge_params_mappings_merge_everything_else_replaces():
 
 
 def test_layered_params_files(tmp_path):
-    from looptrace.geometry import GeometryConfig
+    from looptrace.geometry.stage import GeometryConfig
 
     base, over = tmp_path / "params.yaml", tmp_path / "over.yaml"
     base.write_text("geometry: {splits: [val, test], eps: {kl_prev: [0.001]}}\nbase: {seed: 3}\n")
@@ -141,7 +141,7 @@ ABOUT = {
            "dvc status profiles/ad/dvc.yaml)"),
     "study": ("The study profile (the full 18-model matrix: both tasks x three regimes x three seeds)",
               "make study   (= dvc repro profiles/study/dvc.yaml; dvc status profiles/study/dvc.yaml)"),
-    "halting": ("The halting profile (RecurTrace +- loop memory, ACT, beside geometric and joint; issue 26)",
+    "halting": ("The halting profile (RecurTrace +- loop memory, ACT, beside geometric and joint)",
                 "dvc repro profiles/halting/dvc.yaml     (dvc status profiles/halting/dvc.yaml)"),
 }
 

@@ -13,7 +13,7 @@ import looptrace.rules.scoring as scoring_module
 from looptrace.config import ConfigError, from_dict
 from looptrace.io.tables import SplitArrays, load_token_loop
 from looptrace.rules.builtin import ALL_RULES, LOOP_COLUMNS, argmax_stable_depths, oracle_depths
-from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.readouts import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import (
     CalibrationConfig,
     choose_point,

@@ -186,14 +186,14 @@ def test_ouro_cached_generate_equals_uncached_greedy():
     assert torch.equal(gen, seq) and diff(cached, plain) <= TOL
 
 
-# ----------------------------------------------------------------------------------------------- loop step (issue 27)
+# ----------------------------------------------------------------------------------------------- loop step
 
 @pytest.mark.parametrize("name", ["huginn", "ouro"])
 def test_loop_step_and_layers_are_the_real_models_own(name):
     """The adapters' differentiable loop step, iterated from h_0, reproduces the states bit for bit; its per-layer
     outputs are the layer outputs hooked in the real model's own forward; ρ (power method through the step) equals
     the exact diagonal-block singular value of the reverse-mode Jacobian (float64)."""
-    from looptrace.capture.contraction import ContractionConfig, contraction_stats
+    from looptrace.loopmap.contraction import ContractionConfig, contraction_stats
 
     path = _dir(name)
     a = load_adapter(AdapterConfig(kind=name, path=str(path), trust_remote_code=True))

@@ -3,7 +3,7 @@
 Every reference is the model's own computation: Ouro's ``OuroModel`` per-step states and gates and
 ``forward(exit_at_step=t)`` / ``forward(exit_threshold=q)``; Huginn's ``forward(num_steps=t)`` on a sequence
 alone in its own random stream. The stand-ins carry the traits of the real code that exposed looptrace's
-adapter bugs (issue 14: (1) Ouro n_loops, (2) Ouro's exit reference, (3) Huginn's test-time noise, (4) Huginn's
+adapter bugs ((1) Ouro n_loops, (2) Ouro's exit reference, (3) Huginn's test-time noise, (4) Huginn's
 batch-dependent h_0, (5) Ouro's Q-exit in the model dtype, (6) the tokenizer prompt) and the transformers-4.x
 habits that break loading under transformers 5 (one test per compatibility patch, each switched off in turn).
 The same checks against the real code: tests/test_real_code.py.

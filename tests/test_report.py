@@ -146,7 +146,7 @@ def test_report_end_to_end(artifacts, tmp_path):
     for s in srcs:  # relative, inside the report, existing PNGs
         assert not s.startswith(("/", "http", "file:")) and (out / s).is_file()
         assert (out / s).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # offline: the only script file is the Plotly bundle beside the page (issue 25's interactive view); no URL
+    # offline: the only script file is the Plotly bundle beside the page (the interactive view); no URL
     assert set(re.findall(r"<script([^>]*)>", page)) == {" src='plotly.min.js'", ""}
     assert (out / "plotly.min.js").is_file() and "http://" not in page and "https://" not in page
     assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(f"{w}.png" for w in want)
@@ -300,7 +300,7 @@ def test_report_intervals_seeds_and_summary(artifacts, tmp_path, monkeypatch):
     assert metrics["models"]["tc-joint-s1"]["d95_native"] is None
     # across seeds: D@95 best post-hoc 1.6, 1.8 -> 1.70 ± t_{0.975, 1} · sd / √2 = 1.70 ± 12.706 · 0.1
     # across seeds: D@95 best post-hoc 1.6, 1.8 in [1, T]: the t-interval (t_{0.975, 1} = 12.706) on the logit
-    # scale of (d - 1) / (T - 1), mapped back (issue 25; the plain 1.70 ± 1.27 would leave [1, T])
+    # scale of (d - 1) / (T - 1), mapped back (the plain 1.70 ± 1.27 would leave [1, T])
     g = metrics["groups"]["tc-joint"]
     z = np.array([math.log(p / (1 - p)) for p in (0.6 / (T - 1), 0.8 / (T - 1))])
     hz = 12.706204736174707 * np.std(z, ddof=1) / np.sqrt(2)

@@ -1,4 +1,4 @@
-"""Issue 25 item 4: the report's data series are DVC plots (dvc.yaml's top-level ``plots``), so ``dvc plots diff``
+"""The report's data series are DVC plots (dvc.yaml's top-level ``plots``), so ``dvc plots diff``
 overlays two runs; the headline numbers are a metrics file ``dvc metrics show`` / ``dvc exp show`` list.
 
 A tiny git + DVC project is built from the repository's own dvc.yaml and template; the two "runs" are two

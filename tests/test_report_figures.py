@@ -1,4 +1,4 @@
-"""Issue 25 item 1: figures sized for the page, seeds aggregated, the Pareto curves the text talks about in colour."""
+"""Figures sized for the page, seeds aggregated, the Pareto curves the text talks about in colour."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import polars as pl
 import pytest
 
 from looptrace.report import build_report
-from looptrace.report.figures import FIG_W, MIN_PT, mean_front, pareto_highlights, seed_band
+from looptrace.report.fig_pareto import mean_front, pareto_highlights
 from looptrace.report.inputs import ReportConfig
+from looptrace.report.plotting import FIG_W, MIN_PT, seed_band
 from tests.test_report import _model_outputs, _write
 
 
@@ -91,7 +92,8 @@ def test_legends_are_deduplicated(tmp_path):
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from looptrace.report import figures as F
+    from looptrace.report import plotting
+    from looptrace.report.fig_loops import fig_step_geometry
     from looptrace.report.inputs import load_inputs
 
     root = tmp_path / "artifacts"
@@ -101,17 +103,17 @@ def test_legends_are_deduplicated(tmp_path):
     _write(root / "diagnose" / "verdicts.parquet", pl.DataFrame({"model": models}))
     inp = load_inputs(models, root, ReportConfig())
     legends = []
-    real_save = F._save
+    real_save = plotting.save
 
     def grab(fig, path, dpi):
         legends.append([t.get_text() for lg in fig.legends for t in lg.get_texts()])
         return real_save(fig, path, dpi)
 
-    F._save = grab
+    plotting.save = grab
     try:
-        F.fig_step_geometry(inp, tmp_path, 110)
+        fig_step_geometry(inp, tmp_path, 110)
     finally:
-        F._save = real_save
+        plotting.save = real_save
         plt.close("all")
     assert legends == [["uniform (3 seeds)", "joint (3 seeds)"]]
 

@@ -1,4 +1,4 @@
-"""The report on the halting regimes (issue 26): one colour per regime everywhere, the native exits told apart, the
+"""The report on the halting regimes: one colour per regime everywhere, the native exits told apart, the
 halting table and the faithfulness tests as sections with intervals, "collapse" in words no stronger than the
 interval."""
 
@@ -10,10 +10,11 @@ import polars as pl
 import pytest
 from scipy.stats import t as student_t
 
-from looptrace.report.figures import pareto_highlights, regime_colours
-from looptrace.report.halting import collapse_text, faithfulness_groups, halting_rows
+from looptrace.report.fig_pareto import pareto_highlights
+from looptrace.report.halting_section import collapse_text, faithfulness_groups, halting_rows
 from looptrace.report.inputs import Inputs
 from looptrace.report.page import halting_html
+from looptrace.report.plotting import regime_colours
 
 HALTING = ["geometric", "joint", "recurtrace", "recurtrace_flow", "recurtrace_mem", "act"]
 KINDS = {"geometric": "geometric", "joint": "joint", "recurtrace": "recurtrace", "recurtrace_flow": "recurtrace",

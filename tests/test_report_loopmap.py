@@ -1,4 +1,4 @@
-"""The report's loop-map section (issue 27 item 5, ``looptrace.report.loopmap``) on hand-made loopmap-stage tables
+"""The report's loop-map section (``looptrace.report.loopmap_section``) on hand-made loopmap-stage tables
 of two seeds: what it reads back per loop and per intervention, the per-model text (intervals, the certified
 exit's share and front, the windows) and the figure; absent tables -> no section, a "not shown" note."""
 
@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 from looptrace.io.artifacts import write_outputs
-from looptrace.report.figures import fig_loopmap
-from looptrace.report.loopmap import decay_values, load_loopmap, loopmap_rows, per_loop_values
+from looptrace.report.fig_loopmap import fig_loopmap
+from looptrace.report.loopmap_section import decay_values, load_loopmap, loopmap_rows, per_loop_values
 
 T = 3
 

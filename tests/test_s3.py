@@ -1,4 +1,4 @@
-"""Stores on object storage (issue 13): a real S3 API on loopback — a moto server subprocess on 127.0.0.1,
+"""Stores on object storage: a real S3 API on loopback — a moto server subprocess on 127.0.0.1,
 started here — with credentials and endpoint only in the environment (``AWS_*``), as a user would set them.
 
 The dump stage writes ``s3://…`` stores and the geometry stage reads them, both through ``looptrace.cli.app``

@@ -1,4 +1,4 @@
-"""Artifacts that cannot run code (issue 15, item 7).
+"""Artifacts that cannot run code.
 
 Fitted gates round-trip through gates.json + gates.skops + ponder.npz (no pickle) with the same predictions; a
 tampered gate artifact (a pickle payload, or a skops file naming a function) is refused before anything in it runs;

@@ -1,6 +1,6 @@
-"""Several processes, one store (issue 13): N cooperating writers each dump a chunk-aligned range; the result
+"""Several processes, one store: N cooperating writers each dump a chunk-aligned range; the result
 equals a 1-process dump file for file; a killed shard resumes; an overlapping claim is refused in one line.
-Also the claims protocol itself (io/claims.py): liveness, takeover, leases of other hosts, fencing, locks."""
+Also the claims protocol itself (io/claims.py, io/claims_dir.py): liveness, takeover, leases of other hosts, fencing, locks."""
 
 from __future__ import annotations
 
@@ -18,13 +18,12 @@ import pytest
 import torch
 
 from looptrace.capture.dump import dump_split
-from looptrace.io.claims import (
+from looptrace.io.claims import Coordinator, output_lock
+from looptrace.io.claims_dir import (
     ClaimError,
     ClaimsDir,
-    Coordinator,
     Owner,
     claims_location,
-    output_lock,
     parse_shard,
     shard_from_env,
     shard_range,
@@ -319,7 +318,7 @@ def test_a_shard_that_looked_before_its_peer_made_the_layout_joins_the_peers_pla
 
 
 def test_only_one_of_many_racing_processes_wins_a_claim(tmp_path):
-    code = ("import sys; from looptrace.io.claims import ClaimsDir; "
+    code = ("import sys; from looptrace.io.claims_dir import ClaimsDir; "
             "print(int(ClaimsDir(sys.argv[1]).create('plan@0.json', {'x': 1})))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
              for _ in range(6)]

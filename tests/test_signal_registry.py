@@ -47,7 +47,7 @@ def test_store_schema_agrees():
     assert store.STAT_NAMES == select("logits", stored=True)
     stored = select(stored=True)
     # every per-(token, loop) array of the store is a registered stored signal, but the opt-in loop-map statistics
-    # (dump.contraction, SPEC §2b) that only looptrace.diagnose.loopmap reads (ftle, ftle_share); ρ_t
+    # (dump.contraction, SPEC §2b) that only looptrace.loopmap.diagnoses reads (ftle, ftle_share); ρ_t
     # (``contraction``) is a registered opt-in signal (the certified_fixed_point rule reads it)
     per_loop = {k for k, d in store.DIMS.items() if d == ("token", "loop")}
     assert per_loop - (set(store.CONTRACTION_NAMES) - set(names.OPT_IN)) == set(stored)
@@ -64,29 +64,29 @@ def test_store_schema_agrees():
 def test_token_loop_columns_agree():
     import pyarrow as pa
 
-    from looptrace import geometry
+    from looptrace.geometry import blocks, stage
     from looptrace.io.store.location import memory_store
     from tests.builders import random_signal_arrays, write_arrays
 
-    cols = geometry.TOKEN_LOOP_COLUMNS
+    cols = stage.TOKEN_LOOP_COLUMNS
     signal_cols = [c for c in cols if c in SIGNALS]
     assert set(signal_cols) == set(SIGNALS) - set(names.OPT_IN), "every registered signal is a token_loop.parquet column"
     assert not set(names.OPT_IN) & set(cols), "opt-in signals are columns only when the store has them"
-    assert geometry.OPT_IN_COLUMNS == tuple(names.OPT_IN)
+    assert blocks.OPT_IN_COLUMNS == tuple(names.OPT_IN)
     # each source's columns in registry order (integer columns first)
     for src in ("logits", "states"):
         assert [c for c in signal_cols if SIGNALS[c].source == src] == [
             n for n in sorted(select(src), key=lambda n: SIGNALS[n].dtype == "float32")], src
-    assert geometry.STORE_STATS == select("logits", stored=True, dtype="float32")
-    assert geometry.CONVERGENCE_SIGNALS == tuple(s.name for s in REGISTRY if s.convergence)
+    assert blocks.STORE_STATS == select("logits", stored=True, dtype="float32")
+    assert stage.CONVERGENCE_SIGNALS == tuple(s.name for s in REGISTRY if s.convergence)
     # the Arrow schema and a real block's table: ints widened to int64, bool, float32
     want = {"int32": pa.int64(), "int64": pa.int64(), "bool": pa.bool_(), "float32": pa.float32()}
     rng = np.random.default_rng(0)
     st = write_arrays(memory_store(), random_signal_arrays(rng, N=12, T=5))
-    table = geometry.token_loop_table(next(geometry.iter_blocks(st)), "val", np.zeros(5, np.int64))
+    table = stage.token_loop_table(next(blocks.iter_blocks(st)), "val", np.zeros(5, np.int64))
     assert tuple(table.column_names) == cols
     for n in SIGNALS:
-        schema = geometry.token_loop_schema(names.OPT_IN) if n in names.OPT_IN else geometry._TOKEN_LOOP_SCHEMA
+        schema = stage.token_loop_schema(names.OPT_IN) if n in names.OPT_IN else stage._TOKEN_LOOP_SCHEMA
         assert schema.field(n).type == want[SIGNALS[n].dtype], n
         if n in names.OPT_IN:
             continue
@@ -156,7 +156,7 @@ def test_first_loop_is_where_the_functions_define_the_signal():
 
 def test_live_signals_know_every_online_signal():
     pytest.importorskip("torch")
-    from looptrace.online.signals import LiveSignals
+    from looptrace.online.live_signals import LiveSignals
 
     LiveSignals([n for n in select(online=True)])  # raises on a signal it cannot compute
 

@@ -50,6 +50,15 @@ def test_library_follows_the_rule(stage: Stage):
     assert f"from {stage.library} import" in entry, f"the {stage.name} entry does not call its library"
 
 
+@pytest.mark.parametrize("stage", STAGES, ids=lambda s: s.name)
+def test_library_is_found_from_the_stage_name(stage: Stage):
+    """A stage's library is named for the stage: the module ``looptrace.<concern>.<name>`` (or
+    ``looptrace.<name>``), or the package ``looptrace.<name>`` whose ``stage`` module drives it."""
+    parts = stage.library.split(".")
+    assert parts[-1] == stage.name or parts[-2:] == [stage.name, "stage"], (
+        f"stage {stage.name!r}: its library {stage.library} is not named for it (DESIGN.md, \"Where a stage's code lives\")")
+
+
 def test_design_stage_table_is_the_registry():
     text = (REPO / "docs" / "DESIGN.md").read_text()
     section = text.split("## Stages, params, artifacts", 1)[1].split("\n### ", 1)[0]

@@ -1,4 +1,4 @@
-"""The dump's overlapping device → host copies (looptrace.capture.transfer, issue 28 item 1).
+"""The dump's overlapping device → host copies (looptrace.capture.transfer).
 
 The asynchronous form (side stream, pinned buffers, events; each batch resolved after the next one is captured) runs
 here on CPU tensors with the host stand-ins for CUDA's stream and events. The reference is the synchronous form,
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+import looptrace.capture.chunks as C
 import looptrace.capture.dump as D
 from looptrace.capture.dump import DumpConfig, dump_split
 from looptrace.capture.encode import encode_states_counted
@@ -147,13 +148,13 @@ def test_skipped_batch_while_one_is_pending(tmp_path, monkeypatch):
     data = _data(3, 10, 6, 7, False)
     cfg = DumpConfig(batch_size=2, chunk_tokens=6)  # batch 1 = tokens 12..23 = chunks 2 and 3
     seen = []
-    real = D._ChunkAssembler.add
+    real = C.ChunkAssembler.add
 
     def spy(self, rows):
         seen.append((self.pos, len(rows["target"])))
         real(self, rows)
 
-    monkeypatch.setattr(D._ChunkAssembler, "add", spy)
+    monkeypatch.setattr(C.ChunkAssembler, "add", spy)
     with pytest.raises(StoreError, match="chunk 2"):  # the data say chunk 2 is missing: verification refuses it
         dump_split(ad, data, tmp_path / "a" / "val.zarr", cfg, progress=False)
     sync_seen, seen[:] = list(seen), []

@@ -16,8 +16,8 @@ import yaml
 from looptrace.config import ConfigError, from_dict
 from looptrace.io.tables import SplitArrays
 from looptrace.rules import ExitRule, exit_rule, get_rule
-from looptrace.rules.builtin import ALL_RULES
-from looptrace.rules.evaluate import ReadoutsConfig, evaluate_model_rules
+from looptrace.rules.builtin import ALL_RULES, CONFIDENCE_RULES
+from looptrace.rules.readouts import ReadoutsConfig, evaluate_model_rules
 from looptrace.rules.scoring import CalibrationConfig
 from tests import user_rules
 
@@ -75,7 +75,7 @@ def pipeline_run(tmp_path_factory):
 
     from looptrace.capture.dump import DumpConfig, dump_model
     from looptrace.cli import app
-    from looptrace.geometry import GeometryConfig, geometry_model
+    from looptrace.geometry.stage import GeometryConfig, geometry_model
     from looptrace.models.interface import LoopedTransformerAdapter
     from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig, save_checkpoint
     from looptrace.tasks import make_task
@@ -104,9 +104,9 @@ def pipeline_run(tmp_path_factory):
     pfile = root.parent / "params.yaml"
     pfile.write_text(yaml.safe_dump(params))
     drawn: dict[str, list[str]] = {}
-    import looptrace.report.figures as report
+    import looptrace.report.plotting as report
 
-    save = report._save
+    save = report.save
 
     def recording_save(fig, path, dpi):  # what each figure draws: legend entries and y tick labels
         drawn[path.name] = [t.get_text() for lg in fig.legends for t in lg.get_texts()] + [
@@ -118,7 +118,7 @@ def pipeline_run(tmp_path_factory):
     args = ["--params", str(pfile)]
     outs = {}
     mp = pytest.MonkeyPatch()
-    mp.setattr(report, "_save", recording_save)
+    mp.setattr(report, "save", recording_save)
     try:
         outs["readouts"] = run.invoke(app, ["readouts", "--model", MODEL, *args, "--geometry-root",
                                             str(root / "geometry"), "--out", str(root / "readouts")])
@@ -186,7 +186,7 @@ def test_user_rule_in_diagnose_failure_classes(pipeline_run):
 
 def test_user_rule_drawn_in_the_report(pipeline_run):
     root, drawn = pipeline_run["root"], pipeline_run["drawn"]
-    assert f"{NAME} — user rule" in drawn["pareto_running_sum.png"]   # its Pareto front, in colour (issue 25)
+    assert f"{NAME} — user rule" in drawn["pareto_running_sum.png"]   # its Pareto front, in colour
     assert NAME in drawn["failure_classes.png"]      # its failure classes
     assert f"rule: {NAME}" in drawn["latency.png"]   # its real early exit
     assert (root / "report" / "figures" / "pareto_running_sum.png").stat().st_size > 0
@@ -350,9 +350,11 @@ def test_decorator_refuses_bad_declarations():
 
 
 def test_builtins_are_registered_in_output_order():
-    assert ALL_RULES == ("fixed", "entropy", "top1", "margin", "kl_prev", "kl_prev_rev", "logit_change",
-                         "hidden_change", "rel_step", "state_cosine", "accel_two_hit", "argmax_stable", "q_exit",
-                         "oracle")
+    # output order: fixed depth first, then the post-hoc rules ([AD]'s confidence readouts leading), the native
+    # exits, the oracle last (ceiling, not a rule)
+    kinds = [get_rule(r).kind for r in ALL_RULES]
+    assert kinds == sorted(kinds, key=("fixed", "posthoc", "native", "oracle").index), kinds
+    assert ALL_RULES[0] == "fixed" and ALL_RULES[-1] == "oracle" and ALL_RULES[1:4] == CONFIDENCE_RULES
     spec = {r: (get_rule(r).signals, get_rule(r).op, get_rule(r).min_loop, get_rule(r).two_hit, get_rule(r).kind)
             for r in ALL_RULES}
     assert spec["top1"] == (("max_prob",), "ge", 1, False, "posthoc")

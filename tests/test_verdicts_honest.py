@@ -1,4 +1,4 @@
-"""Issue 25: group verdicts that never outrun their evidence, and across-seed intervals within the figure's range.
+"""Group verdicts that never outrun their evidence, and across-seed intervals within the figure's range.
 
 Expected values are derived by hand (closed forms of the Student-t interval on the paired differences, the
 logit transform written out with ``math``) or by brute force (the seeds-needed search re-done with scipy)."""
@@ -16,7 +16,7 @@ from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.verdicts import group_verdicts
 from looptrace.diagnose.verdicts import verdict as model_verdict
 from looptrace.diagnose.words import check_verdict
-from looptrace.intervals import Interval, across_seeds, bounded_t_interval, paired_difference, seeds_needed
+from looptrace.estimates import Interval, across_seeds, bounded_t_interval, paired_difference, seeds_needed
 from tests.test_diagnose import _tables
 
 M = {"model": "m", "regime_kind": "uniform", "n_loops": 6, "task": "t", "regime": "uniform"}

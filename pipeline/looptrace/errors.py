@@ -94,7 +94,7 @@ class _PipeSafeRaw(io.RawIOBase):
 
 
 def pipe_safe_stdout() -> None:
-    """A closed stdout never changes a stage's exit status or outputs (issue 24): the process's real stdout is
+    """A closed stdout never changes a stage's exit status or outputs: the process's real stdout is
     replaced by one that drops what the reader no longer wants, as ``cat``-style tools do when their reader closes
     early, instead of the exit status 1 click gives a BrokenPipeError. Idempotent; a captured stdout (tests) is
     left alone."""
@@ -180,7 +180,7 @@ _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken
 
 
 def environment_fault(exc: BaseException) -> str | None:
-    """The one-line message of an exception that is the environment's fault and the user's to fix (issue 24),
+    """The one-line message of an exception that is the environment's fault and the user's to fix,
     or None: S3 without (valid) credentials."""
     for e in _chain(exc):
         name, mod = type(e).__name__, type(e).__module__

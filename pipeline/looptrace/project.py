@@ -31,7 +31,7 @@ def versions() -> dict:
     Read from the installed distributions' metadata: importing torch, scikit-learn and zarr only to read
     their version strings costs ~5 s per process on this machine — more than the whole readouts
     computation — and would make offline stages import torch. Read once per process (a copy is returned):
-    the metadata scan costs ~50 ms, paid by every dump of a split otherwise (issue 28).
+    the metadata scan costs ~50 ms, paid by every dump of a split otherwise.
     """
     return dict(_versions())
 
@@ -54,8 +54,8 @@ def machine() -> dict:
     reproducible-builds convention), ``platform``, ``machine`` (architecture), ``cpu`` (the CPU model from
     /proc/cpuinfo, else :func:`platform.processor`) and ``cpu_count``.
 
-    Recorded beside the headline figures because the same params give different weights on another CPU
-    (issue 12): the figures' bytes depend on the machine, the findings must hold within their intervals.
+    Recorded beside the headline figures because the same params give different weights on another CPU:
+    the figures' bytes depend on the machine, the findings must hold within their intervals.
     """
 
     epoch = os.environ.get("SOURCE_DATE_EPOCH")

@@ -8,39 +8,33 @@ the input :class:`~looptrace.tasks.TaskBatch`.
 
 Compute and I/O overlap: the forward pass fills whole token chunks, which a bounded background thread
 compresses and writes (``dump.writer_queue`` chunks in flight), so the capture costs little beyond the
-forward pass. Only whole, aligned chunks are ever written (SPEC §1: unaligned concurrent writes lose rows).
+forward pass (:mod:`looptrace.capture.chunks`). Only whole, aligned chunks are ever written (SPEC §1: unaligned
+concurrent writes lose rows).
 
-Resume, not restart: each chunk gets a completion marker after all of its arrays are written. A dump that
-is killed at any point and run again with the same inputs finds the first unmarked chunk, maps it to the
-sequence holding its first token (cumulative scored-token counts) and restarts the forward pass at the
-batch that contains that sequence — batches keep the same boundaries as an uninterrupted run, so the
-arrays end up bit-identical. ``complete`` is set only after everything is written. A store with a different
-fingerprint (params, weights, model config, data, versions, source of the value-producing modules) is
-deleted and dumped again — unless another live run is writing it, which is refused.
+Resume, not restart (:mod:`looptrace.capture.resume`): a dump killed at any point and run again with the same inputs
+finds the first unmarked chunk, maps it to the sequence holding its first token (cumulative scored-token counts) and
+restarts the forward pass at the batch that contains that sequence — batches keep the same boundaries as an
+uninterrupted run, so the arrays end up bit-identical. ``complete`` is set only after everything is written.
 
 Writers and claims (:mod:`looptrace.io.claims`): every dump of a store first joins or creates the store's
 *plan* (fingerprint + shard count) and claims its shard, in the sibling ``.<split>.zarr.claims``. One process
 (1 of 1) or N cooperating processes (``shard=(i, N)``: ``--shard i/N`` or ``RANK``/``WORLD_SIZE``) each write
-the chunks of a contiguous, chunk-aligned range (:func:`looptrace.io.claims.shard_range`) — the
+the chunks of a contiguous, chunk-aligned range (:func:`looptrace.io.claims_dir.shard_range`) — the
 :class:`~looptrace.io.store.writer.StoreWriter` refuses any other chunk, so no two writers ever share a chunk. A shard
 starts at the batch holding its first token, with the batch boundaries of a 1-process run, so every array is
 bit-identical to it. Whoever finds every chunk written finalises (one finaliser claim): the finalize hook,
 ``nan_count``, consolidated metadata, then ``complete``. A re-run over a complete store verifies its range
 (checksums and chunk digests) and rewrites what is damaged.
+
+The splits' prefix-overlap checks are :mod:`looptrace.capture.prefix_overlap`; a checkpoint on a text corpus is
+dumped by :mod:`looptrace.capture.dump_text`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import hashlib
-import json
-import queue
 import sys
-import threading
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,13 +43,28 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from looptrace.capture import contraction as _contraction
 from looptrace.capture import layers as _layers
-from looptrace.capture.contraction import ContractionConfig
+from looptrace.capture.chunks import (
+    NONFINITE,
+    BackgroundWriter,
+    ChunkAssembler,
+    ChunkBuffers,
+    encode_pool,
+    reuse_freed_memory,
+    writer_threads,
+)
 from looptrace.capture.encode import encode_states_counted
+from looptrace.capture.prefix_overlap import (
+    check_prefix_overlap,
+    check_training_split,
+    overlap_attrs,
+    overlap_line,
+)
+from looptrace.capture.resume import code_hash, fingerprint, join_or_plan
 from looptrace.capture.transfer import Transfer, resolve, take_rows, transfer_for
 from looptrace.config import BaseConfig, ConfigError, InputError, to_dict
-from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator, Superseded, shard_range
+from looptrace.io.claims import LEASE_S, Coordinator, NullCoordinator
+from looptrace.io.claims_dir import shard_range
 from looptrace.io.precision import resolve_state_dtype
 from looptrace.io.store.location import (
     StoreTarget,
@@ -66,15 +75,17 @@ from looptrace.io.store.location import (
     store_location,
 )
 from looptrace.io.store.reader import TrajectoryStore, open_store
-from looptrace.io.store.schema import DIMS, DTYPES, HIDDEN_DTYPES, SCHEMA_VERSION, STAT_NAMES, StoreError
+from looptrace.io.store.schema import DIMS, DTYPES, HIDDEN_DTYPES, STAT_NAMES, StoreError
 from looptrace.io.store.writer import ArraySpec, StoreWriter
+from looptrace.loopmap import contraction as _contraction
+from looptrace.loopmap.contraction import ContractionConfig
 from looptrace.models.adapters.loading import AdapterConfig
-from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
-from looptrace.project import host_cores, source_hash, versions
+from looptrace.models.interface import LoopedModelAdapter
+from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
 from looptrace.tasks import IGNORE, SPLITS, Task, TaskBatch
-from looptrace.tasks.base import prefix_keys, shared_prefixes, split_overlap
-from looptrace.tasks.text import TextConfig, loss_bins_finalizer, text_attrs, text_dataset
+from looptrace.tasks.base import split_overlap
+from looptrace.tasks.text import TextConfig
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ class DumpConfig:
             false (default) refuses it (:func:`check_prefix_overlap`). The measured overlap is recorded in every
             store's ``prefix_overlap`` attribute either way.
         contraction: also store the loop map's local contraction and FTLE per (token, loop) (SPEC §2b,
-            :mod:`looptrace.capture.contraction`; JVPs through the model's loop step, 25–100× the cost of a plain
+            :mod:`looptrace.loopmap.contraction`; JVPs through the model's loop step, 25–100× the cost of a plain
             dump on the toy models: docs/dump.md); null (default) = off.
         layers: also store the outputs of these layers of the looped block at every loop, ``layer_hidden``
             [token, loop, layer, d_model] in the states' dtype (:mod:`looptrace.capture.layers`; its size is
@@ -149,14 +160,6 @@ class DumpConfig:
             raise ConfigError(f"dump.claim_lease_s must be a number of seconds > 0, got {lease!r}")
 
 
-#: Key of the per-row NaN/Inf count of the stored states that travels with a chunk's rows to the writer
-#: (counted while casting, so the writer never scans the states again); not a store array.
-NONFINITE = "_nonfinite"
-
-# Parameters that change how fast, not what, is written: left out of the resume fingerprint.
-_NOT_FINGERPRINTED = ("writer_queue", "sequences", "claim_lease_s")
-
-
 def _params_attr(cfg: DumpConfig) -> dict[str, Any]:
     """The ``params`` store attribute: the resolved section, without the opt-in ``contraction`` / ``layers`` while
     they are off (so a default store's attributes are those it had before the options existed)."""
@@ -166,65 +169,6 @@ def _params_attr(cfg: DumpConfig) -> dict[str, Any]:
     if not cfg.layers:
         params.pop("layers")
     return params
-
-
-def _data_hash(data: TaskBatch) -> str:
-    h = hashlib.sha256()
-    for name in ("tokens", "targets", "difficulty", "token_type"):
-        a = np.ascontiguousarray(getattr(data, name), dtype=np.int64)
-        h.update(name.encode() + str(a.shape).encode() + a.tobytes())
-    return h.hexdigest()
-
-
-#: Modules whose code decides the stored values. Their source is part of the fingerprint: DVC re-runs the stage
-#: when one changes, and the store it keeps (``persist``) must then be dumped again, not returned as complete; a
-#: resume likewise never mixes chunks written by two versions of the code.
-VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrace.signals.logits",
-                 "looptrace.signals.names", "looptrace.io.precision", "looptrace.io.store.schema",
-                 "looptrace.io.store.writer",
-                 "looptrace.models.interface", "looptrace.models.looped", "looptrace.capture.contraction",
-                 "looptrace.capture.layers")
-
-
-def _code_hash(*extra_modules: str) -> str:
-    """sha256 of the source of :data:`VALUE_MODULES` and ``extra_modules`` (the adapter's class and the looptrace
-    classes it derives from, a finalizer's)."""
-    return source_hash((*VALUE_MODULES, *extra_modules))
-
-
-def weights_hash(adapter: LoopedModelAdapter) -> str:
-    """What identifies the model's values in the fingerprint.
-
-    For looptrace's own models: sha256 of the weights (names, dtypes, shapes, bytes), not of ``model.pt``,
-    whose bytes also hold wall-clock fields (``train_seconds``): identical weights retrained give the same
-    fingerprint. For other adapters: ``info.checkpoint_hash`` (a hash of the weight files only).
-    """
-    model = getattr(adapter, "model", None)
-    if not isinstance(adapter, LoopedTransformerAdapter) or not isinstance(model, torch.nn.Module):
-        return adapter.info.checkpoint_hash
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        # the array's buffer, not a bytes copy of it (same digest; a 1.4B model's weights are 2.8 GB)
-        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _fingerprint(adapter: LoopedModelAdapter, data: TaskBatch, cfg: DumpConfig, attrs: Mapping,
-                 code: str) -> str:
-    info = adapter.info
-    params = {k: v for k, v in to_dict(cfg).items() if k not in _NOT_FINGERPRINTED}
-    blob = json.dumps({"schema": SCHEMA_VERSION, "params": params, "name": info.name, "config": info.config,
-                       "weights": weights_hash(adapter), "data": _data_hash(data), "code": code,
-                       "attrs": attrs}, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-#: glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD.
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_ALLOCATOR_TUNED = False
-
 
 def bare_forward(adapter: LoopedModelAdapter, batches: Sequence[torch.Tensor]) -> None:
     """The model's own work that a dump captures, with nothing captured: the states of every batch and the
@@ -240,171 +184,8 @@ def bare_forward(adapter: LoopedModelAdapter, batches: Sequence[torch.Tensor]) -
             for t in range(adapter.info.n_loops):
                 adapter.readout(st.hidden[:, :, t], t)
 
-
-def reuse_freed_memory(mmap_threshold: int = 256 << 20) -> bool:
-    """Let glibc keep large freed buffers for reuse instead of unmapping them (once per process).
-
-    Why: a dump allocates and frees the same tens-of-MB buffers every batch and chunk (float32 states, their
-    float16 cast, compressed chunks, the checksum codec's copy). glibc serves blocks above its mmap threshold
-    (dynamic, at most 32 MiB) with a fresh mmap each time, so every page faults in again. Measured on the
-    benchmark's 16k-token d_model-512 dump: 116k–120k minor faults and 0.9 s of system time, 6k–10k and
-    0.5 s with this (13 % less CPU per chunk write). Freed memory stays in the process (up to ``mmap_threshold`` per
-    block, the heap trimmed only beyond twice that), which suits a process that dumps batch after batch.
-
-    Args:
-        mmap_threshold: allocations below this many bytes come from the heap.
-
-    Returns:
-        Whether the setting was applied (False off glibc, e.g. macOS, where it is not needed).
-    """
-    global _ALLOCATOR_TUNED
-    if _ALLOCATOR_TUNED:
-        return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    ok = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(mallopt(_M_TRIM_THRESHOLD, 2 * int(mmap_threshold)))
-    _ALLOCATOR_TUNED = ok
-    return ok
-
-
 def _say(msg: str) -> None:
     tqdm.write(msg, file=sys.stderr)
-
-
-class _BackgroundWriter:
-    """Background threads that write whole chunks from a bounded queue (each chunk by one thread: chunks never
-    overlap; a chunk's files, digest row and marker are its own objects, so chunks may be written concurrently).
-
-    Args:
-        open_writer: returns the store's writer; called first, in the first thread (the dump passes the writer
-            the claims protocol has already opened, so it only hands it over).
-        maxsize: chunks that may wait in the queue.
-        threads: writer threads. One where the forward pass runs on the host's cores (each compressing thread
-            takes a core from it); more where the model runs on an accelerator and the host's compression is
-            what keeps up with it (:func:`writer_threads`). The stored bytes do not depend on it.
-        encode_pool: when given, each chunk is encoded in the thread that queues it, its arrays spread over
-            these threads (:meth:`StoreWriter.prepare_chunk`), and the background threads only write files: for a
-            forward pass on the host's cores, which wait meanwhile, instead of a compressing thread preempting
-            the forward pass's threads mid-GEMM (issue 28; docs/dump.md).
-    """
-
-    def __init__(self, open_writer: Callable[[], StoreWriter], maxsize: int,
-                 before_write: Callable[[], None] | None = None, threads: int = 1,
-                 written: Callable[[Mapping[str, np.ndarray]], None] | None = None,
-                 encode_pool: Executor | None = None):
-        self.open_writer = open_writer
-        self.encode_pool = encode_pool
-        self.before_write = before_write
-        self.written = written  # called with a chunk's arrays once they are on disk (they may be reused)
-        self.writer: StoreWriter | None = None
-        self.q: queue.Queue = queue.Queue(maxsize=maxsize)
-        self.error: BaseException | None = None
-        self._opened = threading.Event()
-        self._beat = threading.Lock()  # the heartbeat (claims bookkeeping) is not thread-safe
-        self.threads = [threading.Thread(target=self._run, args=(i,), name=f"looptrace-dump-writer-{i}", daemon=True)
-                        for i in range(max(1, threads))]
-        self.thread = self.threads[0]
-        for th in self.threads:
-            th.start()
-
-    def _run(self, i: int = 0) -> None:
-        if i == 0:
-            try:
-                self.writer = self.open_writer()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-                self.error = exc
-            finally:
-                self._opened.set()
-        else:
-            self._opened.wait()
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            if self.error is None:
-                try:
-                    chunk, data, prepared = item
-                    if self.before_write is not None:
-                        with self._beat:
-                            self.before_write()  # heartbeat + fencing of this process's claim
-                    assert self.writer is not None  # opened above, else self.error is set
-                    if prepared is None:
-                        counts = data.pop(NONFINITE)
-                        self.writer.write_chunk(chunk, data, nonfinite=int(counts.sum()))
-                    else:
-                        self.writer.write_chunk(chunk, prepared)
-                    if self.written is not None:
-                        self.written(data)
-                except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
-                    self.error = exc
-
-    def put(self, chunk: int, data: dict[str, np.ndarray]) -> None:
-        prepared = None
-        if self.encode_pool is not None and self.error is None:
-            self._opened.wait()
-            if self.writer is not None:
-                counts = data.pop(NONFINITE)
-                prepared = self.writer.prepare_chunk(chunk, data, nonfinite=int(counts.sum()), pool=self.encode_pool)
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                self.q.put((chunk, data, prepared), timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def stop(self) -> None:
-        """Let the threads finish the chunks already queued, then end them."""
-        for _ in self.threads:
-            self.q.put(None)
-        for th in self.threads:
-            th.join()
-
-    def close(self) -> StoreWriter:
-        """Wait until every queued chunk is written; returns the writer (re-raises the thread's error)."""
-        self.stop()
-        if self.error is not None:
-            raise self.error
-        assert self.writer is not None
-        return self.writer
-
-
-_ENCODE_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def encode_pool(device: torch.device) -> ThreadPoolExecutor | None:
-    """Where a dump of a model on ``device`` compresses its chunks: None, in its background writer threads,
-    or the returned pool, between batches in the dump's own thread.
-
-    Between batches when the forward pass runs on every core the process has (CPU, torch's threads ≥ the cores):
-    the chunk's arrays are spread over a pool of as many threads while the forward pass's threads wait. A
-    compressing thread beside such a forward pass preempts one of its threads mid-GEMM and the others stall at
-    their barrier: on the 2-vCPU host of docs/dump.md, 0.31 s of writer CPU cost the forward pass 0.45 s of wall.
-    The pool is the process's, kept for its later dumps: a thread's malloc arena keeps its chunk-sized buffers,
-    which a fresh thread would fault in page by page again. In the background otherwise — an accelerator, whose
-    host cores are free (:func:`writer_threads`), or a CPU forward pass on fewer threads than cores, which leaves
-    one for the writer.
-    """
-    threads = torch.get_num_threads()
-    if device.type != "cpu" or threads < host_cores():
-        return None
-    if threads not in _ENCODE_POOLS:
-        _ENCODE_POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="looptrace-dump-encode")
-    return _ENCODE_POOLS[threads]
-
-
-def writer_threads(device: torch.device) -> int:
-    """Background writer threads for a model on ``device``: 1 on the CPU (the forward pass uses the cores), up to
-    4 — half the host's cores — for an accelerator, whose forward pass outruns one compressing thread (a 1.4B
-    bf16 model's states at ~0.7 GB/s of zstd per core)."""
-    if device.type == "cpu":
-        return 1
-    return max(1, min(4, host_cores() // 2))
-
 
 def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tuple[dict[str, ArraySpec], int | None]:
     info = adapter.info
@@ -511,85 +292,6 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     out["token_type"] = data.token_type[rows][keep].astype(np.int64)
     return out
 
-
-class _ChunkAssembler:
-    """Cuts the stream of batch rows into whole chunks and hands each not-yet-done chunk to ``sink``.
-
-    Args:
-        n_tokens: rows of the store; ``chunk_tokens``: rows per chunk (the last chunk may be shorter).
-        done: [chunk] bool, chunks already written (skipped).
-        start_token: the row the first batch added starts at.
-        sink: ``sink(chunk, name -> rows)`` for every whole chunk not yet done.
-    """
-
-    def __init__(self, n_tokens: int, chunk_tokens: int, done: np.ndarray, start_token: int, sink,
-                 buffers: _ChunkBuffers | None = None):
-        self.n_tokens, self.chunk_tokens, self.done, self.sink = n_tokens, chunk_tokens, done, sink
-        self.pos = start_token
-        self.parts: list[dict[str, np.ndarray]] = []
-        self.buffers = buffers
-
-    def add(self, rows: dict[str, np.ndarray]) -> None:
-        n = len(rows["target"])
-        off = 0
-        while off < n:
-            c = self.pos // self.chunk_tokens
-            stop = min((c + 1) * self.chunk_tokens, self.n_tokens)
-            take = min(n - off, stop - self.pos)
-            if not self.done[c]:
-                self.parts.append({k: v[off:off + take] for k, v in rows.items()})
-            self.pos += take
-            off += take
-            if self.pos == stop:
-                if not self.done[c]:
-                    parts, self.parts = self.parts, []
-                    chunk = parts[0] if len(parts) == 1 else {k: self._join([p[k] for p in parts])
-                                                               for k in parts[0]}
-                    # copy: a view into the batch arrays would keep whole batches alive in the queue
-                    self.sink(c, {k: np.ascontiguousarray(v) for k, v in chunk.items()})
-                self.parts = []
-
-    def _join(self, parts: list[np.ndarray]) -> np.ndarray:
-        if self.buffers is None:
-            return np.concatenate(parts)
-        out = self.buffers.take((sum(len(p) for p in parts), *parts[0].shape[1:]), parts[0].dtype)
-        return np.concatenate(parts, out=out)
-
-
-class _ChunkBuffers:
-    """Arrays of assembled chunks, handed back by the writer once written and reused for the next chunks.
-
-    Why: a fresh array per chunk is zeroed page by page by the kernel on first touch — measured ~35 ms of system
-    time per 4096-token d_model-512 chunk (36 MB), against ~6 ms to copy the parts into a reused one.
-
-    Args:
-        keep: free arrays kept per (shape, dtype) (the chunks that can be in flight at once).
-    """
-
-    def __init__(self, keep: int):
-        self.keep = keep
-        self._free: dict[tuple, list[np.ndarray]] = {}
-        self._lent: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
-
-    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        key = (tuple(shape), np.dtype(dtype).str)
-        with self._lock:
-            free = self._free.get(key)
-            a = free.pop() if free else np.empty(key[0], dtype=dtype)
-            self._lent[id(a)] = a
-        return a
-
-    def give(self, data: Mapping[str, np.ndarray]) -> None:
-        """Take back the arrays of a written chunk that came from here (others are left alone)."""
-        with self._lock:
-            for a in data.values():
-                if self._lent.pop(id(a), None) is not None:
-                    free = self._free.setdefault((a.shape, a.dtype.str), [])
-                    if len(free) < self.keep:
-                        free.append(a)
-
-
 def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, cfg: DumpConfig,
                attrs: Mapping[str, Any] | None = None, progress: bool = True,
                finalize: Callable[[StoreWriter], Mapping[str, Any] | None] | None = None,
@@ -645,9 +347,9 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
     }
     base_attrs.update(user)
     bases = [c.__module__ for c in type(adapter).__mro__ if c.__module__.startswith("looptrace.")]  # an adapter's base
-    code = _code_hash(type(adapter).__module__, *bases, *([finalize.__module__] if finalize is not None else []))
+    code = code_hash(type(adapter).__module__, *bases, *([finalize.__module__] if finalize is not None else []))
     base_attrs["code_hash"] = code
-    fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]}, code)
+    fp = fingerprint(adapter, data, to_dict(cfg), {**user, "versions": base_attrs["versions"]}, code)
     base_attrs["fingerprint"] = fp
     loc = store_location(path)
     label = "<memory>" if loc is None else loc
@@ -664,7 +366,7 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
 
     left_incomplete: int | None = None  # the plan under which this process returned with peers still writing
     try:
-        joined = _join_or_plan(coord, path, label, fp, own, create_layout)
+        joined = join_or_plan(coord, path, label, fp, own, create_layout)
         if joined is None:  # complete, verified, nothing to do
             return _finished(path, label, cfg)
         plan_k, kind, claim, damage = joined
@@ -719,91 +421,6 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
             if again is not None and again.attrs.get("complete") and again.attrs.get("fingerprint") == fp:
                 coord.remove_plans_upto(left_incomplete)
 
-
-def _join_or_plan(coord: Coordinator, path: StoreTarget, label: str, fp: str, own: range,
-                  create_layout: Callable[[], StoreWriter]) -> tuple[int, str, str | None, dict] | None:
-    """Join the store's live plan, or make the next one (the claims protocol, :mod:`looptrace.io.claims`).
-
-    Returns None when the store is complete with these inputs and this process's range verified (nothing to
-    write), else ``(plan, kind, shard claim or None if already done, {chunk: damage} found before planning)``.
-    """
-    k: int | None
-    damage: dict[int, str]
-    while True:
-        plan = coord.current_plan()
-        if plan is not None and plan.active:
-            coord.refuse_incompatible(plan)
-            if plan.kind == "tidy":
-                coord.wait_inactive(plan)
-                continue
-            ready = coord.wait_ready(plan)
-            if ready is None:
-                continue
-            k, kind, damage = ready.gen, ready.kind, {}
-        else:
-            writer = StoreWriter.reopen(path)
-            same = writer is not None and writer.attrs.get("fingerprint") == fp
-            damage = {}
-            if same and writer is not None and writer.attrs.get("complete"):  # (same implies writer)
-                damage = writer.damaged_chunks(own)
-                metadata = writer.metadata_ok()
-                if not damage and metadata and not coord.debris() and not _has_debris(path):
-                    return None
-                kind = "repair" if damage or not metadata else "tidy"
-                if damage:
-                    first = next(iter(damage.items()))
-                    _say(f"{label}: {len(damage)} damaged chunk(s) (chunk {first[0]}: {first[1]}); rewriting them")
-                elif not metadata:
-                    _say(f"{label}: complete but its consolidated metadata is missing or stale; finalising again")
-            elif same:
-                kind = "resume"
-            else:
-                kind = "layout"
-            if (kind == "resume" and plan is not None and plan.ready and plan.fingerprint == fp
-                    and plan.n_shards == coord.n and plan.kind != "tidy"):
-                k = plan.gen  # the inactive current plan: take over its (dead) claims
-                kind = plan.kind if plan.kind == "repair" else "resume"
-            else:
-                k = coord.new_plan(kind)
-                if k is None:
-                    continue  # another process made that plan first: look again
-                if kind == "layout":
-                    if writer is not None:
-                        _say(f"{label}: existing store was dumped with different parameters, checkpoint, data or "
-                             "code; starting over")
-                    elif _has_anything(path):
-                        _say(f"{label}: existing store is unreadable or from another schema; starting over")
-                    create_layout()
-                elif kind == "repair":
-                    assert writer is not None  # repair: same store
-                    writer.set_incomplete()
-                remove_debris(path)  # nothing under an older plan is live: no temp file is being written
-                if kind == "tidy":
-                    coord.finish(f"plan@{k}.json")
-                    coord.remove_plans_upto(k)
-                    return None
-                coord.set_ready()
-        try:
-            claim = coord.claim_shard(k)
-        except Superseded:
-            continue
-        return k, kind, claim, damage
-
-
-def _has_debris(path: StoreTarget) -> bool:
-    loc = store_location(path)
-    if loc is None or is_remote(path) or not Path(loc).is_dir():
-        return False
-    return any(True for _ in Path(loc).rglob("*.partial"))
-
-
-def _has_anything(path: StoreTarget) -> bool:
-    loc = store_location(path)
-    if loc is None:
-        return bool(_memory_keys(path))
-    return not is_remote(path) and Path(loc).exists()
-
-
 def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter, own: range, kind: str,
                  damage: dict, cum: np.ndarray, mask: np.ndarray, k_top: int | None, hidden_dtype: str,
                  label: str, progress: bool, coord: Coordinator) -> None:
@@ -832,11 +449,11 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
         b1 = s1 // cfg.batch_size
         threads = writer_threads(torch.device(adapter.device))
         queued = max(cfg.writer_queue, threads)
-        buffers = _ChunkBuffers(keep=queued + threads + 1)
+        buffers = ChunkBuffers(keep=queued + threads + 1)
         pool = encode_pool(torch.device(adapter.device))
-        bg = _BackgroundWriter(lambda: writer, queued, before_write=coord.beat, threads=threads, written=buffers.give,
+        bg = BackgroundWriter(lambda: writer, queued, before_write=coord.beat, threads=threads, written=buffers.give,
                                encode_pool=pool)
-        asm = _ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put, buffers)
+        asm = ChunkAssembler(n_tokens, ct, done, int(cum[b0 * cfg.batch_size]), bg.put, buffers)
         total = int(cum[min((b1 + 1) * cfg.batch_size, len(data))] - cum[b0 * cfg.batch_size])
         bar = tqdm(total=total, unit="tok", desc=f"dump {label}", disable=None if progress else True, leave=False)
         # on a device, batch b's host copies are resolved after batch b + 1 is captured (capture/transfer.py)
@@ -870,11 +487,6 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
             bar.close()
         bg.close()
 
-
-def _memory_keys(store) -> list:
-    return list(getattr(store, "_store_dict", {}) or [])
-
-
 def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore:
     st = open_store(path, allow_nan=True)
     nan = int(st.attrs.get("nan_count") or 0)
@@ -885,7 +497,7 @@ def _finished(path: StoreTarget, label: str, cfg: DumpConfig) -> TrajectoryStore
     return st
 
 
-def _out_dir(out_dir: Path | str) -> Path | str:
+def output_root(out_dir: Path | str) -> Path | str:
     """A model's output root: a local directory (created) or a URL prefix (object stores have no directories)."""
     loc = store_location(out_dir)
     assert loc is not None  # a path or URL, not a memory store
@@ -898,64 +510,6 @@ def _out_dir(out_dir: Path | str) -> Path | str:
         raise StoreError(f"cannot create the output directory {out} ({exc.strerror or type(exc).__name__}); "
                          "choose another --out") from None
     return out
-
-
-class PrefixOverlapError(InputError):
-    """The test split shares scored contexts with fit or val and ``dump.allow_prefix_overlap`` is false."""
-
-
-def check_prefix_overlap(report: Mapping[str, Any], allow: bool, name: str) -> None:
-    """Refuse a test store that shares a scored prefix with fit or val (SPEC §6), unless ``allow``.
-
-    Args:
-        report: :func:`looptrace.tasks.base.shared_prefixes` of the splits being dumped together.
-        allow: ``dump.allow_prefix_overlap``.
-        name: the model / run name (for the message).
-
-    Raises:
-        PrefixOverlapError: one line naming the split, the count and the parameter that overrides it.
-    """
-    shared = report.get("shared_with", {}).get("test", {})
-    n = sum(int(v) for k, v in shared.items() if k in ("fit", "val"))
-    if n and not allow:
-        total = int(report.get("n_scored", {}).get("test", 0))
-        where = ", ".join(f"{k} {int(v)}" for k, v in shared.items() if k in ("fit", "val"))
-        raise PrefixOverlapError(
-            f"dump of '{name}': split 'test' has {n} of {total} scored tokens whose prefix is also scored in fit or "
-            f"val ({where}); the test store would repeat their trajectories; set dump.allow_prefix_overlap: true "
-            "to write it anyway")
-
-
-def check_training_split(spec: Mapping[str, Any] | None, allow: bool, name: str) -> None:
-    """Refuse a checkpoint whose training data was split by rows (its task spec has no ``split_rule: context``).
-
-    Such a model was trained on every prefix of its fit rows, most short ones also test's (SPEC §6), so its test
-    trajectories are not held out whatever the dump's own splits are. Checkpoints written before token-level
-    splits have no ``split_rule`` and count as ``sequence``. No task spec (an external model): nothing to check.
-
-    Raises:
-        PrefixOverlapError: one line naming the checkpoint, the rule and ``dump.allow_prefix_overlap``.
-    """
-    if not isinstance(spec, Mapping):
-        return
-    rule = spec.get("split_rule", "sequence")
-    if rule != "context" and not allow:
-        raise PrefixOverlapError(
-            f"dump of '{name}': the checkpoint was trained on split_rule '{rule}' data (rows split by content, "
-            "short prefixes shared with test); retrain it, or set dump.allow_prefix_overlap: true to dump it anyway")
-
-
-def overlap_line(report: Mapping[str, Any]) -> str:
-    """One line for the log: scored tokens of test and val whose context is scored in another split."""
-    n, sh = report["n_scored"], report["shared_with"]
-    parts = []
-    if "test" in n:
-        k = sum(v for o, v in sh["test"].items() if o in ("fit", "val"))
-        parts.append(f"test tokens with a prefix scored in fit/val: {k} of {n['test']}")
-    if "val" in n:
-        parts.append(f"val tokens with a prefix scored in fit: {sh['val'].get('fit', 0)} of {n['val']}")
-    return "; ".join(parts)
-
 
 def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str, int], out_dir: Path | str,
                cfg: DumpConfig, base: BaseConfig | None = None, progress: bool = True,
@@ -974,7 +528,7 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     Returns:
         split -> store (complete, unless other shards are still being written).
     """
-    out_dir = _out_dir(out_dir)
+    out_dir = output_root(out_dir)
     data = {}
     for split, n in cfg.sequences.items():
         if split not in data_seeds:
@@ -997,54 +551,4 @@ def dump_model(adapter: LoopedModelAdapter, task: Task, data_seeds: Mapping[str,
     return stores
 
 
-def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool = True,
-                    shard: tuple[int, int] = (0, 1)) -> dict:
-    """Dump every split of ``cfg.sequences`` of a checkpoint on the corpus ``cfg.text``: ``<out_dir>/<split>.zarr``.
-
-    The batches come from :func:`looptrace.tasks.text.text_dataset` (content-disjoint document splits, packed,
-    ``difficulty`` from fit-split token frequencies); with ``text.difficulty: final_loss`` it is rewritten before
-    completion by :func:`looptrace.tasks.text.loss_bins_finalizer`.
-
-    Args:
-        adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters``).
-        cfg: the ``dump`` section (:class:`looptrace.capture.dump.DumpConfig`) with ``text`` set; the tokenizer
-            defaults to ``cfg.adapter.path``.
-        out_dir: ``artifacts/dump/<model>`` (or a URL).
-        base: the ``base`` section (its seed is recorded).
-        shard: ``(i, N)``: this process's shard of every split (:func:`dump_split`).
-
-    Returns:
-        split -> completed store (``difficulty_*`` attributes: name, definition, edges).
-    """
-    if cfg.text is None:
-        raise ConfigError("dump.text is required to dump a checkpoint on a corpus")
-    tok_path = cfg.text.tokenizer or (cfg.adapter.path if cfg.adapter is not None else None)
-    if tok_path is None:
-        raise ConfigError("dump.text.tokenizer: no tokenizer directory (and no dump.adapter.path)")
-    out_dir = _out_dir(out_dir)
-    trust = bool(cfg.adapter is not None and cfg.adapter.trust_remote_code)
-    data, diff_attrs = text_dataset(cfg.text, cfg.sequences, tok_path, adapter.info.vocab_size, trust)
-    overlap = shared_prefixes({s: prefix_keys(b.tokens)[b.targets != IGNORE] for s, b in data.items()})
-    check_prefix_overlap(overlap, cfg.allow_prefix_overlap, adapter.info.name)
-    _say(f"{adapter.info.name}: {overlap_line(overlap)}")
-    stores = {}
-    for split, batch in data.items():
-        attrs = {**text_attrs(cfg.text, split), **diff_attrs, "base_seed": None if base is None else base.seed,
-                 "prefix_overlap": overlap_attrs(overlap, split, cfg.allow_prefix_overlap)}
-        stores[split] = dump_split(adapter, batch, join_store(out_dir, f"{split}.zarr"), cfg, attrs, progress,
-                                   finalize=(loss_bins_finalizer(cfg.text.difficulty_bins)
-                                             if cfg.text.difficulty == "final_loss" else None), shard=shard)
-    return stores
-
-def overlap_attrs(report: Mapping[str, Any], split: str, allowed: bool) -> dict[str, Any]:
-    """The ``prefix_overlap`` store attribute: this split's shared-token counts plus the whole report.
-
-    ``shared_with[other]`` = this split's scored tokens whose exact context is scored in ``other``; ``splits`` = the
-    splits measured together (those dumped in one run); ``allowed`` = ``dump.allow_prefix_overlap``.
-    """
-    return {"n_scored": int(report["n_scored"][split]), "shared_with": dict(report["shared_with"][split]),
-            "shared_any": int(report["shared_any"][split]), "splits": list(report["n_scored"]),
-            "report": report, "allowed": bool(allowed)}
-
-__all__ = ["DIMS", "DumpConfig", "PrefixOverlapError", "check_prefix_overlap", "check_training_split", "dump_model",
-           "dump_split", "dump_text_model", "overlap_attrs", "reuse_freed_memory", "weights_hash"]
+__all__ = ["DIMS", "DumpConfig", "bare_forward", "dump_model", "dump_split", "state_dtype"]

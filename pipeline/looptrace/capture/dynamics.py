@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from looptrace.capture.dump import dump_split
 from looptrace.config import ConfigError, InputError, MissingInputError
-from looptrace.geometry import iter_blocks
+from looptrace.geometry.blocks import iter_blocks
 from looptrace.io.store.reader import open_store
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.tasks import SPLITS, make_task

@@ -4,7 +4,7 @@ A looped block of L layers computes L intermediate states per loop; the store's 
 (the loop output). ``dump.layers: [0, 2]`` also keeps the outputs of layers 0 and 2 of the block at every loop, as
 ``layer_hidden`` [token, loop, layer, d_model] in the states' dtype (``layer`` indexes the listed layers, in the
 order given; the store's ``layers`` attribute names them). Huginn's users ask for exactly this (its 4 core layers ×
-32 recurrences; seal-rg/recurrent-pretraining issue 24).
+32 recurrences; github.com/seal-rg/recurrent-pretraining/issues/24).
 
 How: a second forward pass of the batch with a forward hook on each chosen layer of each looped group (the adapter's
 :meth:`~looptrace.models.interface.LoopedModelAdapter.loop_layers`); the k-th call of layer j of group g is that

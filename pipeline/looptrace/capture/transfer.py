@@ -1,4 +1,4 @@
-"""Device → host copies of the dump that overlap with the next batch's compute (issue 28 item 1; docs/dump.md).
+"""Device → host copies of the dump that overlap with the next batch's compute (docs/dump.md).
 
 On CUDA, :class:`Transfer` copies each captured array into page-locked (pinned) host memory on a **side stream**:
 the side stream first waits for the compute stream's work so far (an event: the values are final), the copy is

@@ -11,11 +11,11 @@ gates'), each test token falls in exactly one class:
 Verdict per model ([AD]'s decision aid, made explicit). Every figure is a val-chosen point on test with its
 95 % interval (bootstrap over test sequences; across seeds the Student-t interval on the logit scale of [1, T],
 :func:`group_verdicts`). Each comparison is the difference of two figures with an interval
-(:class:`looptrace.intervals.Difference`: per model from the two bootstrap intervals, per task × regime the
+(:class:`looptrace.estimates.Difference`: per model from the two bootstrap intervals, per task × regime the
 paired per-seed differences): a gap counts only when that interval excludes 0 *and* the estimate is at least
 ``gap_tol`` loops; the absence of a gap counts only when the interval rules out one of ``gap_tol``. A verdict
 is one of the three outcomes only when the comparisons it rests on are decided; otherwise it is
-**undecided** (issue 25: overlapping intervals are not evidence for either side), with the comparison it
+**undecided** (overlapping intervals are not evidence for either side), with the comparison it
 waits on and, per task × regime, the seeds that would decide at the observed spread. Depths are chosen-point
 test depths, so every rule is compared at accuracy within δ of full depth (defined even when D@95 is not).
 
@@ -36,7 +36,7 @@ test depths, so every rule is compared at accuracy within δ of full depth (defi
    not higher than ``best`` by ``gap_tol`` → **at-ceiling** (``at_ceiling``): ``best`` exits earlier than
    fixed depth and at (or below) the oracle ceiling — the readout already gets everything this trajectory offers, so neither a better
    readout nor, on this evidence, the trajectory is the limit at this accuracy; only a trajectory that is right
-   earlier would lower the depth. (Before issue 12 this case was called trajectory-limited, which read as a
+   earlier would lower the depth. (It is not called trajectory-limited, which would read as a
    contradiction beside 0 % trajectory failures.)
 6. otherwise **undecided**: ``undecided_early_exit`` (step 2 neither decided for nor against an early exit),
    ``undecided_ceiling`` (step 4/5: at or below the ceiling not decided), ``undecided_native`` (at the ceiling
@@ -59,4 +59,4 @@ The package, statistics apart from prose: ``config`` (``DiagnoseConfig``), ``sta
 """
 
 # The stage's code is in looptrace/diagnose/stage.py (as looptrace/gates/stage.py): importing one of this package's
-# modules (the loopmap stage reads diagnose/loopmap.py) then loads that module, not the whole diagnose stage.
+# modules (the loopmap stage reads loopmap/diagnoses.py) then loads that module, not the whole diagnose stage.

@@ -1,4 +1,4 @@
-"""Issue 26's findings in words, derived from the numbers (``diagnose.halting_table``; SPEC §7 "Halting findings").
+"""The halting findings in words, derived from the numbers (``diagnose.halting_table``; SPEC §7 "Halting findings").
 
 Five questions, each answered per task from the diagnose stage's own artifacts, with the interval, p-value and n
 behind every word:
@@ -27,7 +27,7 @@ false``; ``joint``, ``act`` = those kinds (the first regime of the task with the
 
 **Comparisons.** Two regimes are compared seed by seed (the models ``<task>-<regime>-s<k>`` of one k share the
 data order and, for the decoupled pair, the initialisation): d_k = a_k − b_k, the mean with its Student-t 95 %
-interval over the n seeds (:func:`looptrace.intervals.paired_difference`) and the two-sided paired t-test's p
+interval over the n seeds (:func:`looptrace.estimates.paired_difference`) and the two-sided paired t-test's p
 (``scipy.stats.ttest_1samp`` of the d_k against 0). With one seed, the two models' own bootstrap intervals when the
 figure has them (a conservative interval [a_lo − b_hi, a_hi − b_lo], no p), else no interval. A difference is stated
 in words (higher / lower) only when its interval excludes 0; otherwise **undecided** — never a direction the interval
@@ -51,7 +51,7 @@ import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.halting_table import CALIBRATED
-from looptrace.intervals import Interval, difference, from_row, paired_difference
+from looptrace.estimates import Interval, difference, from_row, paired_difference
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
 from looptrace.rules.native_halting import NATIVE_CALIBRATED, NATIVE_EXITS
@@ -476,7 +476,7 @@ def halting_findings(figs: pl.DataFrame, fronts: dict, table: pl.DataFrame | Non
 def findings_markdown(rows: list[dict], cfg: DiagnoseConfig) -> str:
     """The summary.md section: one heading per question, its sentences, and a closing line on the protocol."""
     conv = f"{cfg.convergence_signal} < {cfg.convergence_eps:g}, {cfg.convergence_kind}"
-    lines = ["## Halting findings (issue 26, from the numbers)", "",
+    lines = ["## Halting findings (from the numbers)", "",
              "Each sentence is derived from the artifacts: differences are a − b seed by seed with the Student-t 95 % "
              "interval over seeds and the paired t-test's p (n = seeds); with one seed, the two models' bootstrap "
              "intervals (no p). A direction is stated only when its interval excludes 0, else *undecided*. "

@@ -1,4 +1,4 @@
-"""The halting methods side by side at matched compute, in [RT]'s form (issue 26; ``diagnose.halting_table``).
+"""The halting methods side by side at matched compute, in [RT]'s form (``diagnose.halting_table``).
 
 One row per task × regime × method, over the training seeds of the group:
 
@@ -18,7 +18,7 @@ One row per task × regime × method, over the training seeds of the group:
 
 Figures (SPEC §4 "Headlines"): test accuracy and mean loops at the val-chosen point, each a 95 % interval —
 the bootstrap over test sequences for one seed, the Student-t interval over seeds for several
-(:func:`looptrace.intervals.across_seeds`). **Matched compute** ([RT]'s "−2.2 points against the best fixed depth
+(:func:`looptrace.estimates.across_seeds`). **Matched compute** ([RT]'s "−2.2 points against the best fixed depth
 at matched compute"): the accuracy a method beats or loses against fixed depth run at the same mean loops d, on the
 same model — fixed(d) = (1 − f)·acc_⌊d⌋ + f·acc_⌈d⌉, f = d − ⌊d⌋ (running a share f of the tokens one loop deeper
 costs exactly d loops on average); Δ = accuracy − fixed(d), per seed, then over seeds. **Collapse to one loop**: a
@@ -36,7 +36,7 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import MissingInputError
-from looptrace.intervals import Interval, across_seeds, from_row
+from looptrace.estimates import Interval, across_seeds, from_row
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.project import split_seed
 from looptrace.rules.calm import CALM
@@ -135,7 +135,7 @@ def halting_table(models: Sequence[str], readouts_root: Path | str, gates_root: 
             for r in rows:
                 methods.setdefault(r["method"], []).append(r)
         for method, rs in sorted(methods.items(), key=lambda kv: kv[1][0]["order"]):
-            # within the figures' ranges (issue 25): accuracy in [0, 1], loops in [1, T]
+            # within the figures' ranges: accuracy in [0, 1], loops in [1, T]
             T = info.get("n_loops")
             acc = across_seeds([r["accuracy"] for r in rs], level, bounds=(0.0, 1.0))
             loops = across_seeds([r["loops"] for r in rs], level,

@@ -8,7 +8,7 @@ counter, and ``kl_prev``). All are read at their val-chosen operating points —
 (val accuracy within δ of full depth, SPEC §4) — so their test depths are compared at matched accuracy (a rule none of
 whose thresholds reaches δ is flagged ``*_within_delta`` False: its point is its most accurate one): per
 model on the bootstrap intervals, per task × regime on the Student-t interval over seeds, with
-:func:`looptrace.intervals.compare` and ``diagnose.gap_tol`` (as the verdicts).
+:func:`looptrace.estimates.compare` and ``diagnose.gap_tol`` (as the verdicts).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
-from looptrace.intervals import Interval, across_seeds, compare, from_row
+from looptrace.estimates import Interval, across_seeds, compare, from_row
 from looptrace.project import split_seed
 
 #: Suffix of a refit gate trained on convergence labels (``gate:logreg-converged``).
@@ -100,7 +100,7 @@ def _figure(sub: pl.DataFrame, rule: str) -> tuple[Interval, float, int, bool]:
     no threshold reached it, so the accuracy is not matched)."""
     rs = list(sub.filter(pl.col("rule") == rule).iter_rows(named=True))
     T = max((int(r["n_loops"]) for r in rs if r.get("n_loops") is not None), default=None)
-    # across seeds within [1, T] (issue 25: a depth interval never leaves its range)
+    # across seeds within [1, T] (a depth interval never leaves its range)
     iv = across_seeds([from_row(r, "test_depth") for r in rs], bounds=(1.0, float(T)) if T and T > 1 else None)
     accs = [float(r["test_accuracy"]) for r in rs if r.get("test_accuracy") is not None]
     within = all(r.get("within_delta") is not False for r in rs)

@@ -11,7 +11,7 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import InputError, MissingInputError
-from looptrace.diagnose.claims import ad_claims
+from looptrace.diagnose.ad_claims import ad_claims
 from looptrace.diagnose.config import DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.faithfulness import (
     faithfulness_frame,
@@ -24,7 +24,8 @@ from looptrace.diagnose.stats import _row_iv, failure_codes, failure_rows, spear
 from looptrace.diagnose.summary import summary_markdown
 from looptrace.diagnose.verdicts import group_verdicts, verdict
 from looptrace.diagnose.words import _ci, _dx_ci
-from looptrace.intervals import Interval, IntervalsConfig, boot_seed, split_resampler
+from looptrace.estimates import Interval
+from looptrace.intervals import IntervalsConfig, boot_seed, split_resampler
 from looptrace.io.artifacts import read_json, read_parquet, write_outputs
 from looptrace.io.parallel import DaskRunner, map_tasks
 from looptrace.io.tables import SplitArrays, load_token_loop
@@ -204,7 +205,7 @@ def _diagnosis(fail_rows: list, sp_rows: list, verdict_rows: list, meta_rows: li
                gates_present: bool, cfg: DiagnoseConfig, meta: dict | None, faith_rows: list | None = None,
                router_rows: list | None = None) -> tuple[dict[str, pl.DataFrame], str, dict]:
     """Frames, claims, summary and metrics of :func:`diagnose_models` from the per-model rows."""
-    # n_loops: the claims' across-seed depth intervals stay within [1, T] (issue 25); without it they were unbounded
+    # n_loops: the claims' across-seed depth intervals stay within [1, T]; without it they were unbounded
     meta_df = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
                                               "regime_kind": pl.String, "n_loops": pl.Int64,
                                               "fixed_prior": pl.Boolean, "loop_memory": pl.Boolean})

@@ -13,16 +13,8 @@ import numpy as np
 import polars as pl
 
 from looptrace.diagnose.config import CLASSES, DiagnoseConfig
-from looptrace.intervals import (
-    Difference,
-    Interval,
-    Resampler,
-    across_seeds,
-    difference,
-    from_row,
-    spearman_level_samples,
-    spearman_token_samples,
-)
+from looptrace.estimates import Difference, Interval, across_seeds, difference, from_row
+from looptrace.intervals import Resampler, spearman_level_samples, spearman_token_samples
 from looptrace.project import split_seed
 
 
@@ -198,7 +190,7 @@ def decide(best: Interval | None, fixed: Interval, oracle: Interval, native: Int
            tol: float, diffs: dict[str, Difference | None] | None = None) -> dict:
     """The verdict from four depth figures (loops; each with its interval), as the module docstring states.
 
-    Every comparison is the difference a − b with an interval (:class:`looptrace.intervals.Difference`): by
+    Every comparison is the difference a − b with an interval (:class:`looptrace.estimates.Difference`): by
     default from the two figures' own intervals ([a.lo − b.hi, a.hi − b.lo]: disjoint intervals ⇔ it excludes
     0); ``diffs`` overrides it per comparison (the paired per-seed differences of a task × regime). A gap
     counts only when the interval excludes 0 *and* the estimate is at least ``tol`` loops; the *absence* of a
@@ -251,7 +243,7 @@ def decide(best: Interval | None, fixed: Interval, oracle: Interval, native: Int
 def decide_margins(d: Difference, key: str, tol: float) -> list[float]:
     """The largest half-widths at which the comparison ``key`` would be decided at its observed mean: one to
     exclude 0 (when |mean| ≥ tol) and one to rule out a gap of ``tol`` in the direction the verdict needs
-    (:func:`looptrace.intervals.seeds_needed`)."""
+    (:func:`looptrace.estimates.seeds_needed`)."""
     m = d.estimate
     out = [abs(m)] if abs(m) >= tol else []
     out.append(m + tol if key == "best_vs_fixed" else tol - m)  # not lower / not higher by tol

@@ -23,7 +23,7 @@ from looptrace.diagnose.stats import (
     with_val_columns,
 )
 from looptrace.diagnose.words import _pct, _seeds_word, _verdict_sentence, check_verdict
-from looptrace.intervals import MAX_SEEDS, Difference, Interval, paired_difference, seeds_needed
+from looptrace.estimates import MAX_SEEDS, Difference, Interval, paired_difference, seeds_needed
 from looptrace.project import split_seed
 from looptrace.rules.native_halting import NATIVE_EXITS
 from looptrace.rules.scoring import best_chosen
@@ -131,14 +131,14 @@ def group_verdicts(verdicts: pl.DataFrame, cfg: DiagnoseConfig, level: float = 0
     """One verdict per task × regime over its training seeds.
 
     Each depth figure of :func:`verdict` (best, fixed, oracle, native; D@X) becomes its across-seed mean with
-    the Student-t interval on the logit scale of [1, T] (:func:`looptrace.intervals.across_seeds`; one seed:
+    the Student-t interval on the logit scale of [1, T] (:func:`looptrace.estimates.across_seeds`; one seed:
     that model's bootstrap interval). The comparisons :func:`decide` rests on are *paired* by seed: all four
     figures of a seed come from one model, so each comparison is the mean per-seed difference with its
-    Student-t interval (:func:`looptrace.intervals.paired_difference`); with one seed, the model's own
+    Student-t interval (:func:`looptrace.estimates.paired_difference`); with one seed, the model's own
     comparison. The group verdict is one of the three outcomes only when those intervals decide it, else
     ``undecided`` — with the per-seed verdicts beside it and ``seeds_needed``: the smallest number of seeds at
     which, at the observed mean and spread of the blocking difference, the interval would decide
-    (:func:`looptrace.intervals.seeds_needed`; null with one seed: no spread observed).
+    (:func:`looptrace.estimates.seeds_needed`; null with one seed: no spread observed).
 
     Returns:
         DataFrame: group, task, regime, regime_kind, n_seeds, seeds, n_loops, verdict, reason, seed_verdicts,

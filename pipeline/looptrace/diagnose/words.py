@@ -8,10 +8,10 @@ import re
 from collections.abc import Sequence
 
 from looptrace.diagnose.stats import REASONS, _f, _row_iv, decide
-from looptrace.intervals import Difference, Interval, fmt_ci
+from looptrace.estimates import Difference, Interval, fmt_ci
 from looptrace.project import split_seed
 
-#: What each outcome of :func:`looptrace.intervals.compare` reads as in a sentence ("a is ... b").
+#: What each outcome of :func:`looptrace.estimates.compare` reads as in a sentence ("a is ... b").
 _CMP_WORDS = {"lower": "lower than", "higher": "higher than", "within noise": "within noise of",
               "within tolerance": "within tolerance of", "untestable": "not comparable with"}
 

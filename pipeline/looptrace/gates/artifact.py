@@ -135,7 +135,7 @@ def _first(exc: BaseException) -> str:
 
 def load_fitted(gates_dir: Path | str) -> dict:
     """One model's fit from ``gates_dir``: features, gates, stats, hidden dtype (the dict
-    :class:`~looptrace.online.gates.OnlineGate` takes). Nothing in the files is executed.
+    :class:`~looptrace.online.live_gate.OnlineGate` takes). Nothing in the files is executed.
 
     Raises:
         MissingInputError: a file is missing (names the stage to run).

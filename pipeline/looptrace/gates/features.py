@@ -71,7 +71,7 @@ class FeaturePipeline:
         n, L, D = h.shape
         H = np.asarray(h, dtype=np.float64).reshape(n * L, D)
         # A NaN/±inf state (a store dumped with dump.allow_nan) would otherwise become 0 or ±1.8e308 below,
-        # silently: refuse it with the count (issue 15 item 8: nothing changed silently).
+        # silently: refuse it with the count (nothing changed silently).
         bad = int(np.count_nonzero(~np.isfinite(H)))
         if bad:
             raise InputError(f"gate features: array 'hidden' has {bad} non-finite value(s) in a block of {n} token(s) "

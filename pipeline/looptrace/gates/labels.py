@@ -35,7 +35,7 @@ def converged_stop(signal: np.ndarray, eps: float) -> np.ndarray:
     """[FP] convergence labels: stop_t = 1[t ≥ the token's settled convergence depth] (SPEC §2 / §6).
 
     The settled depth is the first loop from which the signal stays below ε through T (geometry's ``settled``,
-    :func:`looptrace.geometry.convergence_depth`), so stop_t = 1[signal_s < ε for every s ≥ t]: a reverse
+    :func:`looptrace.geometry.blocks.convergence_depth`), so stop_t = 1[signal_s < ε for every s ≥ t]: a reverse
     cumulative AND (not imported from geometry, so that gates do not re-run when geometry's code changes;
     tests/test_convergence_labels.py checks that the two agree). A token that never settles (censored, T + 1)
     is never labelled stop; NaN never counts as below ε.

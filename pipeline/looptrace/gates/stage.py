@@ -199,7 +199,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
                             "chosen_test_depth": float(r.test.mean_depth[k]), "budget": float(cfg.cross_budget),
                             "acc_at_budget": acc_at_budget(r, cfg.cross_budget), "full_depth_accuracy": full})
         cross_df = pl.DataFrame(cross_rows, schema=CROSS_SCHEMA).sort("task", "rule", "fit_model", "eval_model", "mode")
-        write_parquet(cross_df, tmp / "cross_regime.parquet")  # page checksums (issue 24)
+        write_parquet(cross_df, tmp / "cross_regime.parquet")  # page checksums
         stage = {"models": list(stores), "gates": [s.name for s in specs], "cross_gates": cross,
                  "seed": base_seed, "params": to_dict(cfg), "calibration": to_dict(cal),
                  "intervals": to_dict(intervals) if intervals is not None else None,

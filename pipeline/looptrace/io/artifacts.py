@@ -52,7 +52,7 @@ def read_parquet(path: Path | str, **kwargs: Any) -> pl.DataFrame:
     unknown = set(kwargs) - {"columns"}
     if unknown:
         raise TypeError(f"read_parquet: unsupported arguments {sorted(unknown)}")
-    return read_verified(path, columns=kwargs.get("columns"))  # manifest digest and page checksums (issue 24)
+    return read_verified(path, columns=kwargs.get("columns"))  # manifest digest and page checksums
 
 
 def read_json(path: Path | str) -> Any:
@@ -65,7 +65,7 @@ def read_json(path: Path | str) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingInputError(f"{path} not found; run {producer(path)} first")
-    verify(path)  # against its directory's manifest (issue 24)
+    verify(path)  # against its directory's manifest
     try:
         return json.loads(path.read_text())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -181,7 +181,7 @@ def write_outputs(out_dir: Path | str, frames: dict[str, pl.DataFrame], metrics:
     """
     with atomic_dir(out_dir) as tmp:
         for name, df in frames.items():
-            write_parquet(df, tmp / f"{name}.parquet")  # page checksums (issue 24)
+            write_parquet(df, tmp / f"{name}.parquet")  # page checksums
         for name, text in (extra_text or {}).items():
             (tmp / name).write_text(text)
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=True) + "\n")

@@ -1,4 +1,4 @@
-"""Bounds derived from the data, and known-slow settings (issue 24).
+"""Bounds derived from the data, and known-slow settings.
 
 A value can be legal on its own and absurd for the data it meets: a block of 1 token read from a store chunked by
 4096 decodes every chunk 4096 times. Such values are refused in one line naming the key and the fix

@@ -1,4 +1,4 @@
-"""Outputs never destroy inputs (issue 24).
+"""Outputs never destroy inputs.
 
 Two guards, both one-line :class:`~looptrace.config.InputError` refusals raised before anything is written:
 

@@ -1,4 +1,4 @@
-"""Per-stage output manifests (issue 24): every file of an output directory with its sha256, written last.
+"""Per-stage output manifests: every file of an output directory with its sha256, written last.
 
 :func:`looptrace.io.artifacts.swap_in` writes ``manifest.json`` into the staged directory just before it swaps it
 in, so a manifest exists only beside a complete output (like a store's digests). It records the stage that wrote

@@ -254,7 +254,7 @@ def tune_allocator(mmap_threshold: int = 256 << 20) -> bool:
     off glibc's dynamic mmap threshold, so every multi-MB chunk buffer is a fresh ``mmap`` that page-faults in
     again. Measured (scale prototype, q4c): 600–675k minor faults and 3.4–5.0 s of system time per 24 chunks of
     [4096, 6, 512] on a default worker, 86–217k and 0.7–1.3 s with this setting; ~345 -> ~245 ms of CPU per
-    chunk. The same setting as ``looptrace.capture.dump.reuse_freed_memory`` (kept here so that the offline
+    chunk. The same setting as ``looptrace.capture.chunks.reuse_freed_memory`` (kept here so that the offline
     stages never import the capture code, which imports torch).
     """
     global _TUNED

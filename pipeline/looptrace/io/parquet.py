@@ -1,4 +1,4 @@
-"""Parquet written with page checksums and read with verification (issue 24).
+"""Parquet written with page checksums and read with verification.
 
 Every table a stage writes carries a CRC32 per data page (``write_page_checksum=True``) and every table a stage
 reads is decoded with ``page_checksum_verification=True`` (both pyarrow's; the Parquet format's own page CRC), so

@@ -112,7 +112,7 @@ def load_token_loop(path: Path | str, splits: Sequence[str] = ("val", "test"),
     if missing:
         raise InputError(f"{path}: column '{missing[0]}' is missing; re-run the geometry stage "
                          f"(DESIGN.md lists the token_loop columns)")
-    verify_parquet(path, want)  # its manifest's digest, or its page checksums (issue 24)
+    verify_parquet(path, want)  # its manifest's digest, or its page checksums
     try:
         df = (pl.scan_parquet(path).filter(pl.col("split").is_in(list(splits))).select(want)
               .sort("split", "token", "loop").collect())

@@ -87,7 +87,7 @@ class LoopedModelAdapter(ABC):
         """One loop of the model as a differentiable function: h_{t−1} -> h_t, [batch, seq, d_model] each.
 
         ``h0`` is the injection (``States.hidden_init``), ``loop`` the 0-based index of the loop (its group). The
-        contraction statistics (``dump.contraction``, :mod:`looptrace.capture.contraction`) take JVPs through it;
+        contraction statistics (``dump.contraction``, :mod:`looptrace.loopmap.contraction`) take JVPs through it;
         an adapter without one cannot compute them.
         """
         raise NotImplementedError(f"adapter '{self.info.name}' ({type(self).__name__}) exposes no loop step; "

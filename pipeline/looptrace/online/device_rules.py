@@ -1,4 +1,4 @@
-"""Exit decisions computed on the device, certified equal to the host's (issue 28 item 2; docs/generate.md).
+"""Exit decisions computed on the device, certified equal to the host's (docs/generate.md).
 
 The online rules of :mod:`looptrace.online.engine` compute some signals on the host: the step signals
 (``rel_step``, ``step_norm``/``hidden_change``, ``state_cos_dist``) and ``q_exit``'s halting CDF are float64 numpy
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from looptrace.online.engine import OnlineRule, RegistryRule
-from looptrace.online.signals import _ROUNDING
+from looptrace.online.live_signals import _ROUNDING
 from looptrace.rules.base import SIGNAL
 from looptrace.rules.builtin import QExitOnline
 from looptrace.signals.logits import STAT_NAMES, LoopStats
@@ -171,7 +171,7 @@ class _BoundedDeviceRule(DeviceRule):
 
 class _StepDeviceRule(_BoundedDeviceRule):
     """A step-signal rule (``rel_step``, ``step_norm``, ``state_cos_dist``) in torch float64 on the device, with
-    the states rounded to the store's hidden dtype as :class:`~looptrace.online.signals.LiveSignals` does."""
+    the states rounded to the store's hidden dtype as :class:`~looptrace.online.live_signals.LiveSignals` does."""
 
     def __init__(self, host: RegistryRule, signal: str):
         super().__init__(host)

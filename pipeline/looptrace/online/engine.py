@@ -3,7 +3,7 @@
 Each loop runs only on the sequences that still have an undecided scored token; exited sequences leave
 the batch (compaction: ``index_select`` of the active rows every loop). Every registered exit rule
 (:mod:`looptrace.rules.registry`, built-in or a user's) runs here as a :class:`RegistryRule`, on the live
-signals of :mod:`looptrace.online.signals`. Exit semantics and exactness are described in
+signals of :mod:`looptrace.online.live_signals`. Exit semantics and exactness are described in
 :mod:`looptrace.online.latency`.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from looptrace.config import ConfigError
 from looptrace.models.looped import LoopedTransformer
-from looptrace.online.signals import LiveSignals, to_numpy
+from looptrace.online.live_signals import LiveSignals, to_numpy
 from looptrace.rules.base import HISTORY, SIGNAL, ExitRule
 from looptrace.rules.registry import get_rule
 from looptrace.signals import keep_rows
@@ -137,7 +137,7 @@ class HistoryScore:
 class RegistryRule(OnlineRule):
     """A registered exit rule (:class:`~looptrace.rules.base.ExitRule`) run online at ``threshold``.
 
-    The signals it reads come from :class:`~looptrace.online.signals.LiveSignals` (the offline values bit for
+    The signals it reads come from :class:`~looptrace.online.live_signals.LiveSignals` (the offline values bit for
     bit). ``online='signal'`` rules compare that signal directly; other rules evaluate their online form
     (a built-in's streaming score, or :class:`HistoryScore` for a user's rule) in float64 numpy.
 
@@ -182,7 +182,7 @@ class CallableRule(OnlineRule):
     """A rule whose per-position probability is produced by a callable on (t, h_t, live signals).
 
     Used for refit offline gates: ``stop_prob(t, h, signals) -> [batch, seq] float64`` with ``signals`` the
-    :class:`~looptrace.online.signals.LiveSignals` values of ``signals`` at loop t, fired when ≥ the threshold
+    :class:`~looptrace.online.live_signals.LiveSignals` values of ``signals`` at loop t, fired when ≥ the threshold
     (SPEC §4 "offline gate"). ``state``: the gate's own running state (a PonderNet gate's halting CDF), reset
     with the rule and compacted with the batch.
     """

@@ -21,7 +21,7 @@ step feeds one position (the prompt's last token, then each emitted token) and l
 rule (any rule of the readouts registry at its chosen threshold — :class:`~looptrace.online.engine.
 RegistryRule`, the native Q-exit, a refit gate — :class:`~looptrace.online.engine.CallableRule`) sees h_t and
 the readout z_t of the still-undecided rows, on signals computed by the functions the dump used
-(:class:`~looptrace.online.signals.LiveSignals`); it fires → the row's token is argmax z_t. **Per-row exits in
+(:class:`~looptrace.online.live_signals.LiveSignals`); it fires → the row's token is argmax z_t. **Per-row exits in
 a batch: compaction** — an exited row leaves the batch for the rest of that position (``index_select`` of the
 active rows; the cache reads/writes only those rows), so it pays no more compute; it rejoins for the next
 position. ``compact=False`` keeps exited rows computing (masking, for the benchmark's comparison; the KV
@@ -627,7 +627,7 @@ def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None
     """Write ``generate.parquet`` and ``metrics.json`` atomically."""
 
     with atomic_dir(out_dir) as tmp:
-        write_parquet(df, tmp / "generate.parquet")  # page checksums (issue 24)
+        write_parquet(df, tmp / "generate.parquet")  # page checksums
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2) + "\n")
 
 

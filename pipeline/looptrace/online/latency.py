@@ -30,7 +30,7 @@ d_j; the stage reports that ceiling (``ideal_speedup_work``) beside the token-le
 
 Every rule of the registry (:mod:`looptrace.rules.registry`: the built-ins and a user's own rules named in
 ``latency.rules``) runs online, on signals that reproduce the offline ones bit for bit
-(:mod:`looptrace.online.signals`): logit signals by the dump's ``LoopStats`` on the readout, step signals by
+(:mod:`looptrace.online.live_signals`): logit signals by the dump's ``LoopStats`` on the readout, step signals by
 the geometry stage's ``StepSignals`` on the state rounded to the store's ``hidden`` dtype (the model itself
 keeps computing in float32 — only the rule sees the rounding, as the calibrated rule did).
 """
@@ -67,7 +67,7 @@ from looptrace.online.engine import (
     full_work,
     minimal_work,
 )
-from looptrace.online.gates import load_online_gate
+from looptrace.online.live_gate import load_online_gate
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks import IGNORE, TaskBatch, make_task
 
@@ -500,5 +500,5 @@ def write_latency(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
     """Write ``latency.parquet`` and ``metrics.json`` atomically (temp dir + os.replace)."""
 
     with atomic_dir(out_dir) as tmp:
-        write_parquet(df, tmp / "latency.parquet")  # page checksums (issue 24)
+        write_parquet(df, tmp / "latency.parquet")  # page checksums
         (tmp / "metrics.json").write_text(json.dumps(_jsonable(metrics), indent=2) + "\n")

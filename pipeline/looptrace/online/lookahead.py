@@ -1,4 +1,4 @@
-"""Decoding with early exit without a host round trip per loop (issue 28 item 2; docs/generate.md).
+"""Decoding with early exit without a host round trip per loop (docs/generate.md).
 
 :func:`looptrace.online.generate.decode_tokens` decides after every loop on the host whether to go on
 (``bool(und.any())``, ``bool(fire.any())``, the compaction's ``nonzero``): on an accelerator each of those waits

@@ -18,9 +18,11 @@ A figure whose inputs are missing is left out and the page says which stage to r
 works on partial pipelines (the tests build tiny constructed outputs). The page uses relative image
 paths and no scripts or external resources, so it opens offline from the file system.
 
-The package, one concern per module: ``inputs`` (``ReportConfig``, what is read), ``figures`` (the PNGs),
-``headline`` (the tables' numbers and metrics.json), ``findings`` (sentences and summary.md), ``page``
-(index.html); :func:`build_report` here runs them.
+The package, one concern per module: ``inputs`` (``ReportConfig``, what is read), ``figures`` (the PNGs: one
+module per figure family, ``fig_*``, on ``plotting``), ``headline`` (the tables' numbers and metrics.json),
+``findings`` (sentences and summary.md), ``halting_section`` and ``loopmap_section`` (those sections' tables),
+``interactive`` (the Plotly view), ``dvcplots`` (DVC plots), ``page`` (index.html); :func:`build_report` here runs
+them.
 """
 
 from __future__ import annotations

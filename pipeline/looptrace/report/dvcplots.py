@@ -1,13 +1,13 @@
 """The report's numbers for DVC's own run comparison: data series for ``dvc plots show/diff`` (declared as top-level
 ``plots`` in dvc.yaml with a template and ``x``/``y``) and the headline table for ``dvc metrics show`` /
-``dvc exp show`` (issue 25).
+``dvc exp show``.
 
 Files (``artifacts/report/plots/`` and ``artifacts/report/headline.json``), each a pure function of the artifacts:
 
 - ``accuracy_per_loop.json``: panel (task), curve (regime), loop, accuracy (%, mean over seeds), n_seeds.
 - ``pareto.json``: panel (task · regime), curve (rule — its role), mean_depth (loops), accuracy (%): the mean
-  front over seeds (:func:`looptrace.report.figures.mean_front`) of the curves the Pareto figures colour
-  (:func:`looptrace.report.figures.pareto_highlights`), so two runs' fronts overlay per rule.
+  front over seeds (:func:`looptrace.report.fig_pareto.mean_front`) of the curves the Pareto figures colour
+  (:func:`looptrace.report.fig_pareto.pareto_highlights`), so two runs' fronts overlay per rule.
 - ``step_geometry.json``: panel (task), curve (regime), loop, step_norm (geometric mean over seeds of the
   per-seed median), step_cos (mean over seeds of the per-seed median).
 - ``headline.json``: per task × regime the headline figures of :data:`looptrace.report.headline.HEADLINE_FIGURES`
@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from looptrace.report.figures import _groups_of, _tasks, mean_front, pareto_highlights, seed_band
+from looptrace.report.fig_pareto import mean_front, pareto_highlights
 from looptrace.report.headline import HEADLINE_FIGURES
 from looptrace.report.inputs import Inputs
+from looptrace.report.plotting import groups_of, seed_band, tasks_of
 
 #: Where the data series go, relative to the report's directory.
 PLOTS_DIR = "plots"
@@ -45,8 +46,8 @@ def accuracy_series(inp: Inputs) -> pl.DataFrame:
     """Per-loop test accuracy (%) of every task × regime, the mean over its seeds."""
     rows: list[dict] = []
     if inp.acc_per_loop is not None:
-        for task in _tasks(inp.meta):
-            for regime, models in _groups_of(inp.meta, task):
+        for task in tasks_of(inp.meta):
+            for regime, models in groups_of(inp.meta, task):
                 T = max(int(m["n_loops"]) for m in models)
                 vals = np.full((len(models), T), np.nan)
                 for s, m in enumerate(models):
@@ -62,8 +63,8 @@ def pareto_series(inp: Inputs) -> pl.DataFrame:
     """The highlighted rules' mean fronts over seeds, per task × regime (accuracy in %)."""
     rows: list[dict] = []
     if inp.pareto is not None:
-        for task in _tasks(inp.meta):
-            for regime, models in _groups_of(inp.meta, task):
+        for task in tasks_of(inp.meta):
+            for regime, models in groups_of(inp.meta, task):
                 ms = [m["model"] for m in models]
                 p = inp.pareto.filter(pl.col("model").is_in(ms))
                 kinds = dict(zip(p["rule"].to_list(), p["kind"].to_list(), strict=True))
@@ -80,8 +81,8 @@ def step_series(inp: Inputs) -> pl.DataFrame:
     rows: list[dict] = []
     if inp.loop_summary is not None:
         ls = inp.loop_summary.filter((pl.col("group_by") == "all") & (pl.col("count") > 0))
-        for task in _tasks(inp.meta):
-            for regime, models in _groups_of(inp.meta, task):
+        for task in tasks_of(inp.meta):
+            for regime, models in groups_of(inp.meta, task):
                 T = max(int(m["n_loops"]) for m in models)
                 out = {}
                 for metric in ("step_norm", "step_cos"):

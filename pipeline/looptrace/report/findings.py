@@ -8,7 +8,7 @@ from typing import cast
 
 import polars as pl
 
-from looptrace.report.halting import HALTING_COLUMNS, collapse_tol_of, halting_intro, halting_rows
+from looptrace.report.halting_section import HALTING_COLUMNS, collapse_tol_of, halting_intro, halting_rows
 from looptrace.report.headline import HEADLINE_FIGURES, nonfinite_table
 from looptrace.report.inputs import Inputs, ReportConfig
 
@@ -71,7 +71,7 @@ def run_summary_markdown(head: pl.DataFrame, groups: pl.DataFrame, inp: Inputs, 
     lf = latency_findings(inp.latency, inp.latency_metrics)
     if lf:
         lines += ["", "## Real early exit", ""] + [f"- {s}" for s in lf]
-    if inp.halting_table is not None and inp.halting_table.height:  # issue 26 (diagnose.halting_table)
+    if inp.halting_table is not None and inp.halting_table.height:  # diagnose.halting_table
         tol = collapse_tol_of(inp.collapse_tol)
         lines += ["", "## Halting methods at matched compute", "", halting_intro(tol), ""]
         lines += _md_table(halting_rows(inp.halting_table, tol), HALTING_COLUMNS)

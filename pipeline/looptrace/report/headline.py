@@ -11,7 +11,7 @@ import polars as pl
 
 from looptrace.diagnose.stats import dx_best, with_val_columns
 from looptrace.diagnose.verdicts import native_filter, native_rule
-from looptrace.intervals import Interval, across_seeds, from_row
+from looptrace.estimates import Interval, across_seeds, from_row
 from looptrace.project import split_seed
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.rules.scoring import best_chosen
@@ -68,7 +68,7 @@ def headline(inp: Inputs, cfg: ReportConfig) -> pl.DataFrame:
         figs: dict[str, Interval | None] = {}
         figs["dx_fixed"], _ = dx_best(dx, ["fixed"])
         figs["dx_best_posthoc"], dx_rule = dx_best(dx, ["posthoc"])
-        # the regime's own exit, as diagnose's verdict reads it (issue 26: not the best of every native rule)
+        # the regime's own exit, as diagnose's verdict reads it (not the best of every native rule)
         own = native_rule(m["regime_kind"], dx.filter(pl.col("kind") == "native")["rule"].to_list())
         figs["dx_native"], _ = dx_best(native_filter(dx, own), ["native"])
         figs["dx_best_gate"], _ = dx_best(dx, ["gate"])
@@ -146,7 +146,7 @@ def figure_bounds(kind: str, n_loops: float) -> tuple[float, float] | None:
 def group_headline(head: pl.DataFrame, inp: Inputs, level: float = 0.95) -> pl.DataFrame:
     """One row per task × regime (the models that differ only by training seed): every headline figure as the
     across-seed mean with its Student-t 95 % interval on the logit scale of the figure's range (accuracy
-    [0, 1], depths [1, T]: :func:`looptrace.intervals.across_seeds`, :func:`figure_bounds`; one seed: that
+    [0, 1], depths [1, T]: :func:`looptrace.estimates.across_seeds`, :func:`figure_bounds`; one seed: that
     model's bootstrap interval), the seed count, the rules chosen per seed, and diagnose's group verdict
     (``verdict_groups.parquet``) when present.
 
@@ -267,7 +267,7 @@ def generate_table(gen: pl.DataFrame, meta: pl.DataFrame) -> tuple[pl.DataFrame,
 def report_metrics(head: pl.DataFrame, inp: Inputs, cfg: ReportConfig, figures: dict[str, Path],
                    groups: pl.DataFrame | None = None) -> dict:
     """``metrics.json`` (``dvc metrics show``): the headline numbers per model (point values under the keys
-    of before issue 12, and every figure with its interval under ``intervals``), per task × regime across seeds
+    of older versions, and every figure with its interval under ``intervals``), per task × regime across seeds
     (``groups``: estimate, lo, hi, n_seeds, text) and the latency summary."""
     x = f"{cfg.x:g}"
 

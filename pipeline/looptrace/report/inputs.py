@@ -14,7 +14,7 @@ import polars as pl
 from looptrace.config import ConfigError, MissingInputError
 from looptrace.io.artifacts import read_json, read_parquet
 from looptrace.io.parquet import read_verified
-from looptrace.report.loopmap import load_loopmap
+from looptrace.report.loopmap_section import load_loopmap
 
 
 @dataclass(frozen=True)
@@ -67,9 +67,9 @@ class Inputs:
         cross_regime: gates' cross-regime table.
         latency: latency.parquet; latency_metrics: its metrics.json.
         generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
-        halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``; issue 26), collapse_tol: the
+        halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``), collapse_tol: the
             diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
-        loopmap: the loopmap stage's tables (:data:`looptrace.report.loopmap.TABLES`, issue 27), table -> rows.
+        loopmap: the loopmap stage's tables (:data:`looptrace.loopmap.tabulate.TABLES`), table -> rows.
         missing: input -> what to run.
     """
 
@@ -199,13 +199,13 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
             f = read_parquet(p)
             setattr(inp, "failures" if name == "failure_classes" else name,
                     f.filter(pl.col("model").is_in(list(models))) if "model" in f.columns else f)
-        elif name != "verdict_groups":  # diagnose outputs before issue 12 have no group table
+        elif name != "verdict_groups":  # diagnose outputs of older versions have no group table
             missing[f"diagnose/{name}.parquet"] = "run the diagnose stage"
     if (ddir / "metrics.json").is_file():
         dm = read_json(ddir / "metrics.json")
         inp.claims = dm.get("claims")
         inp.collapse_tol = ((dm.get("params") or {}).get("collapse_tol"))
-    # issue 26: the halting methods' table (opt-in in diagnose, so no "missing" note) and the faithfulness tests
+    # the halting methods' table (opt-in in diagnose, so no "missing" note) and the faithfulness tests
     for name in ("halting_table", "faithfulness"):
         p = ddir / f"{name}.parquet"
         if p.is_file():

@@ -1,4 +1,4 @@
-"""The report's interactive Pareto view (issue 25): every test operating point of every rule and seed, with hover
+"""The report's interactive Pareto view: every test operating point of every rule and seed, with hover
 (rule, seed, threshold, mean depth and accuracy with their 95 % bootstrap intervals), legend clicks that toggle a
 rule in every panel and seed, and a menu that shows one seed or all. Drawn by Plotly (offline): the page embeds
 the figures' JSON and loads ``plotly.min.js`` written beside ``index.html``, so it works from disk with no
@@ -14,8 +14,9 @@ from pathlib import Path
 import polars as pl
 
 from looptrace.project import split_seed
-from looptrace.report.figures import _GREY, _groups_of, _tasks, pareto_highlights
+from looptrace.report.fig_pareto import pareto_highlights
 from looptrace.report.inputs import Inputs
+from looptrace.report.plotting import GREY, groups_of, tasks_of
 
 #: The Plotly bundle written beside index.html (the page's only script).
 PLOTLY_JS = "plotly.min.js"
@@ -41,7 +42,7 @@ def pareto_figure(inp: Inputs, task: str):
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    groups = _groups_of(inp.meta, task)
+    groups = groups_of(inp.meta, task)
     names = [m["model"] for _, ms in groups for m in ms]
     sub = inp.pareto.filter(pl.col("model").is_in(names))
     kinds = dict(zip(sub["rule"].to_list(), sub["kind"].to_list(), strict=True))
@@ -60,7 +61,7 @@ def pareto_figure(inp: Inputs, task: str):
                 d = p.filter(pl.col("rule") == rule).sort("mean_depth")
                 if not d.height:
                     continue
-                role, colour = hl.get(rule, ("other rule", _GREY))
+                role, colour = hl.get(rule, ("other rule", GREY))
                 hover = [f"<b>{rule}</b> ({role})<br>{m['model']}<br>threshold {t:.4g}<br>depth "
                          f"{_ci(x, xl, xh)} loops<br>accuracy {_ci(y, yl, yh, 2, 100.0)} %"
                          for t, x, xl, xh, y, yl, yh in zip(
@@ -99,7 +100,7 @@ def _col(d: pl.DataFrame, c: str) -> list:
 def interactive_html(inp: Inputs, out_dir: Path) -> str:
     """The HTML of the interactive section (one div per task) and ``plotly.min.js`` written into ``out_dir``;
     empty when there is nothing to show."""
-    figs = [(t, pareto_figure(inp, t)) for t in _tasks(inp.meta)]
+    figs = [(t, pareto_figure(inp, t)) for t in tasks_of(inp.meta)]
     figs = [(t, f) for t, f in figs if f is not None]
     if not figs:
         return ""

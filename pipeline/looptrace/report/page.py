@@ -13,7 +13,7 @@ import polars as pl
 from markdown.treeprocessors import Treeprocessor
 
 from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings
-from looptrace.report.halting import (
+from looptrace.report.halting_section import (
     FAITH_COLUMNS,
     FAITH_INTRO,
     HALTING_COLUMNS,
@@ -32,9 +32,9 @@ from looptrace.report.headline import (
 )
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.report.interactive import PLOTLY_JS, interactive_html
-from looptrace.report.loopmap import COLUMNS as LOOPMAP_COLUMNS
-from looptrace.report.loopmap import INTRO as LOOPMAP_INTRO
-from looptrace.report.loopmap import loopmap_rows
+from looptrace.report.loopmap_section import COLUMNS as LOOPMAP_COLUMNS
+from looptrace.report.loopmap_section import INTRO as LOOPMAP_INTRO
+from looptrace.report.loopmap_section import loopmap_rows
 
 
 class _ShiftHeadings(Treeprocessor):
@@ -86,7 +86,7 @@ def _table(df: pl.DataFrame, cols: Sequence[tuple[str, str, str | None]]) -> str
                 txt = "—" if v is None else str(v)
             cells.append(f"<td>{html.escape(txt)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    # wrapped: a table wider than the column scrolls inside it, the page never does (issue 25)
+    # wrapped: a table wider than the column scrolls inside it, the page never does
     return f"<div class='tw'><table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
 
 
@@ -122,7 +122,7 @@ _CAPTIONS = {
 
 
 def halting_html(inp: Inputs) -> list[str]:
-    """The page's sections on the halting methods (issue 26; :mod:`looptrace.report.halting`): the matched-compute
+    """The page's sections on the halting methods (:mod:`looptrace.report.halting_section`): the matched-compute
     table when diagnose wrote one, the faithfulness tests when diagnose ran them."""
     parts = []
     if inp.halting_table is not None and inp.halting_table.height:
@@ -189,8 +189,8 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
                   "wall time of full-depth decoding / early exit in the same run; ideal = T / mean exit depth; "
                   "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
                   _table(gt, gcols)]
-    parts += halting_html(inp)  # issue 26: the halting methods' table and the faithfulness tests
-    if inp.loopmap is not None:  # issue 27: the loopmap stage's regime, certified exit and windows per model
+    parts += halting_html(inp)  # the halting methods' table and the faithfulness tests
+    if inp.loopmap is not None:  # the loopmap stage's regime, certified exit and windows per model
         parts += ["<h2>Loop map</h2>", f"<p>{html.escape(LOOPMAP_INTRO)}</p>",
                   _table(loopmap_rows(inp.loopmap), [(c, h, None) for c, h in LOOPMAP_COLUMNS])]
     if inp.loop_summary is not None:

@@ -4,12 +4,12 @@
 
 If the loop map is a contraction with constant ρ < 1 between h_{t−1} and the fixed point h*, then
 ‖h_t − h*‖ ≤ ‖Δ_t‖·ρ/(1 − ρ) ([BA], a posteriori estimate); the relative bound is b_t = r_t·ρ/(1 − ρ) with
-r_t = ``rel_step`` = ‖Δ_t‖/‖h_t‖ (:func:`looptrace.signals.certified.certified_bound`). The rule exits at the first t
+r_t = ``rel_step`` = ‖Δ_t‖/‖h_t‖ (:func:`looptrace.signals.fixed_point.certified_bound`). The rule exits at the first t
 with b_t ≤ ε; where ρ ≥ 1 the bound is undefined (NaN) and the rule never fires. ε is calibrated like every
 threshold rule (the [AD] quantile grid of the val bound, SPEC §4).
 
 - ``certified_fixed_point`` uses ρ̄_t = ``contraction_bound``, an *upper* bound of the token's Jacobian block norm
-  σ_max(J_t[i, i]) (its exact float64 value plus a rounding margin, :mod:`looptrace.capture.contraction`), as a
+  σ_max(J_t[i, i]) (its exact float64 value plus a rounding margin, :mod:`looptrace.loopmap.contraction`), as a
   certificate needs. It is computed only up to ``dump.contraction.exact_width``; a wider model's bound is NaN and
   this rule refuses it in one line (use ``estimated_fixed_point`` there). What the certificate still assumes: for a
   nonlinear loop map, that ‖J_ii‖₂ stays ≤ ρ̄_t on the way from h_{t−1} to h* (one point's derivative is not a Lipschitz
@@ -33,7 +33,7 @@ import numpy as np
 from looptrace.config import InputError
 from looptrace.rules.base import ExitRule
 from looptrace.rules.registry import register
-from looptrace.signals.certified import certified_bound
+from looptrace.signals.fixed_point import certified_bound
 
 
 def certified_score(s: Mapping[str, np.ndarray]) -> np.ndarray:

@@ -8,7 +8,7 @@ Each threshold is one operating point (mean exit depth, accuracy, mean loss). Th
 rule is the lowest-depth threshold whose *validation* accuracy is within δ points of full-depth
 accuracy.
 
-Post-hoc readouts (:mod:`looptrace.rules.evaluate`) and refit gates (:mod:`looptrace.gates`) are
+Post-hoc readouts (:mod:`looptrace.rules.readouts`) and refit gates (:mod:`looptrace.gates`) are
 scored by exactly these functions, with one :class:`CalibrationConfig` (params section
 ``calibration``), so their frontiers are comparable by construction.
 
@@ -27,7 +27,8 @@ import numpy as np
 import polars as pl
 
 from looptrace.config import Check, ConfigError, InputError, Percent
-from looptrace.intervals import Interval, Resampler, dx_samples, percentile_interval
+from looptrace.estimates import Interval
+from looptrace.intervals import Resampler, dx_samples, percentile_interval
 from looptrace.io.tables import SplitArrays
 from looptrace.signals import firing
 

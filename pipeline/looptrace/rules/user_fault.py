@@ -1,4 +1,4 @@
-"""An exception raised inside a user's own exit rule is the user's bug (issue 24): one line naming their function,
+"""An exception raised inside a user's own exit rule is the user's bug: one line naming their function,
 where in it it failed, and the signals' shape (tokens × loops 1..t) it was called on — not "a bug in looptrace"."""
 
 from __future__ import annotations

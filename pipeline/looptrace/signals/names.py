@@ -7,7 +7,7 @@ registry order (so the order of the table is the column order of the store's sta
 
 - the store's logit statistics (``looptrace.io.store.STAT_NAMES``) = :data:`LOGIT_SIGNALS`;
 - the step signals (``looptrace.signals.steps.GEOMETRY_METRICS``) = :data:`STEP_SIGNALS`;
-- ``token_loop.parquet``'s signal columns (``looptrace.geometry.TOKEN_LOOP_COLUMNS``) = :data:`TOKEN_LOOP_SIGNALS`;
+- ``token_loop.parquet``'s signal columns (``looptrace.geometry.stage.TOKEN_LOOP_COLUMNS``) = :data:`TOKEN_LOOP_SIGNALS`;
 - what an exit rule may read (``looptrace.rules.registry.ONLINE_SIGNALS`` / ``OFFLINE_ONLY_SIGNALS``) and what
   a gate may use as a feature (``looptrace.gates.config.STORE_FEATURES`` / ``GEOMETRY_FEATURES`` /
   ``FORBIDDEN_STATS`` / ``SIGNED_STATS``) = :data:`ONLINE_SIGNALS`, :data:`OFFLINE_ONLY`, :data:`STORED_FEATURES`,

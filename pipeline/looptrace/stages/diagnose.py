@@ -10,13 +10,12 @@ from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, t
 from looptrace.diagnose.config import DiagnoseConfig
 from looptrace.diagnose.halting_findings import findings_markdown, halting_findings, model_figures
 from looptrace.diagnose.halting_table import halting_table, halting_table_markdown
-from looptrace.diagnose.loopmap_artifacts import loopmap_artifacts
-from looptrace.diagnose.loopmap_models import loopmap_models
 from looptrace.diagnose.stage import diagnose_models, write_diagnosis
 from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
+from looptrace.loopmap.diagnose_rows import loopmap_artifacts, loopmap_models
 from looptrace.project import model_names, versions
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.stages import register_stage
@@ -52,7 +51,7 @@ def main(
             with dask_runner(base.dask) as runner:
                 frames, summary, metrics = diagnose_models(names, readouts_root, gates_root, geometry_root, cfg, meta=meta,
                                                            runner=runner, intervals=ivc, seed=base.seed)
-            if cfg.halting_table:  # issue 26: the halting methods at matched compute (profiles/halting)
+            if cfg.halting_table:  # the halting methods at matched compute (profiles/halting)
                 table = halting_table(names, readouts_root, gates_root, cfg.collapse_tol, ivc.level)
                 frames = {**frames, "halting_table": table}
                 summary += "\n" + halting_table_markdown(table, cfg.collapse_tol)
@@ -61,7 +60,7 @@ def main(
                 found = halting_findings(figs, fronts, table, frames["convergence_router"], cfg, ivc.level)
                 summary += "\n" + findings_markdown(found, cfg)
                 metrics = {**metrics, "halting_findings": found}
-            # issue 27: only models dumped with dump.contraction; none (the default) -> nothing written
+            # only models dumped with dump.contraction; none (the default) -> nothing written
             loopmap, loopmap_words = loopmap_models(names, dump_root, base.seed)
             if loopmap is None:  # the default: the loopmap stage's fixed sample of every model
                 loopmap, loopmap_words = loopmap_artifacts(names, loopmap_root)

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 import typer
 
-from looptrace.capture.dump import DumpConfig, dump_model, dump_text_model
+from looptrace.capture.dump import DumpConfig, dump_model
+from looptrace.capture.dump_text import dump_text_model
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import UserError, user_errors
 from looptrace.io import interrupts
-from looptrace.io.claims import parse_shard, shard_from_env
+from looptrace.io.claims_dir import parse_shard, shard_from_env
 from looptrace.io.guard import check_overlap
 from looptrace.io.store.location import join_store
 from looptrace.models import check_device

@@ -8,7 +8,7 @@ import typer
 
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import user_errors
-from looptrace.geometry import GeometryConfig, geometry_model
+from looptrace.geometry.stage import GeometryConfig, geometry_model
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store.format import check_split_formats
@@ -17,7 +17,7 @@ from looptrace.project import versions
 from looptrace.stages import register_stage
 
 
-@register_stage("geometry", 40, config=GeometryConfig, library="looptrace.geometry", help_blocks=("models",))
+@register_stage("geometry", 40, config=GeometryConfig, library="looptrace.geometry.stage", help_blocks=("models",))
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/dump/<model>)"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),

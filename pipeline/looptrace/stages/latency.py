@@ -14,7 +14,7 @@ from looptrace.io.guard import input_roots
 from looptrace.models import check_device
 from looptrace.online.latency import LatencyConfig, latency_models, write_latency
 from looptrace.project import model_meta, model_names, versions
-from looptrace.rules.evaluate import ReadoutsConfig
+from looptrace.rules.readouts import ReadoutsConfig
 from looptrace.stages import register_stage
 
 

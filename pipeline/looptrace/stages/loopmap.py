@@ -9,16 +9,17 @@ from pathlib import Path
 import torch
 import typer
 
-from looptrace.capture.loopmap import LoopmapConfig, loopmap_model, write_loopmap
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import user_errors
 from looptrace.io.claims import stage_output
+from looptrace.loopmap.config import LoopmapConfig
+from looptrace.loopmap.stage import loopmap_model, write_loopmap
 from looptrace.models import check_device
 from looptrace.project import versions
 from looptrace.stages import register_stage
 
 
-@register_stage("loopmap", 35, config=LoopmapConfig, library="looptrace.capture.loopmap", help_blocks=("models",))
+@register_stage("loopmap", 35, config=LoopmapConfig, library="looptrace.loopmap.stage", help_blocks=("models",))
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime> (artifacts/train/<model>)"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),

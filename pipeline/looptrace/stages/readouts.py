@@ -12,12 +12,12 @@ from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.project import model_meta, versions
-from looptrace.rules.evaluate import ReadoutsConfig, readouts_model
+from looptrace.rules.readouts import ReadoutsConfig, readouts_model
 from looptrace.rules.scoring import CalibrationConfig
 from looptrace.stages import register_stage
 
 
-@register_stage("readouts", 50, config=ReadoutsConfig, library="looptrace.rules.evaluate", help_blocks=("models", "rules"))
+@register_stage("readouts", 50, config=ReadoutsConfig, library="looptrace.rules.readouts", help_blocks=("models", "rules"))
 def main(
     model: str = typer.Option(..., help="model name <task>-<regime>[-s<seed>] (artifacts/geometry/<model>)"),
     params: list[Path] = typer.Option([Path("params.yaml")], help=PARAMS_HELP),

@@ -8,7 +8,7 @@ import typer
 
 from looptrace.config import PARAMS_HELP, load_base, load_section, require_in, to_dict
 from looptrace.errors import user_errors
-from looptrace.geometry import GeometryConfig
+from looptrace.geometry.stage import GeometryConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.guard import report_inputs
 from looptrace.project import model_names, versions

@@ -1,4 +1,4 @@
-"""A store's metadata documents checked before zarr reads them (issue 24).
+"""A store's metadata documents checked before zarr reads them.
 
 zarr opens a group whose ``zarr.json`` declares another format (``"zarr_format": 2``) or node type with a warning
 per member and then reports a missing array; a store is checked here first, so the error is one line naming the

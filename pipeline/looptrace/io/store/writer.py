@@ -1,6 +1,6 @@
 """Writing a store: :class:`StoreWriter` (whole, aligned token chunks, resume markers and chunk digests, used by
 the dump) and :func:`write_store` (one shot, for tests and small captures). The stored bytes are decided here
-and in :mod:`~looptrace.io.store.schema` (``looptrace.capture.dump.VALUE_MODULES``)."""
+and in :mod:`~looptrace.io.store.schema` (``looptrace.capture.resume.VALUE_MODULES``)."""
 
 from __future__ import annotations
 
@@ -9,28 +9,23 @@ import contextlib
 import errno
 import math
 import os
-import sys
-import threading
-import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-import crc32c
-import numcodecs.blosc
 import numpy as np
 import zarr
 import zarr.abc.store
 import zarr.storage
-from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec
-from zarr.core.buffer import default_buffer_prototype
+from zarr.codecs import Crc32cCodec
 from zarr.core.sync import sync
 
 from looptrace.io.artifacts import jsonable
 from looptrace.io.precision import STATE_DTYPES, PrecisionError, count_nonfinite, decode_states, encode_states
+from looptrace.io.store.chunk_io import UNCACHED_OK, DirectChunk, Encoded, write_file_uncached
 from looptrace.io.store.location import _URL, StoreTarget, _label, remove_store, resolve_store, store_location
 from looptrace.io.store.reader import TrajectoryStore, _chunk_keys, _chunk_keys_of, _open_group, open_store
 from looptrace.io.store.schema import (
@@ -73,7 +68,7 @@ class PreparedChunk:
 
     chunk: int
     rows: slice
-    direct: list[tuple[Any, _Encoded]]
+    direct: list[tuple[Any, Encoded]]
     via_zarr: list[tuple[zarr.Array, np.ndarray]]
     digests: np.ndarray
     nonfinite: int
@@ -106,8 +101,8 @@ class StoreWriter:
         self.n_chunks = math.ceil(self.n_tokens / self.chunk_tokens)
         self.state_dtypes = {n: d for n, d in (self.attrs.get("dtypes") or {}).items() if n in HIDDEN_NAMES}
         self.own = own
-        self._uncached = _UNCACHED_OK  # whole chunks written with O_DIRECT until the file system refuses it
-        self._direct = {name: enc for name, arr in self._arrays.items() if (enc := _DirectChunk.of(arr)) is not None}
+        self._uncached = UNCACHED_OK  # whole chunks written with O_DIRECT until the file system refuses it
+        self._direct = {name: enc for name, arr in self._arrays.items() if (enc := DirectChunk.of(arr)) is not None}
         dig = self._arrays.get(_DIGEST)
         self._digest_cols: dict[str, int] = {n: i for i, n in enumerate(cast("list[str]", dig.attrs.get("arrays", [])))} if dig else {}
 
@@ -140,7 +135,7 @@ class StoreWriter:
         codecs = _codecs(clevel)
         token_names = []
         # every array's metadata written in one round trip to zarr's event loop (concurrently) rather than one
-        # blocking call each: ~20 arrays cost ~0.2 s of wall on a busy 2-core host otherwise (issue 28)
+        # blocking call each: ~20 arrays cost ~0.2 s of wall on a busy 2-core host otherwise
         create = group._async_group.create_array
         todo = []
         for name, spec in specs.items():
@@ -256,7 +251,7 @@ class StoreWriter:
         Why a separate step: a dump whose forward pass runs on the host's cores compresses between batches,
         while the forward pass's threads wait, and leaves only the file writes to a background thread; a
         compressing thread beside the forward pass preempts its threads mid-GEMM, which then stall at their
-        barrier (issue 28; docs/dump.md). Arguments as :meth:`write_chunk`, and ``pool``: threads that encode the
+        barrier (docs/dump.md). Arguments as :meth:`write_chunk`, and ``pool``: threads that encode the
         arrays concurrently (each array's bytes are the same from any thread).
         """
         self._check_own(chunk)
@@ -270,7 +265,7 @@ class StoreWriter:
         # as zarr's codec pipeline: tests/test_store.py); a partial last chunk or another chain goes through zarr.
         # Why: zarr's pipeline costs ~50 ms of CPU per 4096-token d_model-512 chunk beyond the compressor itself
         # (a hop to a worker thread per codec, a copy of every compressed chunk to append its checksum), which on
-        # a busy host is taken from the forward pass (issue 28; docs/dump.md).
+        # a busy host is taken from the forward pass (docs/dump.md).
         full = n == self.chunk_tokens
         stored = {name: self._stored_rows(chunk, name, data[name], n) for name in names}
         # the CPU work as independent tasks, largest first so that a pool's threads finish together (a chunk's
@@ -300,13 +295,13 @@ class StoreWriter:
         bad = sum(int(v) for (_, what), v in results.items() if what == "count")
         return PreparedChunk(chunk, rows, direct, via_zarr, digests, bad if nonfinite is None else int(nonfinite))
 
-    def _write_uncached(self, path: Any, enc: _Encoded) -> bool:
-        """Write one compressed whole chunk of a local store past the page cache (:func:`_write_file_uncached`);
+    def _write_uncached(self, path: Any, enc: Encoded) -> bool:
+        """Write one compressed whole chunk of a local store past the page cache (:func:`write_file_uncached`);
         False when the store is not a local directory or its file system refuses ``O_DIRECT`` (the caller then
         writes it through zarr, as every later chunk of this writer)."""
         if not self._uncached or not isinstance(self.store, zarr.storage.LocalStore):
             return False
-        ok = _write_file_uncached(Path(self.store.root) / path.path, (enc.packed, enc.crc))
+        ok = write_file_uncached(Path(self.store.root) / path.path, (enc.packed, enc.crc))
         self._uncached = ok
         return ok
 
@@ -459,154 +454,6 @@ class StoreWriter:
         except Exception:  # noqa: BLE001 - missing or unreadable consolidated metadata
             return False
         return listed == set(self._arrays) and bool(cons.attrs.get("complete"))
-
-
-class _DirectChunk:
-    """Encoder of one array's whole chunks with zarr's own codec objects, without zarr's codec pipeline.
-
-    Only for the chain every store array uses (little-endian bytes → Blosc → crc32c, :func:`schema._codecs`) on a
-    regular grid whose chunk spans every non-token axis: the stored object is ``blosc.encode(raw bytes)`` followed
-    by the little-endian crc32c of those compressed bytes, exactly what zarr's pipeline writes for a whole chunk.
-    """
-
-    def __init__(self, arr: zarr.Array, blosc: BloscCodec):
-        self._arr = arr
-        self._blosc = blosc._blosc_codec  # zarr's configured numcodecs compressor (same typesize as zarr's)
-        self._tail = (0,) * (len(arr.shape) - 1)
-
-    @classmethod
-    def of(cls, arr: zarr.Array) -> _DirectChunk | None:
-        """The direct encoder of ``arr``, or None when its codec chain or grid is not the one it reproduces."""
-        codecs: tuple[Any, ...] = tuple(getattr(arr.metadata, "codecs", ()))
-        if (len(codecs) != 3 or not isinstance(codecs[0], BytesCodec) or not isinstance(codecs[1], BloscCodec)
-                or not isinstance(codecs[2], Crc32cCodec) or not hasattr(codecs[1], "_blosc_codec")
-                or np.dtype(arr.dtype).byteorder == ">" or sys.byteorder != "little"
-                or (codecs[0].endian is not None and codecs[0].endian.value != "little")
-                or tuple(arr.chunks[1:]) != tuple(arr.shape[1:])):
-            return None
-        return cls(arr, codecs[1])
-
-    def key(self, chunk: int) -> str:
-        return self._arr.metadata.encode_chunk_key((chunk, *self._tail))
-
-    def encode(self, x: np.ndarray) -> _Encoded:
-        """The stored object of one whole chunk ``x`` (C order, the array's dtype)."""
-        raw = np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # what zarr's BytesCodec hands to Blosc
-        packed = self._blosc.encode(raw)  # the GIL is released while compressing
-        crc = np.uint32(crc32c.crc32c(packed)).tobytes()  # zarr's Crc32cCodec: crc32c, appended little-endian
-        return _Encoded(packed, crc)
-
-
-@dataclass(frozen=True)
-class _Encoded:
-    """A whole chunk's stored object, ``packed + crc``, kept in its two parts: the uncached write copies them into
-    its aligned buffer anyway, so joining them first (a copy of the whole chunk) is left to zarr's path."""
-
-    packed: bytes
-    crc: bytes
-
-    def __len__(self) -> int:
-        return len(self.packed) + len(self.crc)
-
-    def buffer(self) -> Any:
-        """As one zarr buffer (for ``StorePath.set``)."""
-        return default_buffer_prototype().buffer.from_bytes(bytes(self.packed) + self.crc)
-
-
-# Blosc's own threads store a chunk's blocks in the order they finish, so one chunk compressed twice from the main
-# thread (where numcodecs lets Blosc use its threads) could give different bytes: measured 7 distinct outputs in 20
-# runs of one 64 MB float16 chunk at 2 threads. zarr compresses in worker threads, where numcodecs already uses one
-# thread; this makes the main thread do the same, so the same states always give the same stored bytes (SPEC §1).
-numcodecs.blosc.use_threads = False
-
-#: O_DIRECT wants the buffer's address, the file offset and the length aligned to the device's logical block
-#: (512 B or 4 KiB); 4 KiB suits both.
-_ALIGN = 4096
-#: Whether whole chunks may be written with O_DIRECT at all (Linux and a few others; not macOS or Windows).
-_UNCACHED_OK = hasattr(os, "O_DIRECT")
-#: What a file system that does not do O_DIRECT answers (tmpfs before Linux 6.6, overlayfs, some FUSE mounts).
-_REFUSED = (errno.EINVAL, errno.EOPNOTSUPP)
-_scratch: list[np.ndarray] = []  # free aligned buffers, kept for the process's later writes
-_scratch_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _aligned(n: int) -> Iterator[np.ndarray]:
-    """A reusable ``_ALIGN``-aligned byte buffer of at least ``n`` bytes, lent for the ``with`` block (one per
-    concurrent writer; kept for the process's later writes, so its pages are faulted in once)."""
-    with _scratch_lock:
-        fits = [i for i, b in enumerate(_scratch) if len(b) >= n]
-        buf = _scratch.pop(fits[0]) if fits else None
-        if buf is None and _scratch:
-            _scratch.pop(0)  # too small for this chunk: replaced by a larger one
-    if buf is None:
-        raw = np.empty(n + _ALIGN, dtype=np.uint8)
-        off = (-raw.ctypes.data) % _ALIGN
-        buf = raw[off:off + n]
-    try:
-        yield buf
-    finally:
-        with _scratch_lock:
-            _scratch.append(buf)
-
-
-def _write_file_uncached(path: Path, parts: Sequence[bytes]) -> bool:
-    """Write the concatenated ``parts`` to the file ``path`` past the page cache (``O_DIRECT``), atomically as
-    zarr's local store does (a ``.<uuid>.partial`` file in the same directory, renamed over ``path``).
-
-    Why: a buffered write copies every byte into page-cache pages, CPU that a dump on the host's cores takes from
-    the forward pass (issue 28). On the 2-vCPU VM of docs/dump.md fresh page-cache pages cost ~2 ms of kernel
-    time per MB (the hypervisor faults them in): 0.31 s per 150 MB dump, against ~0 for O_DIRECT, whose device
-    writes ran at 1.2 GB/s there. The parts are copied into an aligned buffer; its aligned head goes through
-    O_DIRECT, the last ``len % 4096`` bytes through a buffered write.
-
-    Returns:
-        False, with nothing left behind, when the file system refuses O_DIRECT (``EINVAL`` or ``EOPNOTSUPP``:
-        :data:`_REFUSED`); True once ``path`` holds the bytes.
-    """
-    n = sum(len(p) for p in parts)
-    head = n - n % _ALIGN
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
-    except OSError as exc:
-        if exc.errno in _REFUSED:
-            return False
-        raise
-    try:
-        with _aligned(max(n, 1)) as buf:
-            at = 0
-            for p in parts:
-                buf[at:at + len(p)] = np.frombuffer(p, dtype=np.uint8)
-                at += len(p)
-            view = buf[:n].data
-            done = 0
-            try:
-                while done < head:
-                    wrote = os.write(fd, view[done:head])
-                    done += wrote
-                    if wrote % _ALIGN:  # a short, unaligned write: the rest goes through the page cache
-                        break
-            except OSError as exc:
-                if exc.errno not in _REFUSED or done:
-                    raise
-                os.close(fd)
-                fd = -1
-                tmp.unlink(missing_ok=True)
-                return False
-            finally:
-                if fd >= 0:
-                    os.close(fd)
-            if done < n:
-                with open(tmp, "r+b") as f:
-                    f.seek(done)
-                    f.write(view[done:])
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return True
 
 
 @contextlib.contextmanager

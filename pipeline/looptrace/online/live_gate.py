@@ -13,7 +13,7 @@ import torch
 
 from looptrace.gates.artifact import load_fitted
 from looptrace.gates.config import STORE_FEATURES, gate_rule_form
-from looptrace.online.signals import round_states
+from looptrace.online.live_signals import round_states
 from looptrace.signals.halting import HaltingCDF
 
 __all__ = ["OnlineGate", "load_fitted", "load_online_gate"]
@@ -24,7 +24,7 @@ class OnlineGate:
 
     The features are recomputed exactly as the offline path computed them from the store: the state is
     rounded to the store's ``hidden`` dtype, and the statistics are the live signals of
-    :class:`looptrace.online.signals.LiveSignals` — the streaming forms of the functions that wrote the store
+    :class:`looptrace.online.live_signals.LiveSignals` — the streaming forms of the functions that wrote the store
     (``LoopStats``) and token_loop.parquet (``StepSignals``), so they equal the stored values bit for bit.
 
     A PonderNet gate's Q-exit rule (``ponder-<arch>``) keeps the running halting CDF of its logits

@@ -1,4 +1,4 @@
-"""The report's halting sections (issue 26): diagnose's matched-compute table of the halting methods
+"""The report's halting sections: diagnose's matched-compute table of the halting methods
 (``halting_table.parquet``, when ``diagnose.halting_table`` wrote it) with its intervals and, per method, whether it
 collapses to one loop; and the counterfactual faithfulness of every halting signal (``faithfulness.parquet``, SPEC
 §7a) per task × regime × rule over seeds. Every figure is read from diagnose's artifacts; the words of "collapse"
@@ -11,7 +11,7 @@ import math
 import polars as pl
 
 from looptrace.diagnose.config import DiagnoseConfig
-from looptrace.intervals import Interval, across_seeds, fmt_ci
+from looptrace.estimates import Interval, across_seeds, fmt_ci
 
 
 def collapse_text(row: dict, collapse_tol: float) -> str:

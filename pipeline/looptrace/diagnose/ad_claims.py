@@ -12,7 +12,7 @@ import polars as pl
 from looptrace.diagnose.config import AD_REFERENCE, FIXED_PRIOR_KINDS, DiagnoseConfig, fixed_prior_trajectory
 from looptrace.diagnose.stats import _f, _group_ci, dx_best, with_val_columns
 from looptrace.diagnose.words import _CMP_WORDS, _dx_ci, _seed_pairs, _seeds_word
-from looptrace.intervals import Interval, compare, paired_difference, seeds_needed
+from looptrace.estimates import Interval, compare, paired_difference, seeds_needed
 from looptrace.project import split_seed
 from looptrace.rules.builtin import CONFIDENCE_RULES
 from looptrace.rules.native_halting import NATIVE_EXITS
@@ -41,8 +41,8 @@ def _overall(results: list[str]) -> str:
 def _judge(a: Sequence[Interval | None], b: Sequence[Interval | None], ga: Interval, gb: Interval, level: float,
            tol: float = 0.0) -> tuple[str, dict | None, int | None]:
     """How a group's figure a stands to b: on the paired per-seed differences a_s − b_s when two or more seeds
-    have both finite (:func:`looptrace.intervals.paired_difference`: the seeds' shared variation cancels), else
-    on the two across-seed intervals (:func:`looptrace.intervals.compare`).
+    have both finite (:func:`looptrace.estimates.paired_difference`: the seeds' shared variation cancels), else
+    on the two across-seed intervals (:func:`looptrace.estimates.compare`).
 
     Returns:
         (comparison word, the paired difference as a dict or None, seeds that would decide a ``within noise``
@@ -75,10 +75,10 @@ def ad_claims(meta: pl.DataFrame, dx: pl.DataFrame, cfg: DiagnoseConfig, gates_p
 
     The unit is a task × regime group (the models ``<task>-<regime>-s<seed>`` that differ by training seed,
     :func:`looptrace.project.split_seed`): each figure is the across-seed mean with its Student-t interval
-    (one seed: that model's bootstrap interval, :func:`looptrace.intervals.across_seeds`); per seed the rule is
+    (one seed: that model's bootstrap interval, :func:`looptrace.estimates.across_seeds`); per seed the rule is
     chosen on val (:func:`dx_best`). A claim *holds* on a group only when the intervals are disjoint in the
     claimed direction, *does not hold* when they are disjoint the other way, and is *within noise* when they
-    overlap (:func:`looptrace.intervals.compare`).
+    overlap (:func:`looptrace.estimates.compare`).
 
     (a) best confidence readout's D@X lower than fixed depth's, on fixed-prior groups. (b) the native gate's
     D@X (joint group) higher than the best post-hoc readout's on the fixed-prior models of the same task and

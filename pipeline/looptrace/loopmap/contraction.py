@@ -10,7 +10,7 @@ model's own loop step (``torch.func.jvp`` forward mode and ``torch.func.vjp`` re
   position (VJPs) and its top singular value taken in float64 (:func:`block_norm_bound`). Wider: estimated by the
   power method on J_ii^T J_ii [Golub & Van Loan §8.2; PI], a lower bound of σ_max (:func:`diagonal_block_norm`).
 - ``contraction_bound`` ρ̄_t[i] ≥ σ_max(J_t[i, i]): the exact value rounded *up* by a stated margin (below), the
-  upper bound the Banach certificate needs ([BA], :mod:`looptrace.signals.certified`); NaN beyond ``exact_width``
+  upper bound the Banach certificate needs ([BA], :mod:`looptrace.signals.fixed_point`); NaN beyond ``exact_width``
   (no upper bound is computed there: a finite number of products cannot bound an unseen direction).
 - ``ftle`` λ_t = (1/t) Σ_{s≤t} log ‖J_s u_{s−1}‖, u_s = J_s u_{s−1} / ‖J_s u_{s−1}‖: the finite-time Lyapunov
   exponent of the sequence by Benettin's method [BE] (one tangent vector per sequence, propagated through the full

@@ -25,7 +25,6 @@ The *window* is the smallest j at which the median state effect falls below a th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -34,41 +33,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from looptrace.capture.contraction import sequence_rows
 from looptrace.config import ConfigError
+from looptrace.loopmap.config import InterventionConfig
 
-#: Intervention kinds.
-KINDS = ("noise", "patch")
 _EPS = 1e-30
 
 
-@dataclass(frozen=True)
-class InterventionConfig:
-    """One intervention.
-
-    Attributes:
-        loop: k, the loop whose output is perturbed (0 = h_0, the state entering loop 1; at most T − 1).
-        kind: ``noise`` or ``patch``.
-        scale: relative size s of the noise (``noise``); 0 changes nothing.
-        threshold: the state effect below which the perturbation counts as gone (the window).
-        seed: seed of the noise / the patching permutation.
-    """
-
-    loop: int = 1
-    kind: str = "noise"
-    scale: float = 0.1
-    threshold: float = 0.1
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ConfigError(f"intervention.kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.loop < 0:
-            raise ConfigError(f"intervention.loop must be >= 0, got {self.loop}")
-        if self.scale < 0:
-            raise ConfigError(f"intervention.scale must be >= 0, got {self.scale}")
-
-
 def patch_donors(rows: np.ndarray, seed: int, loop: int) -> np.ndarray:
-    """π for :data:`KINDS` ``patch``: the donor of each of ``rows`` (sequence indices, ≥ 2 of them), another of them.
+    """π for the ``patch`` intervention: the donor of each of ``rows`` (sequence indices, ≥ 2 of them), another of them.
 
     One random cycle through ``rows`` (a derangement: nobody keeps its own), drawn from (seed, loop, rows), so
     another set of sequences gets another pattern.
@@ -168,20 +139,6 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
         return out
 
 
-def window_summary(effect: np.ndarray, threshold: float, level: float = 0.95) -> dict:
-    """Median and central ``level`` interval over tokens of an effect [token, J], and the window length.
-
-    Returns:
-        ``median``, ``lo``, ``hi`` [J] and ``window``: the smallest j (1-based) with median ≤ threshold, J + 1 if none.
-    """
-    e = np.asarray(effect, dtype=np.float64)
-    a = (1 - level) / 2
-    med = np.median(e, axis=0)
-    below = np.flatnonzero(med <= threshold)
-    return {"median": med, "lo": np.quantile(e, a, axis=0), "hi": np.quantile(e, 1 - a, axis=0),
-            "window": int(below[0]) + 1 if below.size else e.shape[1] + 1}
-
-
 def adapter_intervention(adapter, input_ids: torch.Tensor, cfg: InterventionConfig) -> dict[str, torch.Tensor]:
     """:func:`intervene` on a model behind the dump's interface (its ``loop_step`` and ``readout``)."""
     st = adapter.states(input_ids.to(adapter.device))
@@ -190,5 +147,4 @@ def adapter_intervention(adapter, input_ids: torch.Tensor, cfg: InterventionConf
                      readout=lambda h, t: adapter.readout(h, t))
 
 
-__all__ = ["InterventionConfig", "KINDS", "adapter_intervention", "intervene", "patch_donors", "perturbation",
-           "window_summary"]
+__all__ = ["adapter_intervention", "intervene", "patch_donors", "perturbation"]

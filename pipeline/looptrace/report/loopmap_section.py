@@ -1,9 +1,9 @@
-"""The report's loop-map section (issue 27 item 5): what the ``loopmap`` stage measured on every model
+"""The report's loop-map section: what the ``loopmap`` stage measured on every model
 (``artifacts/loopmap/<model>/``, docs/loopmap.md) — the regime per model with its intervals, the certified
 fixed-point exit against the sample's Pareto front, the intervention windows — and one figure by loop: the local
 contraction ρ_t, the finite-time Lyapunov exponent λ_t ([LY], SPEC §2b) and the decay of a noise intervention
 with its linearised prediction ‖J^j δ‖/‖δ‖, per task × regime (mean over seeds with the across-seed 95 % band,
-the report's one protocol: :func:`looptrace.report.figures.seed_band`).
+the report's one protocol: :func:`looptrace.report.plotting.seed_band`).
 
 Every number is read from the stage's tables; nothing is recomputed here.
 """
@@ -15,14 +15,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from looptrace.intervals import fmt_ci
+from looptrace.estimates import fmt_ci
 from looptrace.io.artifacts import read_parquet
+from looptrace.loopmap.tabulate import TABLES
 from looptrace.rules.certified import CERTIFIED, ESTIMATED
-
-#: the loopmap stage's tables the report reads (artifacts/loopmap/<model>/<name>.parquet)
-TABLES = ("regime", "per_loop", "windows", "window_length", "frontier")
-#: the fixed-point rule's names in the stage's frontier table: certified (an upper bound of the Jacobian norm) or,
-#: for a model wider than loopmap.exact_width, estimated (the power-method ρ_t, a lower bound)
 
 INTRO = ("The loop map h_t = f(h_{t−1}) of every model on a fixed sample of test sequences (the loopmap stage, "
          "docs/loopmap.md): its regime from the finite-time Lyapunov exponent λ_T (median over sequences, 95 % "
@@ -127,5 +123,5 @@ def decay_values(lm: dict[str, pl.DataFrame], models: list[str], measure: str, T
     return out, f"noise of relative scale {scale:g} at loop k = {k}"
 
 
-__all__ = ["COLUMNS", "INTRO", "TABLES", "decay_values", "load_loopmap", "loopmap_rows",
+__all__ = ["COLUMNS", "INTRO", "decay_values", "load_loopmap", "loopmap_rows",
            "per_loop_values"]

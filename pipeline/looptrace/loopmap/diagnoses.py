@@ -22,14 +22,14 @@ Torch-free (an offline module): it reads the store's ``contraction`` / ``ftle`` 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
 
-from looptrace.config import ConfigError, InputError
+from looptrace.config import InputError
 from looptrace.intervals import Resampler
-from looptrace.signals.certified import certified_bound
+from looptrace.loopmap.config import LoopmapConfig
+from looptrace.signals.fixed_point import certified_bound
 from looptrace.signals.steps import step_metrics
 
 #: Predictors of :func:`failure_auc`, each per token: λ_T, mean ρ_t over loops, r_T, H_T.
@@ -40,36 +40,6 @@ AUC_SCHEMA = {"failure": pl.String, "predictor": pl.String, "auc": pl.Float64, "
               "auc_hi": pl.Float64, "n_pos": pl.Int64, "n_neg": pl.Int64}
 FRONTIER_SCHEMA = {"eps": pl.Float64, "mean_depth": pl.Float64, "accuracy": pl.Float64,
                    "share_certified": pl.Float64}
-
-
-@dataclass(frozen=True)
-class LoopMapConfig:
-    """Parameters of the loop-map diagnoses.
-
-    Attributes:
-        eps: thresholds ε of the certified exit (relative distance to the fixed point).
-        delta: |median λ_T| below this (in nats per loop, interval included) reads as *marginal*.
-        n_boot: bootstrap resamples over sequences (0 = no intervals).
-        level: interval coverage.
-        seed: bootstrap seed.
-        min_class: fewest tokens of each class (failures, non-failures) for an AUC: with fewer, the AUC is NaN —
-            one failure makes the AUC the rank of one token and its bootstrap interval falsely narrow (a
-            resample holds that token or not at all), seen on the default models (1 readout failure: "AUC 0.997
-            [0.990, 1.000]").
-    """
-
-    eps: tuple[float, ...] = (0.3, 0.1, 0.03, 0.01, 0.003, 0.001)
-    delta: float = 0.02
-    n_boot: int = 200
-    level: float = 0.95
-    seed: int = 0
-    min_class: int = 5
-
-    def __post_init__(self) -> None:
-        if not self.eps or any(not e > 0 for e in self.eps):
-            raise ConfigError(f"loopmap.eps: give thresholds > 0, got {list(self.eps)}")
-        if self.delta < 0:
-            raise ConfigError(f"loopmap.delta must be >= 0, got {self.delta}")
 
 
 def certified_exit(bound: np.ndarray, eps: float) -> np.ndarray:
@@ -100,14 +70,15 @@ def _weighted_median(x: np.ndarray, w: np.ndarray) -> float:
     return float(x[order][np.searchsorted(c, c[-1] / 2)])
 
 
-def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: LoopMapConfig) -> dict:
+def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: LoopmapConfig, seed: int = 0) -> dict:
     """The model's regime from the final FTLE of each sequence and the share of ρ_t < 1 (SPEC §2b).
 
     Args:
         ftle_final: [token] λ_T of each token's sequence.
         rho: [token, loop] ρ_t.
         sequence: [token] sequence id (the bootstrap unit; λ_T is per sequence).
-        cfg: δ, B, level, seed.
+        cfg: the ``loopmap`` section (``delta``, ``n_boot``, ``level``).
+        seed: the bootstrap's seed.
 
     Returns:
         ``regime`` (contracting | marginal | expanding), ``ftle_median`` / ``_lo`` / ``_hi``,
@@ -120,7 +91,7 @@ def regime(ftle_final: np.ndarray, rho: np.ndarray, sequence: np.ndarray, cfg: L
     share = float(below.mean())
     lo = hi = s_lo = s_hi = float("nan")
     if cfg.n_boot:
-        rs = Resampler(sequence, cfg.n_boot, cfg.seed, cfg.level)
+        rs = Resampler(sequence, cfg.n_boot, seed, cfg.level)
         # the unit order of the resampler is that of np.unique, as seq_ids
         meds = np.array([_weighted_median(lam, c) for c in rs.counts])
         lo, hi = (float(v[0]) for v in rs.interval(meds[:, None]))
@@ -193,14 +164,15 @@ def weighted_auc(label: np.ndarray, score: np.ndarray, weights: np.ndarray) -> n
 
 
 def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, sequence: np.ndarray,
-                cfg: LoopMapConfig) -> pl.DataFrame:
+                cfg: LoopmapConfig, seed: int = 0) -> pl.DataFrame:
     """ROC AUC of each predictor for each failure kind, with a bootstrap interval over sequences.
 
     Args:
         predictors: name -> [token] score, higher = more failure-prone.
         correct: [token, loop] argmax == target.
         sequence: [token] sequence id.
-        cfg: B, level, seed.
+        cfg: the ``loopmap`` section (``n_boot``, ``level``, ``min_class``).
+        seed: the bootstrap's seed.
 
     Returns:
         :data:`AUC_SCHEMA` rows; NaN AUC where a class has fewer than ``cfg.min_class`` tokens (or an interval's
@@ -208,7 +180,7 @@ def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, seque
     """
     from sklearn.metrics import roc_auc_score
 
-    rs = Resampler(sequence, cfg.n_boot, cfg.seed, cfg.level) if cfg.n_boot else None
+    rs = Resampler(sequence, cfg.n_boot, seed, cfg.level) if cfg.n_boot else None
     rows = []
     for failure, (label, inc) in failure_labels(np.asarray(correct, dtype=bool)).items():
         y = label[inc]
@@ -228,12 +200,13 @@ def failure_auc(predictors: Mapping[str, np.ndarray], correct: np.ndarray, seque
     return pl.DataFrame(rows, schema=AUC_SCHEMA)
 
 
-def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
+def loopmap_report(store, cfg: LoopmapConfig = LoopmapConfig(), seed: int = 0) -> dict:
     """Every loop-map diagnosis of one split's store (read whole: a test split of the toy models fits).
 
     Args:
         store: an open trajectory store dumped with ``dump.contraction``.
-        cfg: the diagnoses' parameters.
+        cfg: the ``loopmap`` section (``eps``, ``delta``, ``n_boot``, ``level``, ``min_class``).
+        seed: the bootstrap's seed.
 
     Returns:
         ``regime`` (:func:`regime`), ``frontier`` (:func:`certified_frontier`: of the certified exit when the store
@@ -257,11 +230,11 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
     upper = store.read("contraction_bound").astype(np.float64) if "contraction_bound" in store else None
     certified = upper is not None and not np.isnan(upper).all()  # NaN: wider than exact_width, no upper bound
     bound = certified_bound(upper if upper is not None and certified else rho, rel)
-    reg = regime(ftle[:, -1], rho, seq, cfg)
+    reg = regime(ftle[:, -1], rho, seq, cfg, seed)
     frontier = certified_frontier(bound, correct, cfg.eps)
     preds = {"ftle": ftle[:, -1], "contraction": rho.mean(axis=1), "rel_step": rel[:, -1],
              "entropy": store.read("entropy")[:, -1].astype(np.float64)}
-    auc = failure_auc(preds, correct, seq, cfg)
+    auc = failure_auc(preds, correct, seq, cfg, seed)
     words = [reg["words"]]
     fired = float((bound <= max(cfg.eps)).any(axis=1).mean())
     if not certified:
@@ -298,5 +271,5 @@ def auc_sentences(auc: pl.DataFrame, min_class: int) -> list[str]:
     return out
 
 
-__all__ = ["AUC_SCHEMA", "FAILURES", "FRONTIER_SCHEMA", "LoopMapConfig", "PREDICTORS", "certified_bound",
+__all__ = ["AUC_SCHEMA", "FAILURES", "FRONTIER_SCHEMA", "PREDICTORS", "certified_bound",
            "auc_sentences", "certified_exit", "certified_frontier", "failure_auc", "failure_labels", "loopmap_report", "regime", "weighted_auc"]

@@ -1,6 +1,6 @@
 """The fixed-point bound (SPEC §2b, [BA]) as a per-(token, loop) signal formula (torch-free): read by the
 ``certified_fixed_point`` and ``estimated_fixed_point`` exit rules (:mod:`looptrace.rules.certified`) and the loop-map
-diagnosis (:mod:`looptrace.diagnose.loopmap`).
+diagnosis (:mod:`looptrace.loopmap.diagnoses`).
 
 b_t = r_t·ρ/(1 − ρ) bounds ‖h_t − h*‖/‖h_t‖ when ρ bounds the loop map's Lipschitz constant between h_{t−1} and h*
 (Banach's a-posteriori estimate): h_t − h* = F(h_{t−1}) − F(h*), so ‖h_t − h*‖ ≤ ρ(‖Δ_t‖ + ‖h_t − h*‖). It is a

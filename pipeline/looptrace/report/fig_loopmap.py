@@ -1,0 +1,71 @@
+"""The report's loop-map figure: ρ_t, λ_t and the decay of an intervention by loop, from the loopmap stage's
+tables (:mod:`looptrace.report.loopmap_section`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from looptrace.report import plotting
+from looptrace.report.inputs import Inputs
+from looptrace.report.loopmap_section import decay_values, per_loop_values
+from looptrace.report.plotting import (
+    FIG_W,
+    band,
+    groups_of,
+    legend_below,
+    pyplot,
+    regime_colours,
+    seeds_label,
+    tasks_of,
+)
+
+
+def fig_loopmap(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi: int, seed_lines: bool = False
+                ) -> Path | None:
+    """The loop-map figure (the loopmap stage's tables, :mod:`looptrace.report.loopmap_section`): ρ_t, λ_t and
+    the noise decay by loop: rows = the three measures, columns = tasks, one line per regime
+    (geometric mean over seeds for ρ and the decay, plain mean for λ, each with the across-seed 95 % band)."""
+    if lm is None or "per_loop" not in lm:
+        return None
+    plt = pyplot()
+    colours = regime_colours(inp.meta)
+    tasks = tasks_of(inp.meta)
+    fig, axes = plt.subplots(3, len(tasks), figsize=(FIG_W, 9.6), squeeze=False, layout="constrained")
+    handles: dict[str, object] = {}
+    what = None
+    for c, task in enumerate(tasks):
+        for regime, metas in groups_of(inp.meta, task):
+            names = [m["model"] for m in metas]
+            T = max(int(m["n_loops"]) for m in metas)
+            x = np.arange(1, T + 1)
+            rho = per_loop_values(lm, names, "rho_median", T)
+            if not np.isfinite(rho).any():
+                continue
+            h = band(axes[0, c], x, rho, colours[regime], regime, log=True, seed_lines=seed_lines)
+            band(axes[1, c], x, per_loop_values(lm, names, "ftle_median", T), colours[regime], regime,
+                  seed_lines=seed_lines)
+            state, what = decay_values(lm, names, "state", T)
+            if np.isfinite(state).any():
+                band(axes[2, c], x, state, colours[regime], regime, log=True, seed_lines=seed_lines)
+                lin, _ = decay_values(lm, names, "linear", T)
+                band(axes[2, c], x, lin, colours[regime], regime, log=True, ls="--", marker=None)
+            handles.setdefault(f"{regime} ({seeds_label(len(names))})", h)
+        axes[0, c].axhline(1.0, color="k", lw=0.8, ls=":")
+        axes[1, c].axhline(0.0, color="k", lw=0.8, ls=":")
+        axes[0, c].set(title=task, ylabel="median ρ_t (local contraction)", yscale="log")
+        axes[1, c].set(ylabel="median λ_t (FTLE, nats per loop)")
+        axes[2, c].set(xlabel="loop t  /  loops j after the intervention (bottom)",
+                       ylabel="median relative state effect", yscale="log")
+        for r in range(3):
+            axes[r, c].xaxis.get_major_locator().set_params(integer=True)
+    from matplotlib.lines import Line2D
+
+    handles["linearised ‖J^j δ‖/‖δ‖ (dashed)"] = Line2D([], [], color="grey", ls="--")
+    legend_below(fig, handles)
+    # short enough for the page width at 12 pt (the long form cut off at both ends); the caption says the rest
+    fig.suptitle("Loop map: ρ_t, λ_t and the decay of " + (what or "an intervention").replace(
+        "noise of relative scale", "noise") + " (seeds: mean, 95 % band)")
+    return plotting.save(fig, out / "loopmap.png", dpi)
