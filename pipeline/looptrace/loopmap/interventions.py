@@ -31,9 +31,9 @@ import torch
 from torch.nn import functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from looptrace.capture.contraction import sequence_rows
 from looptrace.config import ConfigError
 from looptrace.loopmap.config import InterventionConfig
+from looptrace.loopmap.contraction import sequence_rows
 
 _EPS = 1e-30
 
