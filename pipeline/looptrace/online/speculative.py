@@ -1,0 +1,403 @@
+"""Loop self-speculative decoding: lossless speed from the loops (SPEC §8 "Loop self-speculative decoding").
+
+A looped model is its own draft model: k < T loops of the same weights propose the next tokens, one full-depth
+pass checks them. One **block** of :func:`decode_speculative`, at position p with the current token x_0:
+
+1. **draft**: for j = 0..d'−1, embed x_j at position p+j, run loops 1..k, read out after loop k, x_{j+1} = its
+   argmax (fed back on the device: no host round trip). d' = min(d, tokens still to emit − 1), so a block never
+   emits past the horizon. Where the decoder verifies in a chunk (:attr:`~looptrace.models.decode.LoopDecoder.
+   chunk_verify`: looptrace's own model) position p+d' runs its loops 1..k too (no readout): its state is the
+   verification's starting point.
+2. **verify**: one pass over the q = d'+1 positions p..p+d' (tokens x_0..x_{d'}) at full depth
+   (:meth:`~looptrace.models.decode.LoopDecoder.verify`) -> the full-depth greedy tokens y_1..y_q. A chunk runs
+   only loops k+1..T: a position's loop t attends to the loop-t keys/values of the positions up to it, so the
+   draft's loops 1..k (and prelude) of x_0..x_{d'} are exactly full depth's and the chunk continues from them;
+   its attention sees the cached prefix through a causal offset mask, and the batch-invariant kernels
+   (SPEC §8 "Batch-invariant inference") give every position of the chunk the numbers it has when decoded alone.
+   The generic form re-runs each position through the decode path (exact on every kind; no saving).
+3. **accept**: per row r, m_r = the number of leading drafts equal to the full-depth token (x_j = y_j for
+   j = 1..m_r). The batch's rows share one cache position, so the block emits a = min_r m_r + 1 tokens, y_1..y_a,
+   for every row: y_j is full depth's token whenever every earlier token fed is (true for j ≤ a), so the emitted
+   tokens are full-depth greedy decoding's, row by row, at any batch size. Rows that accepted more redo those
+   tokens in the next block (per-row acceptance is recorded).
+4. **roll back**: the cache position moves to p+a (the slots of the rejected positions are rewritten before
+   anything reads them: a call writes its positions before attending), and y_a is the next block's x_0.
+
+KV policy for the loops the draft skips: none is needed — a draft at loop t ≤ k only reads loops ≤ k, and the
+verification writes loops k+1..T (and the coda at T) of every drafted position before a later block reads them
+(``verify-overwrite``). The decoder must keep its cache in looptrace's :class:`~looptrace.models.kv.LoopKVCache`
+(any policy but ``native``: a model's own cache cannot be rewound).
+
+:func:`measure_costs` times the pieces of a block (the cost model of the prediction,
+:mod:`looptrace.online.speculative_predict`); :func:`speculative_model` is the ``generate`` stage's
+``generate.speculative`` section: realised against predicted acceptance and speedup.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from looptrace.config import ConfigError
+from looptrace.models.decode import DecodeUnsupported, LoopDecoder
+from looptrace.online.speculative_predict import SpecCosts, predict_speculative
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SpecRun:
+    """One speculative decoding run over a batch of prompts.
+
+    Attributes:
+        tokens: [batch, new] int64, the emitted tokens (full-depth greedy decoding's).
+        logprob: [batch, new] float64, each emitted token's log-probability under the full-depth readout.
+        draft: [blocks] int64, the block's draft length d'.
+        emitted: [blocks] int64, tokens the block emitted (a = min over rows of accepted + 1).
+        accepted: [blocks, batch] int64, each row's leading drafts equal to full depth's (m_r ≤ d').
+        row_loops: loop steps computed over rows and positions (drafts and verifications).
+        seconds: wall time of the decoding (prefill excluded).
+        prefill_seconds: wall time of the prefill.
+    """
+
+    tokens: np.ndarray
+    logprob: np.ndarray
+    draft: np.ndarray
+    emitted: np.ndarray
+    accepted: np.ndarray
+    row_loops: int
+    seconds: float
+    prefill_seconds: float
+
+    @property
+    def blocks(self) -> int:
+        """Verification passes (blocks)."""
+        return int(self.draft.size)
+
+
+def check_speculative(dec: LoopDecoder, k: int, d: int) -> None:
+    """Refuse a draft depth, a draft length or a decoder speculative decoding cannot run (one line each)."""
+    if not 1 <= k < dec.n_loops:
+        raise ConfigError(f"speculative decoding drafts with k loops, 1 ≤ k < T = {dec.n_loops}; got k = {k}")
+    if d < 1:
+        raise ConfigError(f"speculative decoding drafts d ≥ 1 tokens per block; got d = {d}")
+    if dec.policy == "native":
+        raise DecodeUnsupported("speculative decoding rolls the cache back after a rejected draft; the model's own "
+                                "cache (policy native) cannot be: use a decoder of policy share or recompute")
+
+
+@torch.inference_mode()
+def decode_speculative(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, k: int, d: int) -> SpecRun:
+    """Greedy decoding of ``new_tokens`` tokens after each prompt by loop self-speculation (module docstring).
+
+    Args:
+        dec: the model's decoder (any policy but ``native``; the policy plays no part).
+        prompts: [batch, prompt_len ≥ 1] int64 token ids.
+        new_tokens: tokens to emit per row.
+        k: draft loops, 1 ≤ k < T.
+        d: draft length (tokens proposed per block).
+
+    Returns:
+        :class:`SpecRun` (numpy arrays); ``tokens`` equal :func:`looptrace.online.generate.decode_tokens` without
+        a rule, bit for bit on looptrace's model (tests/test_speculative.py).
+    """
+    B, S0 = prompts.shape
+    if S0 < 1 or new_tokens < 1:
+        raise ValueError("decoding needs a prompt of at least one token and at least one new token")
+    check_speculative(dec, k, d)
+    T, N = dec.n_loops, new_tokens
+    dev = prompts.device
+    tokens = torch.zeros((B, N), dtype=torch.int64, device=dev)
+    logprob = torch.zeros((B, N), dtype=torch.float64, device=dev)
+    draft, emitted, accepted = [], [], []
+    chunk = dec.chunk_verify
+    dec.reset(prompts, S0 + N - 1)
+    t0 = time.perf_counter()
+    dec.prefill(prompts[:, :-1])
+    t1 = time.perf_counter()
+    cur = prompts[:, -1]
+    n = work = 0
+    while n < N:
+        dd = min(d, N - n - 1)
+        p = dec.pos
+        ids, injs, hs = [cur], [], []
+        for j in range(dd + 1 if chunk else dd):
+            inj, h = dec.start(ids[j])
+            for t in range(k):
+                h = dec.step(t, h, inj, None)
+            work += k * B
+            if chunk:
+                injs.append(inj)
+                hs.append(h)
+            if j < dd:
+                ids.append(dec.readout(h, k - 1, None)[:, 0].argmax(dim=-1))
+            dec.advance()
+        dec.pos = p
+        x = torch.stack(ids, dim=1)  # [B, q]
+        inj_c = torch.cat(injs, dim=1) if chunk and all(i is not None for i in injs) else None
+        z = dec.verify(x, inj_c, torch.cat(hs, dim=1) if chunk else None, k)  # [B, q, V]
+        work += (T - k if chunk and inj_c is not None else T) * (dd + 1) * B
+        logp = torch.log_softmax(z.double(), dim=-1)
+        y = logp.argmax(dim=-1)  # [B, q]: the full-depth greedy token after each position
+        m = torch.cumprod((x[:, 1:] == y[:, :dd]).long(), dim=1).sum(dim=1)  # [B] leading agreements
+        a = int(m.min()) + 1
+        tokens[:, n:n + a] = y[:, :a]
+        logprob[:, n:n + a] = logp[:, :a].gather(2, y[:, :a, None]).squeeze(2)
+        draft.append(dd)
+        emitted.append(a)
+        accepted.append(m)
+        n += a
+        dec.pos = p + a
+        cur = y[:, a - 1]
+    t2 = time.perf_counter()
+    return SpecRun(tokens=tokens.cpu().numpy(), logprob=logprob.cpu().numpy(),
+                   draft=np.asarray(draft, np.int64), emitted=np.asarray(emitted, np.int64),
+                   accepted=torch.stack(accepted).cpu().numpy().astype(np.int64), row_loops=work,
+                   seconds=t2 - t1, prefill_seconds=t1 - t0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cost model's measurements
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def measure_costs(dec: LoopDecoder, prompts: torch.Tensor, k: int, d: int, repeats: int = 3) -> SpecCosts:
+    """Time the pieces of a block on ``prompts`` (their last token as x_0, the rest prefilled), median of
+    ``repeats``: a drafted position (embed + loops 1..k), a draft readout (after loop k), a verification of q
+    positions for q = 1..d+1, and the acceptance bookkeeping (argmax, comparison, host read, the emitted slice).
+
+    Args:
+        dec: the decoder (as :func:`decode_speculative`'s).
+        prompts: [batch, prompt_len] int64 (the batch the costs are for).
+        k, d: draft loops and draft length.
+        repeats: timed repetitions (≥ 1; the first pass also warms up and is not timed).
+
+    Returns:
+        :class:`~looptrace.online.speculative_predict.SpecCosts` (seconds).
+    """
+    check_speculative(dec, k, d)
+    B, S0 = prompts.shape
+    q_max = d + 1
+    dec.reset(prompts, S0 + q_max)
+    dec.prefill(prompts[:, :-1])
+    p = dec.pos
+    pos_t: list[float] = []
+    ro_t: list[float] = []
+    ver_t: list[list[float]] = [[] for _ in range(q_max)]
+    acc_t: list[float] = []
+    for rep in range(repeats + 1):
+        timed = rep > 0
+        dec.pos = p
+        ids, injs, hs = [prompts[:, -1]], [], []
+        for j in range(q_max):
+            s = time.perf_counter()
+            inj, h = dec.start(ids[j])
+            for t in range(k):
+                h = dec.step(t, h, inj, None)
+            e = time.perf_counter()
+            injs.append(inj)
+            hs.append(h)
+            if j < q_max - 1:
+                z = dec.readout(h, k - 1, None)[:, 0].argmax(dim=-1)
+                ids.append(z)
+                e2 = time.perf_counter()
+                if timed:
+                    ro_t.append(e2 - e)
+            if timed:
+                pos_t.append(e - s)
+            dec.advance()
+        x = torch.stack(ids, dim=1)
+        inj_c = torch.cat(injs, dim=1) if all(i is not None for i in injs) else None
+        h_c = torch.cat(hs, dim=1)
+        for q in range(1, q_max + 1):
+            dec.pos = p
+            s = time.perf_counter()
+            z = dec.verify(x[:, :q], None if inj_c is None else inj_c[:, :q], h_c[:, :q], k)
+            e = time.perf_counter()
+            if timed:
+                ver_t[q - 1].append(e - s)
+        s = time.perf_counter()
+        logp = torch.log_softmax(z.double(), dim=-1)
+        y = logp.argmax(dim=-1)
+        m = torch.cumprod((x[:, 1:] == y[:, :-1]).long(), dim=1).sum(dim=1)
+        a = int(m.min()) + 1
+        _ = logp[:, :a].gather(2, y[:, :a, None])
+        e = time.perf_counter()
+        if timed:
+            acc_t.append(e - s)
+    med = statistics.median
+    return SpecCosts(position=med(pos_t), readout=med(ro_t), verify=tuple(med(v) for v in ver_t),
+                     accept=med(acc_t), chunk=bool(dec.chunk_verify))
+
+
+# ----------------------------------------------------------------------------------------------
+# The generate stage's section
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``generate.speculative`` section of ``params.yaml`` (null = off).
+
+    Attributes:
+        k: draft loops (each 1 ≤ k < T; a k ≥ the model's T is skipped with the reason in metrics.json).
+        d: draft lengths (tokens proposed per block).
+        cost_repeats: timed repetitions of each piece of a block (:func:`measure_costs`; median).
+    """
+
+    k: tuple[int, ...] = (2,)
+    d: tuple[int, ...] = (3,)
+    cost_repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.k or min(self.k) < 1:
+            raise ConfigError(f"generate.speculative.k must be a non-empty list of draft loops ≥ 1, got {list(self.k)}")
+        if not self.d or min(self.d) < 1:
+            raise ConfigError(f"generate.speculative.d must be a non-empty list of draft lengths ≥ 1, got {list(self.d)}")
+        if self.cost_repeats < 1:
+            raise ConfigError(f"generate.speculative.cost_repeats must be ≥ 1, got {self.cost_repeats}")
+
+
+#: ``speculative.parquet`` columns (one row per model × k × d × batch size).
+SPECULATIVE_SCHEMA = {
+    "model": "str", "task": "str", "regime": "str", "regime_kind": "str", "k": "int", "d": "int",
+    "batch_size": "int", "n_prompts": "int", "prompt_len": "int", "new_tokens": "int", "n_loops": "int",
+    "verify": "str", "exact": "bool",
+    "realised_blocks": "float", "realised_tokens_per_block": "float", "realised_tokens_per_block_lo": "float",
+    "realised_tokens_per_block_hi": "float", "realised_row_accept": "float",
+    "predicted_tokens_per_block": "float", "predicted_tokens_per_block_lo": "float",
+    "predicted_tokens_per_block_hi": "float", "predicted_accept_steady": "float",
+    "predicted_accept_steady_lo": "float", "predicted_accept_steady_hi": "float",
+    "full_time_s": "float", "spec_time_s": "float",
+    "realised_speedup": "float", "realised_speedup_lo": "float", "realised_speedup_hi": "float",
+    "predicted_speedup": "float", "predicted_speedup_lo": "float", "predicted_speedup_hi": "float",
+    "speedup_ratio": "float", "work_ratio": "float", "store_agreement": "float", "store_sequences": "int",
+    "cost_position_s": "float", "cost_readout_s": "float", "cost_verify_first_s": "float",
+    "cost_verify_last_s": "float", "cost_accept_s": "float", "full_cost_s": "float", "repeats": "int",
+}
+
+
+def _full_runs(dec: LoopDecoder, prompts: torch.Tensor, bs: int, N: int):
+    """Full-depth greedy decoding of every prompt in batches of ``bs`` (the reference tokens, and its time)."""
+    from looptrace.online.generate import decode_tokens
+
+    toks, seconds, loops = [], 0.0, 0
+    for lo in range(0, prompts.shape[0], bs):
+        r = decode_tokens(dec, prompts[lo:lo + bs], N)
+        toks.append(r.tokens)
+        seconds += r.seconds
+        loops += r.row_loops
+    return np.concatenate(toks, axis=0), seconds, loops
+
+
+def _spec_runs(dec: LoopDecoder, prompts: torch.Tensor, bs: int, N: int, k: int, d: int):
+    runs = [decode_speculative(dec, prompts[lo:lo + bs], N, k, d) for lo in range(0, prompts.shape[0], bs)]
+    return runs, sum(r.seconds for r in runs)
+
+
+def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np.ndarray] | None,
+                      cfg: SpeculativeConfig, batch_sizes: Sequence[int], new_tokens: int, repeats: int,
+                      meta: dict, n_boot: int, level: float, seed: int, device: str = "cpu"
+                      ) -> tuple[list[dict], dict[str, str]]:
+    """Speculative decoding of one model at every k × d × batch size: exactness against full depth, realised
+    acceptance and speedup (paired with full depth per repeat), predicted ones from the store.
+
+    Args:
+        dec: the model's decoder (a policy other than native).
+        prompts: [n, prompt_len] int64.
+        store: the test store's ``argmax`` [token, T], ``sequence`` and ``position`` [token] (the prediction's
+            agreement runs), or None (no prediction: NaN).
+        cfg: ``generate.speculative``.
+        batch_sizes, new_tokens, repeats: ``generate``'s.
+        meta: model, task, regime, regime_kind (copied into every row).
+        n_boot, level, seed: the bootstrap of the prediction's intervals (``intervals``; seed from
+            :func:`looptrace.intervals.boot_seed`).
+
+    Returns:
+        (rows of :data:`SPECULATIVE_SCHEMA`, skipped settings with reasons).
+    """
+    from looptrace.intervals import Resampler, percentile_interval
+
+    T = dec.n_loops
+    p_all = torch.from_numpy(prompts).to(device)
+    N, n = new_tokens, prompts.shape[0]
+    rows, skipped = [], {}
+    ks = [k for k in cfg.k if k < T]
+    for k in cfg.k:
+        if k >= T:
+            skipped[f"speculative:k={k}"] = f"a draft needs k < T = {T} loops"
+    rs = None
+    if store is not None and n_boot > 0:
+        rs = Resampler(store["sequence"], n_boot, seed=seed, level=level)
+    for bs in batch_sizes:
+        full_tok, _, full_loops = _full_runs(dec, p_all, bs, N)  # also the warm-up
+        settings = [(k, d) for k in ks for d in cfg.d]
+        realised: dict[tuple[int, int], list] = {}
+        for k, d in settings:
+            runs, _ = _spec_runs(dec, p_all, bs, N, k, d)
+            realised[(k, d)] = runs
+        times: dict = {None: [], **{s: [] for s in settings}}
+        for _ in range(repeats):  # paired: full depth, then every setting, within each repeat
+            times[None].append(_full_runs(dec, p_all, bs, N)[1])
+            for k, d in settings:
+                times[(k, d)].append(_spec_runs(dec, p_all, bs, N, k, d)[1])
+        t_full = statistics.median(times[None])
+        for k, d in settings:
+            runs = realised[(k, d)]
+            tok = np.concatenate([r.tokens for r in runs], axis=0)
+            ratios = [f / s for f, s in zip(times[None], times[(k, d)], strict=True)]
+            costs = measure_costs(dec, p_all[:bs], k, d, cfg.cost_repeats)
+            c_full = t_full / (N * len(runs))  # one full-depth position of a batch
+            emitted = np.concatenate([r.emitted for r in runs])
+            unit = np.concatenate([np.full(r.blocks, i) for i, r in enumerate(runs)])
+            tpb = float(emitted.sum() / emitted.size)
+            # realised tokens per block over the prompt batches (each batch one resampling unit)
+            if n_boot > 0 and len(runs) > 1:
+                rr = Resampler(unit, n_boot, seed=seed + 1, level=level)
+                lo_r, hi_r = percentile_interval(rr.ratio(emitted.astype(float), np.ones(emitted.size)), level)
+            else:
+                lo_r = hi_r = np.asarray(tpb)
+            acc_rows = np.concatenate([r.accepted.ravel() for r in runs])
+            pred = predict_speculative(store, k, d, bs, N, costs, c_full, rs) if store is not None else None
+            work = full_loops / max(1, sum(r.row_loops for r in runs))
+            sp = statistics.median(ratios)
+            nan = float("nan")
+            rows.append({
+                **{key: meta.get(key) for key in ("model", "task", "regime", "regime_kind")},
+                "k": int(k), "d": int(d), "batch_size": int(bs), "n_prompts": int(n), "prompt_len": int(prompts.shape[1]),
+                "new_tokens": int(N), "n_loops": int(T), "verify": "chunk" if costs.chunk else "per_position",
+                "exact": bool(np.array_equal(tok, full_tok)),
+                "realised_blocks": float(np.mean([r.blocks for r in runs])), "realised_tokens_per_block": tpb,
+                "realised_tokens_per_block_lo": float(lo_r), "realised_tokens_per_block_hi": float(hi_r),
+                "realised_row_accept": float(acc_rows.mean() + 1) if acc_rows.size else nan,
+                "predicted_tokens_per_block": pred["tokens_per_block"] if pred else nan,
+                "predicted_tokens_per_block_lo": pred["tokens_per_block_lo"] if pred else nan,
+                "predicted_tokens_per_block_hi": pred["tokens_per_block_hi"] if pred else nan,
+                "predicted_accept_steady": pred["accept_steady"] if pred else nan,
+                "predicted_accept_steady_lo": pred["accept_steady_lo"] if pred else nan,
+                "predicted_accept_steady_hi": pred["accept_steady_hi"] if pred else nan,
+                "full_time_s": t_full, "spec_time_s": statistics.median(times[(k, d)]),
+                "realised_speedup": sp, "realised_speedup_lo": min(ratios), "realised_speedup_hi": max(ratios),
+                "predicted_speedup": pred["speedup"] if pred else nan,
+                "predicted_speedup_lo": pred["speedup_lo"] if pred else nan,
+                "predicted_speedup_hi": pred["speedup_hi"] if pred else nan,
+                "speedup_ratio": sp / pred["speedup"] if pred else nan, "work_ratio": work,
+                "store_agreement": pred["agreement"] if pred else nan,
+                "store_sequences": int(pred["n_sequences"]) if pred else 0,
+                "cost_position_s": costs.position, "cost_readout_s": costs.readout,
+                "cost_verify_first_s": costs.verify[0], "cost_verify_last_s": costs.verify[-1],
+                "cost_accept_s": costs.accept, "full_cost_s": c_full, "repeats": int(repeats),
+            })
+    return rows, skipped
+
+
+__all__ = ["SPECULATIVE_SCHEMA", "SpecRun", "SpeculativeConfig", "check_speculative",
+           "decode_speculative", "measure_costs", "speculative_model"]
