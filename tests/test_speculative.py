@@ -253,3 +253,37 @@ def test_predict_speculative_hand_store():
     out2 = predict_speculative(st, 1, 2, 1, 2, costs, 3.0, rs)
     assert out2["speedup_lo"] <= out2["speedup"] <= out2["speedup_hi"]
     assert out2["accept_steady_lo"] <= out2["accept_steady"] <= out2["accept_steady_hi"]
+
+
+def test_generate_stage_speculative_section(tmp_path):
+    """generate_models with generate.speculative on a train -> dump -> readouts pipeline: one row per k × d × batch
+    size (a k ≥ T skipped with its reason), exact tokens, the prediction from the store's argmax (the same figures
+    as predict_speculative on the store's arrays), intervals around the estimates; speculative.parquet written."""
+    import polars as pl
+
+    from looptrace.io.store.reader import open_store
+    from looptrace.online.generate import GenerateConfig, generate_models, write_generate
+    from tests.test_latency import _tiny_pipeline
+
+    name, _, _ = _tiny_pipeline(tmp_path)
+    roots = {k: tmp_path / k for k in ("train", "dump", "readouts", "gates")}
+    cfg = GenerateConfig(rules=("top1",), policies=("recompute",), batch_sizes=(1, 3), prompts=3, prompt_len=3,
+                         new_tokens=5, repeats=1, speculative=SpeculativeConfig(k=(1, 3, 4), d=(2,), cost_repeats=1))
+    df, metrics, spec = generate_models([name], cfg, roots["dump"], roots["readouts"], roots["gates"],
+                                        train_root=roots["train"], progress=False)
+    assert spec is not None and spec.height == 2 * 2  # k (1, 3) × batch (1, 3); k = 4 = T skipped
+    assert "T = 4" in metrics["models"][name]["skipped"]["speculative:k=4"]
+    assert spec["exact"].all() and metrics["speculative"]["all_exact"]
+    st = open_store(roots["dump"] / name / "test.zarr")
+    arrays = {a: st.read(a) for a in ("argmax", "sequence", "position")}
+    for r in spec.iter_rows(named=True):
+        want = predict_speculative(arrays, r["k"], r["d"], r["batch_size"], 5,
+                                   SpecCosts(1.0, 1.0, (1.0, 1.0, 1.0), 1.0), 1.0)
+        assert r["predicted_tokens_per_block"] == pytest.approx(want["tokens_per_block"], rel=1e-12)
+        assert r["store_agreement"] == pytest.approx(want["agreement"], rel=1e-12)
+        for f in ("predicted_tokens_per_block", "predicted_speedup", "predicted_accept_steady"):
+            assert r[f + "_lo"] <= r[f] <= r[f + "_hi"], f
+        assert 1.0 <= r["realised_tokens_per_block"] <= 3.0 and r["verify"] == "chunk"
+        assert r["speedup_ratio"] == pytest.approx(r["realised_speedup"] / r["predicted_speedup"], rel=1e-12)
+    write_generate(tmp_path / "generate", df, metrics, spec)
+    assert pl.read_parquet(tmp_path / "generate" / "speculative.parquet").shape == spec.shape

@@ -399,5 +399,47 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
     return rows, skipped
 
 
+def speculative_for_model(model, store, prompts: np.ndarray, cfg: SpeculativeConfig, batch_sizes: Sequence[int],
+                          new_tokens: int, repeats: int, meta: dict, n_boot: int, level: float, seed: int,
+                          device: str = "cpu") -> tuple[list[dict], dict[str, str]]:
+    """:func:`speculative_model` for a loaded model and its opened test store (the ``generate`` stage's call): the
+    model's ``recompute`` decoder (its cache is looptrace's, so it rolls back), the store's argmax runs.
+
+    Returns:
+        (rows, skipped settings with reasons; ``speculative`` when the model cannot be decoded this way).
+    """
+    from looptrace.models.decoders import decoder_for
+
+    try:
+        dec = decoder_for(model, "recompute", seed=seed)
+    except DecodeUnsupported as exc:
+        return [], {"speculative": str(exc)}
+    arrays = {name: np.asarray(store.read(name)) for name in ("argmax", "sequence", "position")}
+    return speculative_model(dec, prompts, arrays, cfg, batch_sizes, new_tokens, repeats, meta, n_boot, level, seed,
+                             device)
+
+
+def speculative_metrics(rows: Sequence[dict]) -> dict:
+    """``metrics.json``'s ``speculative`` entry: per model × k × d × batch size the realised and predicted tokens
+    per block and speedups (every figure with its interval is in speculative.parquet)."""
+    out: dict = {"n_runs": len(rows), "all_exact": bool(all(r["exact"] for r in rows)), "runs": {}}
+    for r in rows:
+        out["runs"][f"{r['model']}_k{r['k']}_d{r['d']}_bs{r['batch_size']}"] = {
+            key: r[key] for key in ("exact", "realised_tokens_per_block", "predicted_tokens_per_block",
+                                    "realised_speedup", "predicted_speedup", "speedup_ratio", "work_ratio")}
+    ratios = [r["speedup_ratio"] for r in rows if np.isfinite(r["speedup_ratio"])]
+    out["median_speedup_ratio"] = float(np.median(ratios)) if ratios else None
+    return out
+
+
+def speculative_frame(rows: Sequence[dict]):
+    """The rows as a polars frame of :data:`SPECULATIVE_SCHEMA`."""
+    import polars as pl
+
+    kinds = {"str": pl.String, "int": pl.Int64, "float": pl.Float64, "bool": pl.Boolean}
+    return pl.DataFrame(list(rows), schema={k: kinds[v] for k, v in SPECULATIVE_SCHEMA.items()})
+
+
 __all__ = ["SPECULATIVE_SCHEMA", "SpecRun", "SpeculativeConfig", "check_speculative",
-           "decode_speculative", "measure_costs", "speculative_model"]
+           "decode_speculative", "measure_costs", "speculative_for_model", "speculative_frame", "speculative_metrics",
+           "speculative_model"]

@@ -15,6 +15,7 @@ import typer
 from looptrace.capture.dump import DumpConfig
 from looptrace.config import PARAMS_HELP, load_base, load_section, to_dict
 from looptrace.errors import user_errors
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.guard import input_roots
 from looptrace.models import check_device
@@ -47,18 +48,23 @@ def main(
             torch.manual_seed(base.seed)
             names = model_names(params, models) if models or adapter is None else [adapter.run_name]
             names = cfg.pick(names) if not models and adapter is None else names
-            df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
-                                          adapter=adapter, device=base.device, seed=base.seed,
-                                          regime_meta=lambda name: model_meta(name, params),
-                                          text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text
-                                          else None)
+            intervals = load_section(IntervalsConfig, "intervals", params) if cfg.speculative is not None else None
+            df, metrics, spec = generate_models(names, cfg, dump_root, readouts_root, gates_root,
+                                                train_root=train_root, adapter=adapter, device=base.device,
+                                                seed=base.seed, regime_meta=lambda name: model_meta(name, params),
+                                                text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text
+                                                else None, intervals=intervals)
             metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
                            versions=versions())
-            write_generate(out, df, metrics)
+            write_generate(out, df, metrics, spec)
     for r in df.iter_rows(named=True):
         typer.echo(f"{r['model']} {r['rule']} {r['policy']} batch {r['batch_size']}: depth {r['mean_exit_depth']:.2f}/"
                    f"{r['n_loops']}, {r['tokens_per_s']:.0f} tok/s, realised {r['realised_speedup']:.2f}x vs ideal "
                    f"{r['ideal_speedup']:.2f}x, agreement {r['token_agreement']:.2f}")
+    for r in (spec.iter_rows(named=True) if spec is not None else ()):
+        typer.echo(f"{r['model']} speculative k={r['k']} d={r['d']} batch {r['batch_size']}: exact {r['exact']}, "
+                   f"tokens/block {r['realised_tokens_per_block']:.2f} (predicted {r['predicted_tokens_per_block']:.2f}), "
+                   f"speedup {r['realised_speedup']:.2f}x (predicted {r['predicted_speedup']:.2f}x)")
     for name, m in metrics["models"].items():
         for what, reason in (m.get("skipped") or {}).items():
             typer.echo(f"{name} {what}: skipped ({reason})")
