@@ -162,9 +162,9 @@ def test_speculative_equals_full_depth_greedy_standins(standins, kind):
 
 def test_measure_costs_shapes():
     m = _model("plain")
-    c = measure_costs(decoder_for(m, "recompute"), prompts_of(B=2, S=3, hi=7), 2, 3, repeats=1)
-    assert len(c.verify) == 4 and c.chunk and min(c.position, c.readout, c.accept, *c.verify) > 0
-    assert c.block(3) == pytest.approx(4 * c.position + 3 * c.readout + c.verify[3] + c.accept)
+    c = measure_costs(decoder_for(m, "recompute"), prompts_of(B=2, S=3, hi=7), 2, 3, 6, repeats=1)
+    assert len(c.draft) == len(c.verify) == len(c.accept) == 4 and c.chunk and min(*c.verify, *c.accept, c.full) > 0
+    assert c.draft[3] > c.draft[0] > 0 and c.block(3) == pytest.approx(c.draft[3] + c.verify[3] + c.accept[3])
 
 
 # ---------------------------------------------------------------------------------------------- prediction
@@ -200,19 +200,20 @@ def test_agreement_windows_hand_built():
 
 
 def test_horizon_recursion_hand_computed_and_closed_forms():
-    unit = SpecCosts(position=0.0, readout=0.0, verify=(1.0, 1.0), accept=0.0)  # every block costs 1
+    unit = SpecCosts(draft=(0.0, 0.0), verify=(1.0, 1.0), accept=(0.0, 0.0))  # every block costs 1
     # d = 1, N = 3, q_1 = 1/2: E_b(1) = 1, E_b(2) = 1 + E_b(1)/2 = 1.5, E_b(3) = 1 + (E_b(2) + E_b(1))/2 = 2.25
     Eb, Ec = horizon_expectations(np.array([0.5]), 3, unit.block)
     assert Eb == pytest.approx(2.25) and Ec == pytest.approx(2.25)
     # all drafts accepted: ceil(N / (d + 1)) blocks; none: N blocks
     for N, d in [(8, 3), (9, 3), (1, 4), (7, 1)]:
-        costs = SpecCosts(position=1.0, readout=0.5, verify=tuple(10.0 + q for q in range(1, d + 2)), accept=0.1)
+        costs = SpecCosts(draft=tuple(1.5 * q for q in range(d + 1)), verify=tuple(10.0 + q for q in range(d + 1)),
+                          accept=(0.1,) * (d + 1))
         Eb, Ec = horizon_expectations(np.ones(d), N, costs.block)
         assert Eb == pytest.approx(-(-N // (d + 1)))
         Eb0, Ec0 = horizon_expectations(np.zeros(d), N, costs.block)
         assert Eb0 == pytest.approx(N)
         assert Ec0 == pytest.approx(sum(costs.block(min(d, r - 1)) for r in range(1, N + 1)))
-    assert SpecCosts(1.0, 0.5, (3.0, 4.0, 5.0), 0.1, chunk=False).block(2) == pytest.approx(2 + 1 + 5 + 0.1)
+    assert SpecCosts((1.0, 2.0, 3.0), (3.0, 4.0, 5.0), (0.1, 0.2, 0.3)).block(2) == pytest.approx(3 + 5 + 0.3)
     # batch: Q_j = (running min of q)^B
     assert np.allclose(batch_acceptance(np.array([0.9, 0.95, 0.5]), 2), [0.81, 0.81, 0.25])
 
@@ -237,11 +238,11 @@ def test_predict_speculative_hand_store():
     the disagreement fail), the
     horizon recursion at N = 2, d = 1, batch 1: E_b = 1 + P(m = 0) = 1 + 1/8; speedup = N·c_full / E_c."""
     st = _store([[1, 1, 0, 1], [1, 1, 1, 1]])
-    costs = SpecCosts(position=1.0, readout=0.5, verify=(4.0, 5.0, 6.0), accept=0.25)
-    out = predict_speculative(st, 1, 2, 1, 2, costs, full_cost=3.0)
+    costs = SpecCosts(draft=(1.0, 2.5, 4.0), verify=(4.0, 5.0, 6.0), accept=(0.25, 0.25, 0.25), full=3.0)
+    out = predict_speculative(st, 1, 2, 1, 2, costs)
     assert out["q1"] == pytest.approx(7 / 8) and out["agreement"] == pytest.approx(7 / 8)
     assert out["accept_steady"] == pytest.approx(1 + 7 / 8 + 4 / 6)
-    # N = 2: first block d' = 1 (cost 2·1 + 0.5 + 5 + 0.25 = 7.75); with P 1/8 one more block of d' = 0 (1 + 4 + .25)
+    # N = 2: first block d' = 1 (cost 2.5 + 5 + 0.25 = 7.75); with P 1/8 one more block of d' = 0 (1 + 4 + .25)
     Eb = 1 + 1 / 8
     Ec = 7.75 + (1 / 8) * 5.25
     assert out["tokens_per_block"] == pytest.approx(2 / Eb)
@@ -250,7 +251,7 @@ def test_predict_speculative_hand_store():
     from looptrace.intervals import Resampler
 
     rs = Resampler(st["sequence"], 200, seed=1)
-    out2 = predict_speculative(st, 1, 2, 1, 2, costs, 3.0, rs)
+    out2 = predict_speculative(st, 1, 2, 1, 2, costs, rs)
     assert out2["speedup_lo"] <= out2["speedup"] <= out2["speedup_hi"]
     assert out2["accept_steady_lo"] <= out2["accept_steady"] <= out2["accept_steady_hi"]
 
@@ -278,7 +279,7 @@ def test_generate_stage_speculative_section(tmp_path):
     arrays = {a: st.read(a) for a in ("argmax", "sequence", "position")}
     for r in spec.iter_rows(named=True):
         want = predict_speculative(arrays, r["k"], r["d"], r["batch_size"], 5,
-                                   SpecCosts(1.0, 1.0, (1.0, 1.0, 1.0), 1.0), 1.0)
+                                   SpecCosts((1.0,) * 3, (1.0,) * 3, (1.0,) * 3, full=1.0))
         assert r["predicted_tokens_per_block"] == pytest.approx(want["tokens_per_block"], rel=1e-12)
         assert r["store_agreement"] == pytest.approx(want["agreement"], rel=1e-12)
         for f in ("predicted_tokens_per_block", "predicted_speedup", "predicted_accept_steady"):

@@ -93,6 +93,59 @@ def check_speculative(dec: LoopDecoder, k: int, d: int) -> None:
                                 "cache (policy native) cannot be: use a decoder of policy share or recompute")
 
 
+@dataclass
+class _Block:
+    """One block's outcome: y [B, q] full-depth tokens, logp [B, q, V], m [B] leading agreements, a (tokens emitted),
+    and its phases' wall times (draft, verify, accept; seconds)."""
+
+    y: torch.Tensor
+    logp: torch.Tensor
+    m: torch.Tensor
+    a: int
+    draft_s: float
+    verify_s: float
+    accept_s: float
+
+
+def _block(dec: LoopDecoder, cur: torch.Tensor, dd: int, k: int) -> _Block:
+    """Draft ``dd`` tokens after ``cur`` [B] at the decoder's position, verify, accept (module docstring, steps
+    1–3); the decoder's position is left at the block's start (the caller rolls it forward by ``a``)."""
+    chunk = dec.chunk_verify
+    p = dec.pos
+    t0 = time.perf_counter()
+    ids, injs, hs = [cur], [], []
+    for j in range(dd + 1 if chunk else dd):
+        inj, h = dec.start(ids[j])
+        for t in range(k):
+            h = dec.step(t, h, inj, None)
+        if chunk:
+            injs.append(inj)
+            hs.append(h)
+        if j < dd:
+            ids.append(dec.readout(h, k - 1, None)[:, 0].argmax(dim=-1))
+        dec.advance()
+    dec.pos = p
+    x = torch.stack(ids, dim=1)  # [B, q]
+    inj_c = torch.cat(injs, dim=1) if chunk and all(i is not None for i in injs) else None
+    t1 = time.perf_counter()
+    z = dec.verify(x, inj_c, torch.cat(hs, dim=1) if chunk else None, k)  # [B, q, V]
+    t2 = time.perf_counter()
+    logp = torch.log_softmax(z.double(), dim=-1)
+    y = logp.argmax(dim=-1)  # [B, q]: the full-depth greedy token after each position
+    m = torch.cumprod((x[:, 1:] == y[:, :dd]).long(), dim=1).sum(dim=1)  # [B] leading agreements
+    a = int(m.min()) + 1
+    dec.pos = p
+    return _Block(y, logp, m, a, t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+
+def _block_loops(dec: LoopDecoder, dd: int, k: int, batch: int) -> int:
+    """Loop steps of a block over rows and positions: the drafts' k loops, the verification's T − k (chunk) or T."""
+    T = dec.n_loops
+    if dec.chunk_verify:
+        return (dd + 1) * k * batch + (dd + 1) * (T - k) * batch
+    return dd * k * batch + (dd + 1) * T * batch
+
+
 @torch.inference_mode()
 def decode_speculative(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int, k: int, d: int) -> SpecRun:
     """Greedy decoding of ``new_tokens`` tokens after each prompt by loop self-speculation (module docstring).
@@ -112,12 +165,11 @@ def decode_speculative(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int,
     if S0 < 1 or new_tokens < 1:
         raise ValueError("decoding needs a prompt of at least one token and at least one new token")
     check_speculative(dec, k, d)
-    T, N = dec.n_loops, new_tokens
+    N = new_tokens
     dev = prompts.device
     tokens = torch.zeros((B, N), dtype=torch.int64, device=dev)
     logprob = torch.zeros((B, N), dtype=torch.float64, device=dev)
     draft, emitted, accepted = [], [], []
-    chunk = dec.chunk_verify
     dec.reset(prompts, S0 + N - 1)
     t0 = time.perf_counter()
     dec.prefill(prompts[:, :-1])
@@ -126,36 +178,17 @@ def decode_speculative(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int,
     n = work = 0
     while n < N:
         dd = min(d, N - n - 1)
-        p = dec.pos
-        ids, injs, hs = [cur], [], []
-        for j in range(dd + 1 if chunk else dd):
-            inj, h = dec.start(ids[j])
-            for t in range(k):
-                h = dec.step(t, h, inj, None)
-            work += k * B
-            if chunk:
-                injs.append(inj)
-                hs.append(h)
-            if j < dd:
-                ids.append(dec.readout(h, k - 1, None)[:, 0].argmax(dim=-1))
-            dec.advance()
-        dec.pos = p
-        x = torch.stack(ids, dim=1)  # [B, q]
-        inj_c = torch.cat(injs, dim=1) if chunk and all(i is not None for i in injs) else None
-        z = dec.verify(x, inj_c, torch.cat(hs, dim=1) if chunk else None, k)  # [B, q, V]
-        work += (T - k if chunk and inj_c is not None else T) * (dd + 1) * B
-        logp = torch.log_softmax(z.double(), dim=-1)
-        y = logp.argmax(dim=-1)  # [B, q]: the full-depth greedy token after each position
-        m = torch.cumprod((x[:, 1:] == y[:, :dd]).long(), dim=1).sum(dim=1)  # [B] leading agreements
-        a = int(m.min()) + 1
-        tokens[:, n:n + a] = y[:, :a]
-        logprob[:, n:n + a] = logp[:, :a].gather(2, y[:, :a, None]).squeeze(2)
+        b = _block(dec, cur, dd, k)
+        a = b.a
+        tokens[:, n:n + a] = b.y[:, :a]
+        logprob[:, n:n + a] = b.logp[:, :a].gather(2, b.y[:, :a, None]).squeeze(2)
         draft.append(dd)
         emitted.append(a)
-        accepted.append(m)
+        accepted.append(b.m)
+        work += _block_loops(dec, dd, k, B)
         n += a
-        dec.pos = p + a
-        cur = y[:, a - 1]
+        dec.pos += a
+        cur = b.y[:, a - 1]
     t2 = time.perf_counter()
     return SpecRun(tokens=tokens.cpu().numpy(), logprob=logprob.cpu().numpy(),
                    draft=np.asarray(draft, np.int64), emitted=np.asarray(emitted, np.int64),
@@ -169,73 +202,47 @@ def decode_speculative(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int,
 
 
 @torch.inference_mode()
-def measure_costs(dec: LoopDecoder, prompts: torch.Tensor, k: int, d: int, repeats: int = 3) -> SpecCosts:
-    """Time the pieces of a block on ``prompts`` (their last token as x_0, the rest prefilled), median of
-    ``repeats``: a drafted position (embed + loops 1..k), a draft readout (after loop k), a verification of q
-    positions for q = 1..d+1, and the acceptance bookkeeping (argmax, comparison, host read, the emitted slice).
+def measure_costs(dec: LoopDecoder, prompts: torch.Tensor, k: int, d: int, new_tokens: int, repeats: int = 3
+                  ) -> SpecCosts:
+    """Time full-depth decoding and a block of every draft length d' = 0..d on ``prompts``, back to back within
+    each repeat (so load drift on a shared machine moves both alike); medians over ``repeats`` (after one untimed
+    pass).
+
+    Full depth: :func:`looptrace.online.generate.decode_tokens` of ``new_tokens`` tokens without a rule, its decode
+    time per position. A block: the block's own code (:func:`decode_speculative` runs the same) at the prompt's
+    last token (the rest prefilled), its draft, verification and acceptance phases.
 
     Args:
         dec: the decoder (as :func:`decode_speculative`'s).
         prompts: [batch, prompt_len] int64 (the batch the costs are for).
         k, d: draft loops and draft length.
-        repeats: timed repetitions (≥ 1; the first pass also warms up and is not timed).
+        new_tokens: the full-depth decode's length.
+        repeats: timed repetitions (≥ 1).
 
     Returns:
         :class:`~looptrace.online.speculative_predict.SpecCosts` (seconds).
     """
+    from looptrace.online.generate import decode_tokens
+
     check_speculative(dec, k, d)
     B, S0 = prompts.shape
-    q_max = d + 1
-    dec.reset(prompts, S0 + q_max)
-    dec.prefill(prompts[:, :-1])
-    p = dec.pos
-    pos_t: list[float] = []
-    ro_t: list[float] = []
-    ver_t: list[list[float]] = [[] for _ in range(q_max)]
-    acc_t: list[float] = []
+    times: list[list[tuple[float, float, float]]] = [[] for _ in range(d + 1)]
+    full: list[float] = []
     for rep in range(repeats + 1):
-        timed = rep > 0
-        dec.pos = p
-        ids, injs, hs = [prompts[:, -1]], [], []
-        for j in range(q_max):
-            s = time.perf_counter()
-            inj, h = dec.start(ids[j])
-            for t in range(k):
-                h = dec.step(t, h, inj, None)
-            e = time.perf_counter()
-            injs.append(inj)
-            hs.append(h)
-            if j < q_max - 1:
-                z = dec.readout(h, k - 1, None)[:, 0].argmax(dim=-1)
-                ids.append(z)
-                e2 = time.perf_counter()
-                if timed:
-                    ro_t.append(e2 - e)
-            if timed:
-                pos_t.append(e - s)
-            dec.advance()
-        x = torch.stack(ids, dim=1)
-        inj_c = torch.cat(injs, dim=1) if all(i is not None for i in injs) else None
-        h_c = torch.cat(hs, dim=1)
-        for q in range(1, q_max + 1):
-            dec.pos = p
-            s = time.perf_counter()
-            z = dec.verify(x[:, :q], None if inj_c is None else inj_c[:, :q], h_c[:, :q], k)
-            e = time.perf_counter()
-            if timed:
-                ver_t[q - 1].append(e - s)
-        s = time.perf_counter()
-        logp = torch.log_softmax(z.double(), dim=-1)
-        y = logp.argmax(dim=-1)
-        m = torch.cumprod((x[:, 1:] == y[:, :-1]).long(), dim=1).sum(dim=1)
-        a = int(m.min()) + 1
-        _ = logp[:, :a].gather(2, y[:, :a, None])
-        e = time.perf_counter()
-        if timed:
-            acc_t.append(e - s)
+        f = decode_tokens(dec, prompts, new_tokens).seconds / new_tokens
+        dec.reset(prompts, S0 + d + 1)
+        dec.prefill(prompts[:, :-1])
+        for dd in range(d + 1):
+            b = _block(dec, prompts[:, -1], dd, k)
+            if rep > 0:
+                times[dd].append((b.draft_s, b.verify_s, b.accept_s))
+        if rep > 0:
+            full.append(f)
     med = statistics.median
-    return SpecCosts(position=med(pos_t), readout=med(ro_t), verify=tuple(med(v) for v in ver_t),
-                     accept=med(acc_t), chunk=bool(dec.chunk_verify))
+    return SpecCosts(draft=tuple(med(t[0] for t in ts) for ts in times),
+                     verify=tuple(med(t[1] for t in ts) for ts in times),
+                     accept=tuple(med(t[2] for t in ts) for ts in times), chunk=bool(dec.chunk_verify),
+                     full=med(full))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,12 +257,12 @@ class SpeculativeConfig:
     Attributes:
         k: draft loops (each 1 ≤ k < T; a k ≥ the model's T is skipped with the reason in metrics.json).
         d: draft lengths (tokens proposed per block).
-        cost_repeats: timed repetitions of each piece of a block (:func:`measure_costs`; median).
+        cost_repeats: timed repetitions of the cost model's measurements (:func:`measure_costs`; median).
     """
 
     k: tuple[int, ...] = (2,)
     d: tuple[int, ...] = (3,)
-    cost_repeats: int = 5
+    cost_repeats: int = 3
 
     def __post_init__(self) -> None:
         if not self.k or min(self.k) < 1:
@@ -280,8 +287,8 @@ SPECULATIVE_SCHEMA = {
     "realised_speedup": "float", "realised_speedup_lo": "float", "realised_speedup_hi": "float",
     "predicted_speedup": "float", "predicted_speedup_lo": "float", "predicted_speedup_hi": "float",
     "speedup_ratio": "float", "work_ratio": "float", "store_agreement": "float", "store_sequences": "int",
-    "cost_position_s": "float", "cost_readout_s": "float", "cost_verify_first_s": "float",
-    "cost_verify_last_s": "float", "cost_accept_s": "float", "full_cost_s": "float", "repeats": "int",
+    "cost_block_s": "float", "cost_draft_s": "float", "cost_verify_s": "float", "cost_accept_s": "float",
+    "cost_verify_one_s": "float", "full_cost_s": "float", "repeats": "int",
 }
 
 
@@ -338,24 +345,23 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
     if store is not None and n_boot > 0:
         rs = Resampler(store["sequence"], n_boot, seed=seed, level=level)
     for bs in batch_sizes:
-        full_tok, _, full_loops = _full_runs(dec, p_all, bs, N)  # also the warm-up
         settings = [(k, d) for k in ks for d in cfg.d]
-        realised: dict[tuple[int, int], list] = {}
-        for k, d in settings:
-            runs, _ = _spec_runs(dec, p_all, bs, N, k, d)
-            realised[(k, d)] = runs
+        realised: dict = {}
         times: dict = {None: [], **{s: [] for s in settings}}
-        for _ in range(repeats):  # paired: full depth, then every setting, within each repeat
-            times[None].append(_full_runs(dec, p_all, bs, N)[1])
+        # Paired: full depth, then every setting, within each repeat (the runs are deterministic: the last
+        # repeat's are the ones reported; the rule runs just before warmed the model up).
+        for _ in range(repeats):
+            full_tok, t, full_loops = _full_runs(dec, p_all, bs, N)
+            times[None].append(t)
             for k, d in settings:
-                times[(k, d)].append(_spec_runs(dec, p_all, bs, N, k, d)[1])
+                realised[(k, d)], t = _spec_runs(dec, p_all, bs, N, k, d)
+                times[(k, d)].append(t)
         t_full = statistics.median(times[None])
         for k, d in settings:
             runs = realised[(k, d)]
             tok = np.concatenate([r.tokens for r in runs], axis=0)
             ratios = [f / s for f, s in zip(times[None], times[(k, d)], strict=True)]
-            costs = measure_costs(dec, p_all[:bs], k, d, cfg.cost_repeats)
-            c_full = t_full / (N * len(runs))  # one full-depth position of a batch
+            costs = measure_costs(dec, p_all[:bs], k, d, N, cfg.cost_repeats)
             emitted = np.concatenate([r.emitted for r in runs])
             unit = np.concatenate([np.full(r.blocks, i) for i, r in enumerate(runs)])
             tpb = float(emitted.sum() / emitted.size)
@@ -366,7 +372,7 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
             else:
                 lo_r = hi_r = np.asarray(tpb)
             acc_rows = np.concatenate([r.accepted.ravel() for r in runs])
-            pred = predict_speculative(store, k, d, bs, N, costs, c_full, rs) if store is not None else None
+            pred = predict_speculative(store, k, d, bs, N, costs, rs) if store is not None else None
             work = full_loops / max(1, sum(r.row_loops for r in runs))
             sp = statistics.median(ratios)
             nan = float("nan")
@@ -392,9 +398,9 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
                 "speedup_ratio": sp / pred["speedup"] if pred else nan, "work_ratio": work,
                 "store_agreement": pred["agreement"] if pred else nan,
                 "store_sequences": int(pred["n_sequences"]) if pred else 0,
-                "cost_position_s": costs.position, "cost_readout_s": costs.readout,
-                "cost_verify_first_s": costs.verify[0], "cost_verify_last_s": costs.verify[-1],
-                "cost_accept_s": costs.accept, "full_cost_s": c_full, "repeats": int(repeats),
+                "cost_block_s": costs.block(d), "cost_draft_s": costs.draft[d], "cost_verify_s": costs.verify[d],
+                "cost_accept_s": costs.accept[d], "cost_verify_one_s": costs.verify[0], "full_cost_s": costs.full,
+                "repeats": int(repeats),
             })
     return rows, skipped
 

@@ -28,28 +28,26 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SpecCosts:
-    """Measured wall times (seconds, one batch) of the pieces of a block.
+    """Measured wall times (seconds, one batch) of a block of each draft length d' = 0..d (index d').
 
     Attributes:
-        position: one drafted position: embedding (+ prelude) and loops 1..k.
-        readout: one draft readout after loop k (coda, norm, head) and its argmax.
-        verify: ``verify[q − 1]``: one verification of q positions, q = 1..d+1.
-        accept: the acceptance bookkeeping of one block.
-        chunk: the verification continues the drafts in one chunk (a block drafts d'+1 positions) or re-runs each
-            position (d' drafted positions).
+        draft: drafting d' tokens: d'+1 (chunk verification) or d' positions embedded and run through loops 1..k,
+            d' readouts after loop k.
+        verify: the verification of the d'+1 positions.
+        accept: the acceptance bookkeeping (log-softmax, argmax, comparison, the host read of the accepted length).
+        chunk: the verification continues the drafts in one chunk, or re-runs each position.
+        full: one position of full-depth decoding (the reference: c_full).
     """
 
-    position: float
-    readout: float
+    draft: tuple[float, ...]
     verify: tuple[float, ...]
-    accept: float
+    accept: tuple[float, ...]
     chunk: bool = True
+    full: float = float("nan")
 
     def block(self, dd: int) -> float:
-        """Time of a block of draft length ``dd``: n_pos·position + dd·readout + verify(dd+1) + accept, n_pos =
-        dd+1 (chunk) or dd."""
-        n_pos = dd + 1 if self.chunk else dd
-        return n_pos * self.position + dd * self.readout + self.verify[dd] + self.accept
+        """c(d') = draft(d') + verify(d') + accept(d')."""
+        return self.draft[dd] + self.verify[dd] + self.accept[dd]
 
 
 def agreement_windows(argmax: np.ndarray, sequence: np.ndarray, position: np.ndarray, k: int, d: int
@@ -154,31 +152,30 @@ def simulate_blocks(agree: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def predict_speculative(store: dict[str, np.ndarray], k: int, d: int, batch: int, n_tokens: int, costs: SpecCosts,
-                        full_cost: float, resampler: Any = None) -> dict[str, float]:
+                        resampler: Any = None) -> dict[str, float]:
     """Predicted tokens per block and speedup of speculative decoding (k, d, batch, N) from a store.
 
     Args:
         store: ``argmax`` [token, T], ``sequence`` and ``position`` [token].
         k, d, batch, n_tokens: the decoding's draft loops, draft length, batch size and tokens per row.
-        costs: the block's measured pieces.
-        full_cost: one full-depth decoded position of the batch (seconds).
+        costs: the measured block times and full-depth position time (``costs.full``).
         resampler: a :class:`looptrace.intervals.Resampler` over the store's tokens (by sequence) for intervals,
             or None (lo = hi = NaN).
 
     Returns:
-        ``tokens_per_block`` (N / E_b), ``speedup`` (N · full_cost / E_c), ``accept_steady`` (1 + Σ_{j ≤ d} Q_j:
+        ``tokens_per_block`` (N / E_b), ``speedup`` (N · c_full / E_c), ``accept_steady`` (1 + Σ_{j ≤ d} Q_j:
         tokens per block far from the horizon), each with ``_lo``/``_hi``; ``agreement`` (the share of tokens with
         argmax_k = argmax_T), ``q1`` and ``n_sequences``.
     """
     hits, fits = agreement_windows(store["argmax"], store["sequence"], store["position"], k, d)
     with np.errstate(invalid="ignore", divide="ignore"):
         q = hits.sum(axis=1) / fits.sum(axis=1)  # [d]
-    est = _figures(q[None], batch, n_tokens, costs, full_cost)
+    est = _figures(q[None], batch, n_tokens, costs)
     out = {name: float(v[0]) for name, v in est.items()}
     if resampler is not None and resampler.n_boot > 0:
         from looptrace.intervals import percentile_interval
 
-        samples = _figures(resampler.ratio(hits, fits), batch, n_tokens, costs, full_cost)
+        samples = _figures(resampler.ratio(hits, fits), batch, n_tokens, costs)
         for name, v in samples.items():
             lo, hi = percentile_interval(v, resampler.level)
             out[f"{name}_lo"], out[f"{name}_hi"] = float(lo), float(hi)
@@ -192,12 +189,12 @@ def predict_speculative(store: dict[str, np.ndarray], k: int, d: int, batch: int
     return out
 
 
-def _figures(q: np.ndarray, batch: int, n_tokens: int, costs: SpecCosts, full_cost: float) -> dict[str, np.ndarray]:
+def _figures(q: np.ndarray, batch: int, n_tokens: int, costs: SpecCosts) -> dict[str, np.ndarray]:
     """[M, d] acceptance probabilities q_j -> the three predicted figures, each [M]."""
     Q = batch_acceptance(q, batch)
     Eb, Ec = horizon_expectations(Q, n_tokens, costs.block)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return {"tokens_per_block": n_tokens / Eb, "speedup": n_tokens * full_cost / Ec,
+        return {"tokens_per_block": n_tokens / Eb, "speedup": n_tokens * costs.full / Ec,
                 "accept_steady": 1.0 + Q.sum(axis=-1)}
 
 
