@@ -59,9 +59,9 @@ from looptrace.online.device_rules import device_rule
 from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens
 from looptrace.online.lookahead import decode_tokens_lookahead
+from looptrace.online.signals import LiveSignals
 from looptrace.online.speculative import decode_speculative, measure_costs
 from looptrace.online.speculative_predict import predict_speculative, simulate_blocks
-from looptrace.online.signals import LiveSignals
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 

@@ -47,12 +47,12 @@ import polars as pl
 import torch
 from tqdm.auto import tqdm
 
-from looptrace.config import OMIT_DEFAULT, ConfigError, InputError, MissingInputError
+from looptrace.config import ConfigError, InputError, MissingInputError
+from looptrace.intervals import IntervalsConfig, boot_seed
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
-from looptrace.intervals import IntervalsConfig, boot_seed
 from looptrace.io.store.reader import open_store
 from looptrace.models.adapters.hf import load_adapter
 from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder
@@ -63,7 +63,12 @@ from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.genrun import GenRun
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.online.lookahead import decode_tokens_lookahead
-from looptrace.online.speculative import SpeculativeConfig, speculative_for_model, speculative_frame, speculative_metrics
+from looptrace.online.speculative import (
+    SpeculativeConfig,
+    speculative_for_model,
+    speculative_frame,
+    speculative_metrics,
+)
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks.text import text_splits
 
@@ -253,7 +258,7 @@ class GenerateConfig:
     huginn_lookup_strategy: str = "full"
     seeds: tuple[int, ...] | None = None
     lookahead: bool = False
-    speculative: SpeculativeConfig | None = field(default=None, metadata=OMIT_DEFAULT)
+    speculative: SpeculativeConfig | None = SpeculativeConfig()
 
     def pick(self, names: list[str]) -> list[str]:
         """The models of ``names`` (default-matrix names) that :attr:`seeds` selects."""

@@ -262,7 +262,7 @@ class SpeculativeConfig:
 
     k: tuple[int, ...] = (2,)
     d: tuple[int, ...] = (3,)
-    cost_repeats: int = 3
+    cost_repeats: int = 5
 
     def __post_init__(self) -> None:
         if not self.k or min(self.k) < 1:

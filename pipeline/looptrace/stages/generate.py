@@ -41,6 +41,7 @@ def main(
         cfg = load_section(GenerateConfig, "generate", params, required=True)
         check_device(base.device)
         dump_cfg = load_section(DumpConfig, "dump", params)
+        intervals = load_section(IntervalsConfig, "intervals", params) if cfg.speculative is not None else None
         adapter = dump_cfg.adapter
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out, stage="generate", inputs=input_roots(train_root, dump_root, readouts_root, gates_root)):
@@ -48,7 +49,6 @@ def main(
             torch.manual_seed(base.seed)
             names = model_names(params, models) if models or adapter is None else [adapter.run_name]
             names = cfg.pick(names) if not models and adapter is None else names
-            intervals = load_section(IntervalsConfig, "intervals", params) if cfg.speculative is not None else None
             df, metrics, spec = generate_models(names, cfg, dump_root, readouts_root, gates_root,
                                                 train_root=train_root, adapter=adapter, device=base.device,
                                                 seed=base.seed, regime_meta=lambda name: model_meta(name, params),

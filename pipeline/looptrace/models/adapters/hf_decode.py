@@ -99,6 +99,15 @@ class _HFDecoder(LoopDecoder):
             self.kv.pos = self.pos
             self.kv.share(rows, t)
 
+    def _chunk(self, h: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position ids [1, q] and the additive causal mask [1, 1, q, pos+q] of a chunk of q positions after the
+        cached ``pos`` (query i sees keys ≤ pos + i; the model's attention slices it to the keys it holds)."""
+        p = self.pos
+        pid = torch.arange(p, p + q, device=self.device)[None]
+        allowed = torch.ones(q, p + q, dtype=torch.bool, device=self.device).tril(diagonal=p)
+        mask = torch.zeros(1, 1, q, p + q, dtype=h.dtype, device=self.device)
+        return pid, mask.masked_fill(~allowed, torch.finfo(h.dtype).min)
+
 
 class _LayerListDecoder(_HFDecoder):
     """Decoders that call a transformers decoder-layer list (Dory, retrofit): prelude / loop / coda ranges."""
@@ -207,9 +216,30 @@ class RetrofitDecoder(_LayerListDecoder):
         L = len(self._base().layers)
         self.P, self.R, self.C = adapter.start, adapter.end - adapter.start, L - adapter.end
         self.softcap = adapter.softcap
+        self.mask: torch.Tensor | None = None  # a verification chunk's causal mask (None: one position)
+        # a sliding-window layer's cache read keeps only the last W keys of the chunk's last position
+        self.chunk_verify = not self._windows()
 
     def _layer_kwargs(self, layer):
-        return {"attention_mask": None, "position_ids": self.pid, "use_cache": True, "position_embeddings": self.pe}
+        return {"attention_mask": self.mask, "position_ids": self.pid, "use_cache": True,
+                "position_embeddings": self.pe}
+
+    def verify(self, ids, inj, h, k):
+        if not self.chunk_verify or h is None:
+            return super().verify(ids, inj, h, k)
+        # loops k+1..T and the coda over the chunk, the model's own layers with an explicit causal mask (its
+        # attention would align a multi-token query top-left without one); numbers equal decoding one position at
+        # a time where the BLAS is row-invariant
+        self.pid, self.mask = self._chunk(h, ids.shape[1])
+        self.pe = self._base().rotary_emb(h, self.pid)
+        try:
+            for t in range(k, self.n_loops):
+                h = self.step(t, h, inj, None)
+            z = self.readout(h, self.n_loops - 1, None)
+        finally:
+            self.mask = None
+        self.pos += ids.shape[1]
+        return z
 
     def start(self, ids):
         base = self._base()
@@ -252,6 +282,10 @@ class OuroDecoder(_HFDecoder):
     def __init__(self, adapter: OuroAdapter, policy: str, **options):
         super().__init__(adapter, policy, **options)
         self.L = int(self.model.config.num_hidden_layers)
+        base = self.model.model
+        sliding = bool(base.config.sliding_window) and any(
+            getattr(layer, "attention_type", "") == "sliding_attention" for layer in base.layers[: self.L])
+        self.chunk_verify = policy != "native" and not sliding
 
     def reset(self, prompts, max_len):
         B = prompts.shape[0]
@@ -275,14 +309,27 @@ class OuroDecoder(_HFDecoder):
         self.pe = base.rotary_emb(h, self.pid)
         return None, h
 
-    def step(self, t, h, inj, rows):
+    def step(self, t, h, inj, rows, mask: torch.Tensor | None = None):
         base = self.model.model
         self._point(rows)
         for layer in base.layers[: self.L]:
-            h = layer(h, attention_mask=None, position_ids=self.pid, past_key_value=self.cache, use_cache=True,
+            h = layer(h, attention_mask=mask, position_ids=self.pid, past_key_value=self.cache, use_cache=True,
                       cache_position=self.cp, position_embeddings=self.pe, current_ut=t)
             h = h[0] if isinstance(h, tuple) else h
         return base.norm(h)
+
+    def verify(self, ids, inj, h, k):
+        if not self.chunk_verify or h is None:
+            return super().verify(ids, inj, h, k)
+        # steps k+1..T over the chunk with an explicit causal mask (the model's attention aligns a multi-token query
+        # top-left without one); numbers equal decoding one position at a time where the BLAS is row-invariant
+        self.pid, mask = self._chunk(h, ids.shape[1])
+        self.cp = self.pid[0]
+        self.pe = self.model.model.rotary_emb(h, self.pid)
+        for t in range(k, self.n_loops):
+            h = self.step(t, h, inj, None, mask)
+        self.pos += ids.shape[1]
+        return self.readout(h, self.n_loops - 1, None)
 
     def readout(self, h, t, rows):
         return self.model.get_output_embeddings()(h).float()
