@@ -119,14 +119,15 @@ def _block(dec: LoopDecoder, cur: torch.Tensor, dd: int, k: int) -> _Block:
         for t in range(k):
             h = dec.step(t, h, inj, None)
         if chunk:
-            injs.append(inj)
             hs.append(h)
+            if inj is not None:  # (Ouro and retrofit re-inject nothing)
+                injs.append(inj)
         if j < dd:
             ids.append(dec.readout(h, k - 1, None)[:, 0].argmax(dim=-1))
         dec.advance()
     dec.pos = p
     x = torch.stack(ids, dim=1)  # [B, q]
-    inj_c = torch.cat(injs, dim=1) if chunk and all(i is not None for i in injs) else None
+    inj_c = torch.cat(injs, dim=1) if injs else None
     t1 = time.perf_counter()
     z = dec.verify(x, inj_c, torch.cat(hs, dim=1) if chunk else None, k)  # [B, q, V]
     t2 = time.perf_counter()
