@@ -24,7 +24,12 @@ from looptrace.models.decode import DecodeUnsupported, LoopDecoder
 from looptrace.models.decoders import decoder_for
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.generate import decode_tokens
-from looptrace.online.speculative import SpeculativeConfig, decode_speculative, measure_costs
+from looptrace.online.speculative import (
+    SpeculativeConfig,
+    continuation_agreement,
+    decode_speculative,
+    measure_costs,
+)
 from looptrace.online.speculative_predict import (
     SpecCosts,
     agreement_windows,
@@ -137,6 +142,8 @@ def test_blocks_equal_the_simulation_on_the_forward_argmax():
     with torch.inference_mode():
         am = m(torch.cat([p, torch.from_numpy(ref.tokens)], 1)).logits.argmax(-1).numpy()  # [B, S, T]
     seen = set()
+    cont = continuation_agreement(dec, p, N)  # the decoder's own probe of the continuation: the same agreements
+    assert np.array_equal(cont, am[:, 2:2 + N, :T - 1] == am[:, 2:2 + N, T - 1:])
     for B in (1, 4):
         for k in range(1, T):
             agree = am[:B, 2:2 + N, k - 1] == am[:B, 2:2 + N, T - 1]
@@ -313,6 +320,9 @@ def test_generate_stage_speculative_section(tmp_path):
         for f in ("predicted_tokens_per_block", "predicted_speedup", "predicted_accept_steady"):
             assert r[f + "_lo"] <= r[f] <= r[f + "_hi"], f
         assert 1.0 <= r["realised_tokens_per_block"] <= 3.0 and r["verify"] == "chunk"
+        # no coda: the blocks simulated on the continuations' own agreement are the realised ones
+        assert r["continuation_tokens_per_block"] == pytest.approx(r["realised_tokens_per_block"], rel=1e-12)
+        assert r["cost_model_ratio"] == pytest.approx(r["realised_speedup"] / r["continuation_speedup"], rel=1e-12)
         assert r["speedup_ratio"] == pytest.approx(r["realised_speedup"] / r["predicted_speedup"], rel=1e-12)
     write_generate(tmp_path / "generate", df, metrics, spec)
     assert pl.read_parquet(tmp_path / "generate" / "speculative.parquet").shape == spec.shape

@@ -45,7 +45,8 @@ import torch
 
 from looptrace.config import ConfigError
 from looptrace.models.decode import DecodeUnsupported, LoopDecoder
-from looptrace.online.speculative_predict import SpecCosts, predict_speculative
+from looptrace.online.engine import OnlineRule
+from looptrace.online.speculative_predict import SpecCosts, predict_speculative, simulate_blocks
 
 # ----------------------------------------------------------------------------------------------
 # Decoding
@@ -287,10 +288,40 @@ SPECULATIVE_SCHEMA = {
     "full_time_s": "float", "spec_time_s": "float",
     "realised_speedup": "float", "realised_speedup_lo": "float", "realised_speedup_hi": "float",
     "predicted_speedup": "float", "predicted_speedup_lo": "float", "predicted_speedup_hi": "float",
-    "speedup_ratio": "float", "work_ratio": "float", "store_agreement": "float", "store_sequences": "int",
+    "speedup_ratio": "float", "continuation_agreement": "float", "continuation_tokens_per_block": "float",
+    "continuation_speedup": "float", "cost_model_ratio": "float", "work_ratio": "float", "store_agreement": "float", "store_sequences": "int",
     "cost_block_s": "float", "cost_draft_s": "float", "cost_verify_s": "float", "cost_accept_s": "float",
     "cost_verify_one_s": "float", "full_cost_s": "float", "repeats": "int",
 }
+
+
+class _ArgmaxProbe(OnlineRule):
+    """Never fires; records the readout's argmax after every loop 1..T−1 of every decoded position (the full-depth
+    continuation's own a_k: what a store of the decoded sequences would hold)."""
+
+    def __init__(self) -> None:
+        super().__init__("argmax_probe", 0.0, "ge")
+        self.rows: list[list[torch.Tensor]] = []
+
+    def reset(self, model, h0):
+        self.rows.append([])
+
+    def fires(self, t, h, z, model):
+        self.rows[-1].append(z[:, 0].argmax(dim=-1))
+        return torch.zeros(h.shape[:2], dtype=torch.bool, device=h.device)
+
+
+def continuation_agreement(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int) -> np.ndarray:
+    """[batch, N, T−1] bool: argmax_k = argmax_T (k = 1..T−1) at each decoded position of the full-depth greedy
+    continuation (one untimed decode that reads out every loop). A draft whose earlier tokens are full depth's is
+    exactly that loop-k readout when the model has no coda (with a coda, the drafts see their own loop-k coda
+    keys/values), so :func:`~looptrace.online.speculative_predict.simulate_blocks` on it gives the blocks."""
+    from looptrace.online.generate import decode_tokens
+
+    probe = _ArgmaxProbe()
+    r = decode_tokens(dec, prompts, new_tokens, probe)
+    am = torch.stack([torch.stack(row, dim=1) for row in probe.rows], dim=1).cpu().numpy()  # [B, N, T−1]
+    return am == r.tokens[:, :, None]
 
 
 def _full_runs(dec: LoopDecoder, prompts: torch.Tensor, bs: int, N: int):
@@ -346,6 +377,8 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
     if store is not None and n_boot > 0:
         rs = Resampler(store["sequence"], n_boot, seed=seed, level=level)
     for bs in batch_sizes:
+        # the continuations' own agreement, per prompt batch (the decoded sequences as a store would hold them)
+        cont = [continuation_agreement(dec, p_all[lo:lo + bs], N) for lo in range(0, n, bs)]
         settings = [(k, d) for k in ks for d in cfg.d]
         realised: dict = {}
         times: dict = {None: [], **{s: [] for s in settings}}
@@ -375,6 +408,9 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
             acc_rows = np.concatenate([r.accepted.ravel() for r in runs])
             pred = predict_speculative(store, k, d, bs, N, costs, rs) if store is not None else None
             work = full_loops / max(1, sum(r.row_loops for r in runs))
+            sim = [simulate_blocks(c[:, :, k - 1], d) for c in cont]
+            cont_tpb = float(sum(int(e.sum()) for _, e in sim) / sum(e.size for _, e in sim))
+            cont_time = float(np.mean([sum(costs.block(int(dd)) for dd in dr) for dr, _ in sim]))
             sp = statistics.median(ratios)
             nan = float("nan")
             rows.append({
@@ -396,7 +432,10 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
                 "predicted_speedup": pred["speedup"] if pred else nan,
                 "predicted_speedup_lo": pred["speedup_lo"] if pred else nan,
                 "predicted_speedup_hi": pred["speedup_hi"] if pred else nan,
-                "speedup_ratio": sp / pred["speedup"] if pred else nan, "work_ratio": work,
+                "speedup_ratio": sp / pred["speedup"] if pred else nan,
+                "continuation_agreement": float(np.mean(np.concatenate([c[:, :, k - 1].ravel() for c in cont]))),
+                "continuation_tokens_per_block": cont_tpb, "continuation_speedup": N * costs.full / cont_time,
+                "cost_model_ratio": sp / (N * costs.full / cont_time), "work_ratio": work,
                 "store_agreement": pred["agreement"] if pred else nan,
                 "store_sequences": int(pred["n_sequences"]) if pred else 0,
                 "cost_block_s": costs.block(d), "cost_draft_s": costs.draft[d], "cost_verify_s": costs.verify[d],
@@ -433,9 +472,11 @@ def speculative_metrics(rows: Sequence[dict]) -> dict:
     for r in rows:
         out["runs"][f"{r['model']}_k{r['k']}_d{r['d']}_bs{r['batch_size']}"] = {
             key: r[key] for key in ("exact", "realised_tokens_per_block", "predicted_tokens_per_block",
-                                    "realised_speedup", "predicted_speedup", "speedup_ratio", "work_ratio")}
-    ratios = [r["speedup_ratio"] for r in rows if np.isfinite(r["speedup_ratio"])]
-    out["median_speedup_ratio"] = float(np.median(ratios)) if ratios else None
+                                    "continuation_tokens_per_block", "realised_speedup", "predicted_speedup",
+                                    "continuation_speedup", "speedup_ratio", "cost_model_ratio")}
+    for key in ("speedup_ratio", "cost_model_ratio"):
+        v = [r[key] for r in rows if np.isfinite(r[key])]
+        out[f"median_{key}"] = float(np.median(v)) if v else None
     return out
 
 
@@ -447,6 +488,6 @@ def speculative_frame(rows: Sequence[dict]):
     return pl.DataFrame(list(rows), schema={k: kinds[v] for k, v in SPECULATIVE_SCHEMA.items()})
 
 
-__all__ = ["SPECULATIVE_SCHEMA", "SpecRun", "SpeculativeConfig", "check_speculative",
+__all__ = ["SPECULATIVE_SCHEMA", "SpecRun", "SpeculativeConfig", "check_speculative", "continuation_agreement",
            "decode_speculative", "measure_costs", "speculative_for_model", "speculative_frame", "speculative_metrics",
            "speculative_model"]
