@@ -376,9 +376,11 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
     rs = None
     if store is not None and n_boot > 0:
         rs = Resampler(store["sequence"], n_boot, seed=seed, level=level)
+    # the continuations' own agreement (the decoded sequences as a store would hold them): one decode of every
+    # prompt together (a row's tokens do not depend on its batch), split into each batch size's prompt batches
+    agree_all = continuation_agreement(dec, p_all, N) if ks else None
     for bs in batch_sizes:
-        # the continuations' own agreement, per prompt batch (the decoded sequences as a store would hold them)
-        cont = [continuation_agreement(dec, p_all[lo:lo + bs], N) for lo in range(0, n, bs)]
+        cont = [agree_all[lo:lo + bs] for lo in range(0, n, bs)] if agree_all is not None else []
         settings = [(k, d) for k in ks for d in cfg.d]
         realised: dict = {}
         times: dict = {None: [], **{s: [] for s in settings}}
