@@ -200,6 +200,8 @@ def test_measure_costs_shapes():
     c = measure_costs(decoder_for(m, "recompute"), prompts_of(B=2, S=3, hi=7), 2, 3, 6, repeats=1)
     assert len(c.draft) == len(c.verify) == len(c.accept) == 4 and c.chunk and min(*c.verify, *c.accept, c.full) > 0
     assert c.draft[3] > c.draft[0] > 0 and c.block(3) == pytest.approx(c.draft[3] + c.verify[3] + c.accept[3])
+    # a draft length beyond the horizon: blocks up to N − 1 drafts only (the decode never makes a longer one)
+    assert len(measure_costs(decoder_for(m, "recompute"), prompts_of(B=1, S=3, hi=7), 2, 9, 3, repeats=1).verify) == 3
 
 
 # ---------------------------------------------------------------------------------------------- prediction

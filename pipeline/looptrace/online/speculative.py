@@ -206,9 +206,9 @@ def decode_speculative(dec: LoopDecoder, prompts: torch.Tensor, new_tokens: int,
 @torch.inference_mode()
 def measure_costs(dec: LoopDecoder, prompts: torch.Tensor, k: int, d: int, new_tokens: int, repeats: int = 3
                   ) -> SpecCosts:
-    """Time full-depth decoding and a block of every draft length d' = 0..d on ``prompts``, back to back within
-    each repeat (so load drift on a shared machine moves both alike); medians over ``repeats`` (after one untimed
-    pass).
+    """Time full-depth decoding and a block of every draft length d' = 0..min(d, N − 1) on ``prompts``, back to
+    back within each repeat (so load drift on a shared machine moves both alike); medians over ``repeats`` (after
+    one untimed pass).
 
     Full depth: :func:`looptrace.online.generate.decode_tokens` of ``new_tokens`` tokens without a rule, its decode
     time per position. A block: the block's own code (:func:`decode_speculative` runs the same) at the prompt's
@@ -228,13 +228,14 @@ def measure_costs(dec: LoopDecoder, prompts: torch.Tensor, k: int, d: int, new_t
 
     check_speculative(dec, k, d)
     B, S0 = prompts.shape
-    times: list[list[tuple[float, float, float]]] = [[] for _ in range(d + 1)]
+    d_max = min(d, new_tokens - 1)  # the longest draft a decode of new_tokens makes
+    times: list[list[tuple[float, float, float]]] = [[] for _ in range(d_max + 1)]
     full: list[float] = []
     for rep in range(repeats + 1):
         f = decode_tokens(dec, prompts, new_tokens).seconds / new_tokens
-        dec.reset(prompts, S0 + d + 1)
+        dec.reset(prompts, S0 + d_max)
         dec.prefill(prompts[:, :-1])
-        for dd in range(d + 1):
+        for dd in range(d_max + 1):
             b = _block(dec, prompts[:, -1], dd, k)
             if rep > 0:
                 times[dd].append((b.draft_s, b.verify_s, b.accept_s))
@@ -398,6 +399,7 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
             tok = np.concatenate([r.tokens for r in runs], axis=0)
             ratios = [f / s for f, s in zip(times[None], times[(k, d)], strict=True)]
             costs = measure_costs(dec, p_all[:bs], k, d, N, cfg.cost_repeats)
+            dm = min(d, N - 1)  # the longest block of the run
             emitted = np.concatenate([r.emitted for r in runs])
             unit = np.concatenate([np.full(r.blocks, i) for i, r in enumerate(runs)])
             tpb = float(emitted.sum() / emitted.size)
@@ -440,8 +442,8 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
                 "cost_model_ratio": sp / (N * costs.full / cont_time), "work_ratio": work,
                 "store_agreement": pred["agreement"] if pred else nan,
                 "store_sequences": int(pred["n_sequences"]) if pred else 0,
-                "cost_block_s": costs.block(d), "cost_draft_s": costs.draft[d], "cost_verify_s": costs.verify[d],
-                "cost_accept_s": costs.accept[d], "cost_verify_one_s": costs.verify[0], "full_cost_s": costs.full,
+                "cost_block_s": costs.block(dm), "cost_draft_s": costs.draft[dm], "cost_verify_s": costs.verify[dm],
+                "cost_accept_s": costs.accept[dm], "cost_verify_one_s": costs.verify[0], "full_cost_s": costs.full,
                 "repeats": int(repeats),
             })
     return rows, skipped

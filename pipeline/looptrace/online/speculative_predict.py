@@ -28,7 +28,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SpecCosts:
-    """Measured wall times (seconds, one batch) of a block of each draft length d' = 0..d (index d').
+    """Measured wall times (seconds, one batch) of a block of each draft length d' = 0..min(d, N − 1) (index d').
 
     Attributes:
         draft: drafting d' tokens: d'+1 (chunk verification) or d' positions embedded and run through loops 1..k,
