@@ -34,6 +34,12 @@ tokens and depths asserted equal; printed: lookahead / per-loop time, device rul
 and the per-phase breakdown of each path. ``--rules ...,q_exit`` builds the model with a linear gate
 (``--gate auto``); thresholds are calibrated on the rule's score (q_exit: the halting CDF).
 
+Last, **loop self-speculative decoding** (``--spec k:d,...``, default ``2:3,4:3``; :mod:`looptrace.online.speculative`)
+at batch 1: tokens asserted equal to full depth's; realised speedup (median of paired t_full / t_spec) against the
+speedup predicted from argmax_k = argmax_T along the full-depth continuations (what a store of these sequences
+would hold) and the measured block costs (:func:`looptrace.online.speculative_predict.predict_speculative`);
+printed: realised / predicted (target ≥ 0.9).
+
 Cores obtained = process CPU seconds / wall seconds over the timed section (the machine may be shared).
 
 Usage: ``python benchmarks/generate.py [--d-model 1024 --layers 8 --loops 8 --vocab 32000 --prompts 2
