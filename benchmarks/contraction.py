@@ -5,11 +5,14 @@ Same random-init LoopedTransformer and batches for every run (default: the defau
 64, one layer × 6 loops, 12 positions, vocab 2 — 512 sequences, i.e. one val split). Runs, in an interleaved order
 repeated ``--reps`` times (plain, iters₁, plain, iters₂, ..., so each contraction run is divided by the mean of the
 plain dumps just before and after it; the ratio is the median over repetitions, which cancels this shared VM's
-drift): a plain ``dump_split`` to a fresh in-memory store, and the same dump with
-``dump.contraction.power_iters`` = each of ``--iters``. One untimed run of each comes first (warm-up).
+drift): a plain ``dump_split`` to a fresh in-memory store, the same dump with ``dump.contraction`` at its defaults
+(d_model ≤ ``exact_width``: the exact block norm and its upper bound from S·d VJPs per loop), and with the power
+method (``exact_width: 1``) at ``dump.contraction.power_iters`` = each of ``--iters``. One untimed run of each comes
+first (warm-up).
 
-Printed: seconds of the plain dump, then per power-iteration count the ratio wall(contraction dump) / wall(plain
-dump) and the marginal cost of one more iteration in plain dumps; and the seconds a default-sized run adds (the
+Printed: seconds of the plain dump, then for the exact run and per power-iteration count the ratio
+wall(contraction dump) / wall(plain dump) and the marginal cost of one more iteration in plain dumps; and the
+seconds a default-sized run adds (the
 default pipeline dumps 2048 sequences per model: fit 1024, val 512, test 512). No target is enforced: the
 numbers decide whether the option may be on by default (docs/dump.md).
 
@@ -105,10 +108,11 @@ def main() -> int:
     tokens = rng.integers(0, 4, (args.sequences, args.seq_len))
     zeros = np.zeros_like(tokens)
     data = TaskBatch(tokens=tokens, targets=rng.integers(0, 4, tokens.shape), difficulty=zeros, token_type=zeros)
-    runs = {"plain": DumpConfig(batch_size=args.batch, chunk_tokens=4096)}
-    for n in args.iters:
+    runs = {"plain": DumpConfig(batch_size=args.batch, chunk_tokens=4096),
+            "exact": DumpConfig(batch_size=args.batch, chunk_tokens=4096, contraction=ContractionConfig())}
+    for n in args.iters:  # the power method (what a model wider than exact_width gets)
         runs[f"iters={n}"] = DumpConfig(batch_size=args.batch, chunk_tokens=4096,
-                                        contraction=ContractionConfig(power_iters=n))
+                                        contraction=ContractionConfig(power_iters=n, exact_width=1))
 
     def timed(name: str) -> float:
         t0 = time.perf_counter()
@@ -126,11 +130,15 @@ def main() -> int:
     med = {name: statistics.median(r) for name, r in ratios.items()}
     prev = None
     for name, r in med.items():
-        n = int(name.split("=")[1])
         extra = (r - 1) * base * DEFAULT_SEQUENCES / args.sequences
+        if name == "exact":
+            print(f"  exact (d_model {args.d_model} <= exact_width): contraction dump / plain dump = {r:.2f}x (adds "
+                  f"~{extra:.1f} s per default-sized model, {DEFAULT_SEQUENCES} sequences)")
+            continue
+        n = int(name.split("=")[1])
         step = "" if prev is None else f"; +{(r - prev[1]) / (n - prev[0]):.2f} plain dumps per extra iteration"
-        print(f"  power_iters={n}: contraction dump / plain dump = {r:.2f}x (adds ~{extra:.1f} s per default-sized "
-              f"model, {DEFAULT_SEQUENCES} sequences){step}")
+        print(f"  power_iters={n} (exact_width 1): contraction dump / plain dump = {r:.2f}x (adds ~{extra:.1f} s "
+              f"per default-sized model, {DEFAULT_SEQUENCES} sequences){step}")
         prev = (n, r)
 
     import shutil

@@ -4,7 +4,9 @@ to a plain dump of the same adapter, measured in the same run.
 The model is one of the adapter tests' tiny checkpoints (tests/hf_helpers.py: the Huginn / Ouro stand-ins of the
 published code, or transformers' own Dory), built in a temporary directory and loaded through ``load_adapter`` like
 any checkpoint; every run dumps the same random token batches to a fresh in-memory store. Runs, interleaved and
-repeated ``--reps`` times (plain, iters₁, plain, iters₂, ...; each contraction run divided by the mean of the plain
+repeated ``--reps`` times (plain, exact, plain, iters₁, plain, iters₂, ...: ``dump.contraction`` at its defaults — the
+exact block norm when d_model ≤ ``exact_width`` — then the power method, ``exact_width: 1``, at each
+``power_iters``; each contraction run divided by the mean of the plain
 dumps just before and after it, the ratio the median over repetitions), after one untimed warm-up of each. Then
 ``dump.layers: [0, 1]`` to on-disk stores: bytes and wall as ratios to the plain on-disk dump (one run each).
 
@@ -35,7 +37,7 @@ SMOKE = {"sequences": 4, "seq_len": 5, "iters": [1], "reps": 1, "threads": 1}
 def build(kind: str, where: Path):
     """The tiny checkpoint of the adapter tests, loaded as an adapter."""
     sys.path.insert(0, str(REPO))
-    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from looptrace.models.adapters.loading import AdapterConfig, load_adapter
     from tests import hf_helpers as H
 
     if kind == "dory":
@@ -73,9 +75,9 @@ def main() -> int:
         zeros = np.zeros_like(tokens)
         data = TaskBatch(tokens=tokens, targets=rng.integers(0, 4, tokens.shape), difficulty=zeros, token_type=zeros)
         base = {"batch_size": args.batch, "chunk_tokens": 4096, "hidden_dtype": "float32"}
-        runs = {"plain": DumpConfig(**base)}
-        for n in args.iters:
-            runs[f"iters={n}"] = DumpConfig(**base, contraction=ContractionConfig(power_iters=n))
+        runs = {"plain": DumpConfig(**base), "exact": DumpConfig(**base, contraction=ContractionConfig())}
+        for n in args.iters:  # the power method (what a model wider than exact_width gets)
+            runs[f"iters={n}"] = DumpConfig(**base, contraction=ContractionConfig(power_iters=n, exact_width=1))
 
         def timed(name: str) -> float:
             t0 = time.perf_counter()
@@ -89,7 +91,9 @@ def main() -> int:
               f"positions, {args.threads} threads, {args.reps} reps")
         print(f"plain dump: {statistics.median(plain):.3f} s (median)")
         for name, r in ratios.items():
-            print(f"  power_iters={name.split('=')[1]}: contraction dump / plain dump = {statistics.median(r):.2f}x")
+            what = (f"exact (d_model {info.d_model} <= exact_width)" if name == "exact"
+                    else f"power_iters={name.split('=')[1]} (exact_width 1)")
+            print(f"  {what}: contraction dump / plain dump = {statistics.median(r):.2f}x")
         print(layers_cost(adapter, data, base, tmp))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

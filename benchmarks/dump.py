@@ -172,7 +172,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="repetitions of (dump, naive), each between two bare "
                     "runs; ratios are medians over repetitions")
     ap.add_argument("--hf", action="store_true", help="also run benchmarks/dump_hf.py (a wide tiny HF Dory "
-                    "through looptrace.models.adapters.hf vs the model's own forward) with its defaults")
+                    "through looptrace.models.adapters vs the model's own forward) with its defaults")
     ap.add_argument("--smoke", action="store_true", help="a tiny run (seconds) that checks the benchmark still runs end to end; targets not enforced "
                     "(tests/test_benchmarks.py)")
     args = ap.parse_args()

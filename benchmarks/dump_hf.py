@@ -1,6 +1,6 @@
 """Benchmark of an HF adapter dump: a wide tiny Dory (d_model ≥ 1024) against the model's own forward.
 
-Same random-init ``DoryForCausalLM`` (saved to a temp dir and loaded through ``looptrace.models.adapters.hf``),
+Same random-init ``DoryForCausalLM`` (saved to a temp dir and loaded through ``looptrace.models.adapters``),
 same batches, each measured ``--reps`` times, interleaved, best run counts (the machine is shared):
 
 1. own forward: ``DoryForCausalLM(ids, use_cache=False)`` — prelude, T loops, coda, head, once;
@@ -54,7 +54,7 @@ def run(argv: list[str] | None = None) -> int:
     from transformers import DoryConfig, DoryForCausalLM
 
     from looptrace.capture.dump import DumpConfig, bare_forward, dump_split
-    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from looptrace.models.adapters.loading import AdapterConfig, load_adapter
     from looptrace.tasks import TaskBatch
 
     torch.set_num_threads(args.threads)

@@ -7,7 +7,7 @@ shape of Ouro-1.4B in bfloat16 — d_model 2048, 16 heads, a block of 24 layers 
 - ``looped``: looptrace's own :class:`~looptrace.models.looped.LoopedTransformer` (MLP 4·d, a linear halting gate
   so that the native Q-exit has a gate to read; built directly on the device);
 - ``ouro``: the Ouro stand-in of the adapter tests (``tests/hf_helpers.build_ouro``: Ouro's interfaces, GQA-free
-  16 heads, MLP 5632, its exit gate), saved and loaded through :mod:`looptrace.models.adapters.hf`, so that the
+  16 heads, MLP 5632, its exit gate), saved and loaded through :mod:`looptrace.models.adapters`, so that the
   adapter path is measured too (needs the ``hf`` extra; skipped with a message otherwise).
 
 For each model it prints:
@@ -130,7 +130,7 @@ def build_looped(shape: dict, block_size: int, device: torch.device, dtype: torc
 def build_ouro_adapter(shape: dict, block_size: int, device: torch.device, dtype: torch.dtype, where: Path):
     """The Ouro stand-in of tests/hf_helpers.py at ``shape``, saved under ``where`` and loaded as an adapter."""
     sys.path.insert(0, str(REPO))
-    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from looptrace.models.adapters.loading import AdapterConfig, load_adapter
     from tests.hf_helpers import build_ouro
 
     name = str(dtype).removeprefix("torch.")

@@ -6,7 +6,10 @@ command line) and prints wall and CPU seconds per variant:
 - ``1 seed, T threads``: today's one model per task × regime (``base.threads``);
 - ``1 seed, 1 thread``;
 - ``3 seeds sequential, T threads``: the naive seed axis;
-- ``3 seeds, train_seeds workers=2``: :func:`looptrace.models.train.train_seeds`, each model on one thread.
+- ``3 seeds, train_models workers=2``: :func:`looptrace.models.train.train_models` (the train stage's pool), each
+  model on one thread.
+
+Every variant trains exactly ``--steps`` steps (``train.stop.target: null``: no stopping criterion).
 
 Usage: ``python benchmarks/seeds.py [--task running_parity] [--regime uniform] [--steps 150]``. On a shared machine
 the wall times move with the load; CPU seconds (this process + its workers) are the steadier figure.
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 from looptrace.config import load_base, load_section
-from looptrace.models.train import TrainConfig, train_model, train_seeds
+from looptrace.models.train import StopConfig, TrainConfig, train_model, train_models
 
 
 def _cpu() -> float:
@@ -36,23 +39,24 @@ def main() -> None:
     ap.add_argument("--task", default="running_parity")
     ap.add_argument("--regime", default="uniform")
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--smoke", action="store_true", help="2 steps, the 1-thread and train_seeds variants only: does it "
+    ap.add_argument("--smoke", action="store_true", help="2 steps, the 1-thread and train_models variants only: does it "
                     "still run (tests/test_benchmarks.py)")
     a = ap.parse_args()
     if a.smoke:
         a.steps = 2
     base = load_base(a.params)
     cfg = load_section(TrainConfig, "train", a.params)
-    cfg = dataclasses.replace(cfg, steps=a.steps, steps_by_task={}, checkpoint_fractions=(), val_sequences=256)
+    cfg = dataclasses.replace(cfg, steps=a.steps, steps_by_task={}, checkpoint_fractions=(), val_sequences=256,
+                              stop=StopConfig())
     out = Path(tempfile.mkdtemp(prefix="looptrace-seeds-"))
     variants = [
         (f"1 seed, {base.threads} threads", lambda: train_model(base, cfg, a.task, a.regime, out / "a", False, 0)),
         ("1 seed, 1 thread", lambda: train_model(base, cfg, a.task, a.regime, out / "b", False, 0, threads=1)),
         (f"3 seeds sequential, {base.threads} threads",
          lambda: [train_model(base, cfg, a.task, a.regime, out / f"c{s}", False, s) for s in (0, 1, 2)]),
-        ("3 seeds, train_seeds workers=2 (1 thread each)",
-         lambda: train_seeds(base, dataclasses.replace(cfg, seeds=(0, 1, 2), workers=2), [(a.task, a.regime)],
-                             out / "d", progress=False)),
+        ("3 seeds, train_models workers=2 (1 thread each)",
+         lambda: train_models(base, dataclasses.replace(cfg, seeds=(0, 1, 2), workers=2, threads_per_model=1),
+                              [(a.task, a.regime, s) for s in (0, 1, 2)], out / "d", progress=False)),
     ]
     if a.smoke:  # the other two variants are the same code on more threads or seeds
         variants = [variants[1], variants[3]]

@@ -1,29 +1,35 @@
-"""Training-recipe study: which recipe makes every default model learn its task, and at what cost (issue 29).
+"""Training-recipe study: which recipe makes every default model learn its task, and at what cost.
 
 Each run trains one model with the project's own :func:`looptrace.models.train.train_model` (params.yaml ``train``
-with the recipe's overrides layered on top, exactly as a profile would be), evaluates val at ``--evals`` evenly
-spaced points of training (the train stage's own per-loop evaluation, via ``checkpoint_fractions``), and then
-scores the final model on held-out test contexts (``--test-sequences`` sequences of the test split from
-``train.data_seeds.test``: the sequences the dump stores). Per run it prints:
+with the recipe's overrides layered on top, exactly as a profile would be) — so it stops where the train stage
+stops (``train.stop``: the criterion on the fixed val set, or the step cap; with ``stop.target: null`` after
+``steps``) — and then scores the final model on held-out test contexts (``--test-sequences`` sequences of the test
+split from ``train.data_seeds.test``: the sequences the dump stores). Per run it prints:
 
-- ``val@T``: full-depth val accuracy at the end; ``val/loop``: val accuracy at every loop;
+- ``steps`` and ``stop``: the steps trained and why the run ended (``criterion``, ``step_cap``, ``budget``);
 - ``step99``: the first evaluated step whose full-depth val accuracy is >= ``--target`` (``-`` = never);
+- ``val@S``: full-depth val accuracy at the evaluation at the schedule's end (``steps``: where the fixed budget
+  stopped), when the run evaluated there; ``val@T``: at the end of the run;
 - ``test@T``: full-depth test accuracy (argmax at loop T vs target, every scored test token);
-- ``s`` and ``ms/step``: wall seconds of training (eval included) on ``base.threads``/``--threads`` threads.
+- ``s`` and ``ms/step``: wall seconds of training (eval included) on ``--threads`` threads; ``val/loop``.
+
+The header names the CPU and torch's CPU kernel path (``ATEN_CPU_CAPABILITY`` selects another one: the check of
+docs/train.md "On another CPU").
 
 Recipes are ``--recipe NAME key=value ...`` (repeatable): keys of the ``train`` section, dotted for nested ones
-(``model.d_model=32``, ``task_defs.running_sum.modulus=3``, ``steps_by_task.running_sum=1500``); values are YAML.
-They are layered like a profile: a mapping merges key by key (``steps_by_task={}`` leaves params.yaml's entries in
-place; set ``steps_by_task.<task>=N``), lists and scalars replace. The ``steps`` column is what the run trained.
-Training stops on its step budget (``steps``), never on wall time.
+(``model.d_model=32``, ``task_defs.running_sum.modulus=3``, ``steps_by_task.running_sum=1500``,
+``stop.target=null``); values are YAML. They are layered like a profile: a mapping merges key by key
+(``steps_by_task={}`` leaves params.yaml's entries in place; set ``steps_by_task.<task>=N``), lists and scalars
+replace. Training never stops on wall time.
 
-Usage (the docs/train.md table)::
+Usage (docs/train.md)::
 
-    python benchmarks/train_recipe.py --tasks running_parity running_sum --regimes geometric --seeds 0 \\
-        --recipe base --recipe lr3e-3 lr=0.003 --jobs 2 --out recipe.jsonl
+    python benchmarks/train_recipe.py --tasks running_parity running_sum --regimes geometric joint --seeds 0 1 2 \\
+        --jobs 2 --out recipe.jsonl
 
 ``--jobs`` runs that many models at once in spawned processes (one torch thread each by default).
-``--step-cost N`` only times N optimiser steps of each recipe (ms/step, median; no training run, no evaluation).
+``--evals N`` also keeps N - 1 evenly spaced checkpoints of the schedule (``checkpoint_fractions``; the weights do
+not depend on it). ``--step-cost N`` only times N optimiser steps of each recipe (ms/step, median; no training run).
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def run_one(job: dict) -> dict:
 
     from looptrace.config import load_base, load_section
     from looptrace.models.looped import load_checkpoint
-    from looptrace.models.train import TrainConfig, evaluate, train_model
+    from looptrace.models.train import TrainConfig, cpu_capability, evaluate, train_model
 
     tmp = Path(tempfile.mkdtemp(prefix="looptrace-recipe-"))
     over = tmp / "recipe.yaml"
@@ -77,7 +83,8 @@ def run_one(job: dict) -> dict:
     base = load_base(files)
     cfg = load_section(TrainConfig, "train", files)
     n = job["evals"]
-    cfg = dataclasses.replace(cfg, checkpoint_fractions=tuple(i / n for i in range(1, n)))
+    if n:
+        cfg = dataclasses.replace(cfg, checkpoint_fractions=tuple(i / n for i in range(1, n)))
     t0 = time.perf_counter()
     m = train_model(base, cfg, job["task"], job["regime"], tmp / "model", progress=False, seed=job["seed"],
                     threads=job["threads"])
@@ -90,12 +97,15 @@ def run_one(job: dict) -> dict:
         shutil.copytree(tmp / "model", Path(job["keep"]) / f"{job['recipe']}-{m['model']}", dirs_exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     step99 = next((h["step"] for h in m["history"] if h["acc_per_loop"][-1] >= job["target"]), None)
+    schedule = m["stop"]["schedule_steps"]
+    at_schedule = next((h["acc_per_loop"][-1] for h in m["history"] if h["step"] == schedule), None)
     return {"recipe": job["recipe"], "overrides": job["overrides"], "task": job["task"], "regime": job["regime"],
-            "seed": job["seed"], "steps": m["steps"], "val_acc_per_loop": m["val"]["acc_per_loop"],
+            "seed": job["seed"], "steps": m["steps"], "stop": m["stop"], "val_acc_at_schedule_end": at_schedule,
+            "cpu_capability": cpu_capability(), "val_acc_per_loop": m["val"]["acc_per_loop"],
             "val_loss_per_loop": m["val"]["loss_per_loop"],
             "history": [(h["step"], h["acc_per_loop"][-1], h["loss_per_loop"][-1]) for h in m["history"]],
             "step_to_target": step99, "target": job["target"], "test_acc_per_loop": ev["acc_per_loop"],
-            "test_tokens": ev["n_tokens"], "train_seconds": round(seconds, 1),
+            "test_tokens": ev["n_tokens"], "train_seconds": round(seconds, 1), "train_cpu_seconds": m["train_cpu_seconds"],
             "ms_per_step": round(1000 * m["train_seconds"] / m["steps"], 1), "threads": job["threads"]}
 
 
@@ -127,6 +137,17 @@ def step_cost(job: dict, steps: int) -> float:
     return 1000 * float(np.median(times))
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; else what :mod:`platform` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", action="append", default=None, help="params files, later winning (params.yaml)")
@@ -135,7 +156,8 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0])
     ap.add_argument("--recipe", action="append", nargs="+", metavar="NAME key=value",
                     help="a recipe: its name, then train-section overrides (repeatable; default: base)")
-    ap.add_argument("--evals", type=int, default=10, help="val evaluations during training (evenly spaced)")
+    ap.add_argument("--evals", type=int, default=0,
+                    help="keep N - 1 evenly spaced checkpoints of the schedule (0: params.yaml's checkpoint_fractions)")
     ap.add_argument("--target", type=float, default=0.99, help="full-depth val accuracy of step_to_target")
     ap.add_argument("--test-sequences", type=int, default=512, help="test sequences scored (the dump's test split)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per model")
@@ -151,16 +173,19 @@ def main() -> None:
              "evals": a.evals, "target": a.target, "test_sequences": a.test_sequences, "threads": a.threads,
              "keep": str(a.keep) if a.keep else None}
             for name, over in recipes for t in a.tasks for r in a.regimes for s in a.seeds]
-    print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {platform.processor() or platform.machine()}, "
-          f"{len(jobs)} runs, {a.jobs} at once, {a.threads} thread(s) each")
+    import torch
+
+    print(f"# {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {_cpu_name()}, torch {torch.__version__} CPU "
+          f"kernels {torch.backends.cpu.get_cpu_capability()}, {len(jobs)} runs, {a.jobs} at once, "
+          f"{a.threads} thread(s) each")
     if a.step_cost:
         for job in jobs:
             if job["seed"] == a.seeds[0]:
                 print(f"{job['recipe']:14s} {job['task']}-{job['regime']:22s} {step_cost(job, a.step_cost):7.1f} ms/step "
                       f"({a.threads} thread(s))", flush=True)
         return
-    print(f"{'recipe':14s} {'model':28s} {'steps':>5s} {'step99':>6s} {'val@T':>6s} {'test@T':>6s} "
-          f"{'s':>6s} {'ms/step':>7s}  val/loop")
+    print(f"{'recipe':14s} {'model':28s} {'steps':>5s} {'stop':>9s} {'step99':>6s} {'val@S':>6s} {'val@T':>6s} "
+          f"{'test@T':>6s} {'s':>6s} {'ms/step':>7s}  val/loop")
     if a.jobs > 1:
         pool = mp.get_context("spawn").Pool(a.jobs, maxtasksperchild=1)
         results = pool.imap_unordered(run_one, jobs)
@@ -168,7 +193,9 @@ def main() -> None:
         pool, results = None, map(run_one, jobs)
     for res in results:
         model = f"{res['task']}-{res['regime']}-s{res['seed']}"
-        print(f"{res['recipe']:14s} {model:28s} {res['steps']:5d} {res['step_to_target'] or '-':>6} "
+        at_s = res["val_acc_at_schedule_end"]
+        print(f"{res['recipe']:14s} {model:28s} {res['steps']:5d} {res['stop']['reason']:>9s} "
+              f"{res['step_to_target'] or '-':>6} {'-' if at_s is None else f'{at_s:.3f}':>6} "
               f"{res['val_acc_per_loop'][-1]:6.3f} {res['test_acc_per_loop'][-1]:6.3f} {res['train_seconds']:6.0f} "
               f"{res['ms_per_step']:7.1f}  " + " ".join(f"{x:.3f}" for x in res["val_acc_per_loop"]), flush=True)
         if a.out is not None:

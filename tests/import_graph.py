@@ -6,16 +6,25 @@ torch/model/capture code) and tests/test_layout.py (the module graph drawn in do
 
 A module name maps to its file by the source layout pip installs (``looptrace`` -> ``pipeline/looptrace/``: import
 path = file path), so the walk follows exactly what ``import looptrace.x`` loads. Importing ``a.b.c`` runs ``a/__init__.py`` and ``a/b/__init__.py`` first: they
-are part of the closure. Imports inside ``if TYPE_CHECKING:`` do not exist here (checked: none in the tree).
+are part of the closure.
+
+A registry's lazy entry (``looptrace.registry.Registry``: the string ``"looptrace.x.y:object"``, imported when the
+entry is first used) is an import too: :meth:`ImportGraph.closure` follows every string literal that names one of the
+tree's modules that way (:meth:`ImportGraph.references`), so a module a stage reaches only through a table (an
+adapter kind) is in its closure, hence in its ``dvc.yaml`` deps. :meth:`ImportGraph.direct_imports` stays the import
+statements (the module graph of docs/DESIGN.md).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+#: A lazy registry entry: ``package.module:object`` (dotted attribute allowed).
+REFERENCE = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 
 
 class ImportGraph:
@@ -35,6 +44,7 @@ class ImportGraph:
             package_dirs = {"looptrace": f"{where}/looptrace"}
         self.package_dirs = {k: self.root / v for k, v in sorted(package_dirs.items(), key=lambda kv: -len(kv[0]))}
         self._direct: dict[Path, tuple[frozenset[str], frozenset[str]]] = {}
+        self._refs: dict[Path, frozenset[str]] = {}
 
     def ours(self, name: str) -> bool:
         return any(name == p or name.startswith(p + ".") for p in self.package_dirs)
@@ -103,8 +113,24 @@ class ImportGraph:
         self._direct[path] = (frozenset(ours), frozenset(ext))
         return self._direct[path]
 
+    def references(self, path: Path) -> frozenset[str]:
+        """The tree's modules (and the packages above them) that string literals of ``path`` name as lazy registry
+        entries ``"package.module:object"``."""
+        if path in self._refs:
+            return self._refs[path]
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and REFERENCE.fullmatch(node.value):
+                mod = node.value.split(":")[0]
+                if self.ours(mod) and self.module_file(mod) is not None:
+                    parts = mod.split(".")
+                    out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                               if self.module_file(".".join(parts[:i])) is not None)
+        self._refs[path] = frozenset(out)
+        return self._refs[path]
+
     def closure(self, start: Path) -> tuple[set[Path], set[str], set[str]]:
-        """Transitive closure from ``start`` (a stage script or a module file).
+        """Transitive closure from ``start`` (a stage script or a module file), lazy registry entries included.
 
         Returns:
             (files executed, ``start`` included; module names; external top-level packages).
@@ -112,9 +138,10 @@ class ImportGraph:
         files, modules, ext = {start.resolve()}, set(), set()
         todo = [start.resolve()]
         while todo:
-            ours, other = self.direct_imports(todo.pop())
+            f = todo.pop()
+            ours, other = self.direct_imports(f)
             ext |= other
-            for m in ours:
+            for m in ours | self.references(f):
                 if m in modules:
                     continue
                 modules.add(m)

@@ -22,7 +22,8 @@ from looptrace.capture.contraction import ContractionConfig, _start_vectors, che
 from looptrace.capture.interventions import InterventionConfig, adapter_intervention
 from looptrace.capture.layers import layer_states
 from looptrace.config import ConfigError
-from looptrace.models.adapters.hf import AdapterConfig, load_adapter, sequence_seed
+from looptrace.models.adapters.huginn import sequence_seed
+from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from tests import hf_helpers as H
 
 torch.set_num_threads(1)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from looptrace.config import ConfigError
-from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from tests import hf_helpers as H
 from tests.conftest import REPO
 
@@ -153,7 +153,7 @@ def test_exit_path_check_and_config_errors(ckpts, tmp_path):
 
 
 def test_checkpoint_hash_follows_the_weights(ckpts, tmp_path):
-    from looptrace.models.adapters.hf import checkpoint_hash
+    from looptrace.models.adapters.loading import checkpoint_hash
     from looptrace.models.interface import file_sha256
 
     d = ckpts["llama"]
@@ -297,43 +297,66 @@ def test_cli_dumps_every_kind_and_ouro_gate_reaches_q_exit(ckpts, tmp_path, monk
 
 # ---------------------------------------------------------------------------------------------- the kind registry
 
-def test_every_list_of_adapter_kinds_derives_from_the_registry(monkeypatch):
-    """A kind registered by one module (here: this test) is accepted by the config, built by load_adapter, known to
-    the shim when it runs remote code, listed by the help, and refused by hf_decoder while it has no decoder."""
-    import looptrace.models.adapters.hf as hf
+PROBE = """
+from looptrace.models.adapters.base import HFAdapter
+
+
+class ProbeAdapter(HFAdapter):
+    remote_class = "modeling_probe.ProbeForCausalLM"
+    tied_source = "wte.weight"
+    no_decoder = "a probe"
+
+    def __init__(self, model, spec, device):
+        self.model, self.spec, self.cfg = model, spec, spec
+"""
+
+
+@pytest.mark.parametrize("how", ["table line", "entry point"])
+def test_every_list_of_adapter_kinds_derives_from_the_registry(tmp_path, monkeypatch, how):
+    """A kind added as one module and one table line (or an installed package's entry point) is accepted by the
+    config, built by load_adapter, known to the shim when it runs remote code, listed by the help, and refused by
+    hf_decoder while it has no decoder; a module that is not an adapter is one line."""
     from looptrace.cli import vocabulary
-    from looptrace.models.adapters import compat, registry
-    from looptrace.models.adapters.hf_decode import hf_decoder
+    from looptrace.models.adapters import compat, loading
+    from looptrace.models.adapters.decoding import hf_decoder
+    from looptrace.models.adapters.kinds import ENTRY_POINT_GROUP, KINDS
     from looptrace.models.decode import DecodeUnsupported
+    from looptrace.registry import RegistryError
 
-    monkeypatch.setattr(registry, "_KINDS", dict(registry._KINDS))
-
-    @registry.register_adapter("probe_kind", remote_class="modeling_probe.ProbeForCausalLM", tied_source="wte.weight",
-                               no_decoder="a probe")
-    class ProbeAdapter:
-        def __init__(self, model, spec, device):
-            self.model, self.spec = model, spec
-
-    assert ProbeAdapter.kind == "probe_kind"
+    (tmp_path / "probe_adapter.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(KINDS, "_table", dict(KINDS._table))
+    monkeypatch.setattr(KINDS, "_loaded", dict(KINDS._loaded))
+    if how == "table line":
+        KINDS.add("probe_kind", "probe_adapter:ProbeAdapter")
+    else:
+        dist = tmp_path / "probe_adapter-0.1.dist-info"
+        dist.mkdir()
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: probe-adapter\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\nprobe_kind = probe_adapter:ProbeAdapter\n")
+    assert "probe_kind" in KINDS.names() and "probe_kind" in vocabulary("adapters")
     with pytest.raises(ConfigError, match="trust_remote_code"):
         AdapterConfig(kind="probe_kind", path="x")
     spec = AdapterConfig(kind="probe_kind", path="x", trust_remote_code=True)
-    monkeypatch.setattr(hf, "load_hf_model", lambda spec, device: "the model")
+    monkeypatch.setattr(loading, "load_hf_model", lambda spec, device: "the model")
     adapter = load_adapter(spec)
-    assert isinstance(adapter, ProbeAdapter) and adapter.model == "the model"
+    assert type(adapter).__name__ == "ProbeAdapter" and adapter.model == "the model"
     assert compat.family_classes()["probe_kind"] == "modeling_probe.ProbeForCausalLM"
     assert compat.family_of({"AutoModelForCausalLM": "modeling_probe.ProbeForCausalLM"}) == "probe_kind"
-    assert "probe_kind" in vocabulary("adapters")
     with pytest.raises(DecodeUnsupported, match="no loop-by-loop decoder \\(a probe\\)"):
         hf_decoder(adapter, "share")
+    for ref, why in (("probe_adapter:NOTHING", "has no attribute 'NOTHING'"),
+                     ("probe_adapter:HFAdapter.kind", "is not an adapter class"), ("no_such_mod:X", "cannot import")):
+        KINDS.add("not_a_kind", ref, replace=True)
+        with pytest.raises(RegistryError, match="adapter kind 'not_a_kind'") as info:
+            AdapterConfig(kind="not_a_kind", path="x")
+        assert why in str(info.value) and "\n" not in str(info.value), str(info.value)
     with pytest.raises(ValueError, match="registered twice"):
-        registry.register_adapter("probe_kind")(type("Other", (), {}))
-    with pytest.raises(ValueError, match="unregistered adapter kind"):
-        registry.register_decoder("no_such_kind")(type("D", (), {}))
+        KINDS.add("dory", "probe_adapter:ProbeAdapter")
 
 
 def test_docs_table_lists_every_registered_kind():
-    from looptrace.models.adapters.registry import adapter_kinds
+    from looptrace.models.adapters.kinds import KINDS
 
     text = (REPO / "docs" / "adapters.md").read_text().split("## Adapter kinds", 1)[1].split("\n### ", 1)[0]
-    assert sorted(re.findall(r"^\| `(\w+)` \|", text, re.M)) == sorted(adapter_kinds())
+    assert sorted(re.findall(r"^\| `(\w+)` \|", text, re.M)) == sorted(KINDS)

@@ -19,11 +19,11 @@ BENCH = REPO / "benchmarks"
 
 #: benchmark -> its smoke arguments (latency's are added by its test: it reads an artifacts tree).
 SMOKE = {"contraction.py": ["--smoke"], "contraction_hf.py": ["--smoke"], "dump.py": ["--smoke"], "dump_hf.py": ["--smoke"], "generate.py": ["--smoke"],
-         "gpu.py": ["--smoke"],
+         "gpu.py": ["--smoke"], "lm_scale.py": ["--smoke"],
          "geometry.py": ["--smoke"], "latency.py": [], "scale.py": ["--smoke"], "seeds.py": ["--smoke"],
          "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"],
          "train_recipe.py": ["--tasks", "running_parity", "--recipe", "smoke", "steps=10", "warmup=2", "val_sequences=16",
-                             "checkpoint_fractions=[]", "--evals", "2", "--test-sequences", "16"]}
+                             "checkpoint_fractions=[]", "stop.every=5", "--evals", "2", "--test-sequences", "16"]}
 
 
 def run_bench(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -66,3 +66,24 @@ def test_a_failing_child_shows_its_own_error(tmp_path):
             f"g['_run_child']('stream', Path({str(tmp_path / 'absent.zarr')!r}), Path({str(tmp_path / 'o')!r}))")
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and res.stderr.count("Traceback") >= 2, res.stderr[-2000:]
+
+
+def test_lm_scale_names_the_missing_nanbeige_adapter_in_one_line():
+    """``--model nanbeige`` (no adapter yet) fails before anything runs, with one line on stderr."""
+    res = subprocess.run([sys.executable, str(BENCH / "lm_scale.py"), "--model", "nanbeige"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and not res.stdout
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nanbeige" in lines[0] and "no adapter" in lines[0], res.stderr
+
+
+def test_lm_scale_figures():
+    """The cost exponent and the H100 FLOP count of benchmarks/lm_scale.py against hand-computed values."""
+    import runpy
+
+    g = runpy.run_path(str(BENCH / "lm_scale.py"), run_name="lm_scale")
+    assert g["slope"]([512, 2048, 8192], [1.5, 6.0, 24.0]) == pytest.approx(1.0)
+    assert g["slope"]([1, 4, 16], [7.0, 7.0, 7.0]) == pytest.approx(0.0)
+    # Ouro-1.4B at 64-token windows: N_layer = 4·2048² + 3·2048·5632 = 51,380,224; 2·(4·24·N_layer + 4·2048·49152)
+    # = 10,670,309,376, plus attention 4·2048·32.5·96 = 25,559,040
+    assert g["SHAPES"]["ouro"].flops_per_token(64) == 10_695_868_416

@@ -9,14 +9,17 @@ import yaml
 from typer.testing import CliRunner
 
 from looptrace.cli import STAGES, app, rule_line
-from looptrace.models.adapters.registry import adapter_kinds
+from looptrace.models.adapters.kinds import KINDS as ADAPTER_KINDS
 from looptrace.models.regimes import KINDS as REGIMES
 from looptrace.rules import exit_rule
 from looptrace.rules.builtin import OURO_Q_EXIT_RULES
 from looptrace.rules.registry import builtin_rules
+from looptrace.stages import registered
 from looptrace.tasks import KINDS as TASKS
+from tests.conftest import REPO
+from tests.test_e2e_gates import downstream_of
 
-ADAPTERS = tuple(adapter_kinds())
+ADAPTERS = ADAPTER_KINDS.names()
 
 
 def _help(*args: str) -> str:
@@ -40,8 +43,10 @@ def test_root_help_is_for_users_and_lists_every_name(tmp_path, monkeypatch):
 
 def test_each_stage_lists_the_names_it_takes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert [s.name for s in STAGES] == [
-        "train", "dump", "dynamics", "loopmap", "geometry", "readouts", "gates", "diagnose", "latency", "generate", "report"]
+    assert [s.name for s in STAGES] == [s.name for s in registered()]  # the registry's pipeline order
+    dvc_yaml = yaml.safe_load((REPO / "dvc.yaml").read_text())
+    for i, stage in enumerate(STAGES):  # each stage before every stage that reads its outputs (dvc.yaml)
+        assert downstream_of(dvc_yaml, stage.name) - {stage.name} <= {s.name for s in STAGES[i + 1:]}, stage.name
     for stage in STAGES:
         name, blocks = stage.name, stage.help_blocks
         text = _help(name)

@@ -1,5 +1,6 @@
-"""Local contraction at capture time (SPEC §2b): power method and Benettin FTLE on closed-form linear loop maps, and
-the JVPs on looptrace's tiny model against finite differences and an exact Jacobian."""
+"""Local contraction at capture time (SPEC §2b): the exact block norm and its upper bound, the power method and the
+Benettin FTLE on closed-form linear loop maps, the JVPs/VJPs on looptrace's tiny model against finite differences and
+an exact Jacobian, and per-sequence seeding (the values do not depend on the batching)."""
 
 import numpy as np
 import pytest
@@ -7,9 +8,11 @@ import torch
 
 from looptrace.capture.contraction import (
     ContractionConfig,
+    block_norm_bound,
     contraction_stats,
     diagonal_block_norm,
     diagonal_jvp,
+    round_up_float32,
 )
 from looptrace.config import ConfigError
 from looptrace.models.interface import LoopedTransformerAdapter
@@ -58,8 +61,15 @@ def test_ftle_tends_to_log_spectral_radius_and_stats_shapes():
     T = 400
     h0 = torch.as_tensor(rng.standard_normal((2, 3, 3)))
     out = contraction_stats(step, h0, run_map(step, h0, T), ContractionConfig(power_iters=20))
-    assert set(out) == {"contraction", "ftle", "ftle_share"} and out["ftle"].shape == (2, 3, T)
-    np.testing.assert_allclose(out["contraction"].numpy(), np.linalg.norm(A, 2), atol=1e-4)
+    assert set(out) == {"contraction", "contraction_bound", "ftle", "ftle_share"} and out["ftle"].shape == (2, 3, T)
+    # d = 3 ≤ exact_width: the block read whole, ρ_t = ‖A‖₂ to float32, and its bound never below it
+    np.testing.assert_allclose(out["contraction"].numpy(), np.linalg.norm(A, 2), rtol=1e-6)
+    assert (out["contraction_bound"].double().numpy() >= np.linalg.norm(A, 2)).all()
+    np.testing.assert_allclose(out["contraction_bound"].numpy(), np.linalg.norm(A, 2), rtol=1e-6)
+    # wider than exact_width: the power-method estimate, no bound (NaN)
+    est = contraction_stats(step, h0, run_map(step, h0, 5), ContractionConfig(power_iters=20, exact_width=2))
+    np.testing.assert_allclose(est["contraction"].numpy(), np.linalg.norm(A, 2), atol=1e-4)
+    assert est["contraction_bound"].isnan().all()
     # log‖A^T u‖/T = log ρ + O(1/T) (the initial component along the top eigenvector)
     np.testing.assert_allclose(out["ftle"][:, :, -1].numpy(), np.log(0.8), atol=1e-2)
     np.testing.assert_allclose(out["ftle_share"].sum(dim=1).numpy(), 1.0, atol=1e-5)  # shares of one sequence
@@ -100,24 +110,75 @@ def test_jvp_of_the_tiny_model_equals_finite_differences(form):
             torch.testing.assert_close(got[:, i], fd, atol=1e-7, rtol=1e-6)
 
 
-def test_power_method_on_the_tiny_model_equals_the_exact_block_svd():
+@pytest.mark.parametrize("exact_width", [256, 1])  # the block read whole; the power method (d = 16 > 1)
+def test_contraction_on_the_tiny_model_equals_the_exact_block_svd(exact_width):
     model = _tiny("adapter")
     ad = LoopedTransformerAdapter(model, "tiny")
     ids = torch.randint(0, 11, (1, 5), generator=torch.Generator().manual_seed(5))
     st = ad.states(ids)
     out = contraction_stats(lambda x, t: ad.loop_step(x, st.hidden_init, t), st.hidden_init, st.hidden,
-                            ContractionConfig(power_iters=60, position_chunk=2))
+                            ContractionConfig(power_iters=60, position_chunk=2, exact_width=exact_width))
     h_prev = torch.cat([st.hidden_init[:, :, None], st.hidden[:, :, :-1]], dim=2)
     for t in range(st.hidden.shape[2]):  # the full Jacobian by reverse mode, then its diagonal blocks' SVD
         J = torch.autograd.functional.jacobian(lambda x, t=t: ad.loop_step(x, st.hidden_init, t), h_prev[:, :, t])
         for i in range(5):
-            want = torch.linalg.matrix_norm(J[0, i, :, 0, i, :], ord=2)
-            assert float(out["contraction"][0, i, t]) == pytest.approx(float(want), rel=1e-5)
+            want = float(torch.linalg.matrix_norm(J[0, i, :, 0, i, :], ord=2))
+            assert float(out["contraction"][0, i, t]) == pytest.approx(want, rel=1e-6 if exact_width > 1 else 1e-5)
+            if exact_width > 1:  # an upper bound, above by no more than the margin and the float32 rounding up
+                bound = float(out["contraction_bound"][0, i, t])
+                assert want <= bound <= want * (1 + 1e-6)
+            else:
+                assert np.isnan(float(out["contraction_bound"][0, i, t]))
+
+
+def test_block_bound_is_above_the_spectral_norm_and_rounded_up_to_float32():
+    rng = np.random.default_rng(6)
+    A = _nonnormal(rng, [0.95, 0.9, -0.6, 0.2, 0.1])
+    M = rng.standard_normal((5, 5))
+    step = _linear_step(A, M, rng.standard_normal(5))
+    h = torch.as_tensor(rng.standard_normal((3, 4, 5)))
+    sigma, bound = block_norm_bound(lambda x: step(x, 0), h, chunk=2)
+    want = np.linalg.norm(A, 2)
+    np.testing.assert_allclose(sigma.numpy(), want, rtol=1e-14)  # one-hot cotangents read A exactly
+    margin = 5 * 2 * np.finfo(np.float64).eps * np.linalg.norm(A, "fro")  # d·(ε_J + ε₆₄)·‖A‖_F
+    np.testing.assert_allclose(bound.numpy() - sigma.numpy(), margin, rtol=0, atol=4 * np.finfo(np.float64).eps)
+    some = block_norm_bound(lambda x: step(x, 0), h, chunk=3, positions=np.array([1, 3]))
+    assert torch.equal(some[1][:, [1, 3]], bound[:, [1, 3]]) and some[1][:, [0, 2]].isnan().all()  # only those read
+    x = torch.tensor([0.1, 1 / 3, 0.5, 2.0 ** -30 * 3], dtype=torch.float64)
+    up = round_up_float32(x)
+    assert (up.double() >= x).all() and (up.double() - x <= x * 2.0 ** -23).all()
+    assert float(up[2]) == 0.5  # a float32 value stays
+
+
+def test_every_sequence_gets_the_same_values_in_any_batch():
+    """Start vectors drawn per sequence (seed, index in the split): two batchings give the same FTLE and estimate."""
+    model = _tiny("add")
+    ad = LoopedTransformerAdapter(model, "tiny")
+    ids = torch.randint(0, 11, (5, 6), generator=torch.Generator().manual_seed(7))
+    cfg = ContractionConfig(power_iters=2, position_chunk=4, seed=3, exact_width=1)  # the seeded power method too
+
+    def stats(rows):
+        st = ad.states(ids[rows])
+        return contraction_stats(lambda x, t: ad.loop_step(x, st.hidden_init, t), st.hidden_init, st.hidden, cfg,
+                                 rows=rows)
+
+    whole = stats(np.arange(5))
+    parts = [stats(np.array([3, 0])), stats(np.array([1, 2, 4]))]
+    for name in whole:
+        got = torch.cat([parts[0][name], parts[1][name]])[torch.as_tensor([1, 2, 3, 0, 4])]
+        torch.testing.assert_close(got, whole[name], rtol=1e-12, atol=0, equal_nan=True, msg=name)
+    # the batch's first row alone (consecutive sequences) means the same
+    st = ad.states(ids)
+    torch.testing.assert_close(contraction_stats(lambda x, t: ad.loop_step(x, st.hidden_init, t), st.hidden_init,
+                                                 st.hidden, cfg, rows=0)["ftle"], whole["ftle"])
+    assert not torch.equal(whole["ftle"][0], whole["ftle"][1])  # not one draw for all
 
 
 def test_bad_config():
     with pytest.raises(ConfigError, match="power_iters"):
         ContractionConfig(power_iters=0)
+    with pytest.raises(ConfigError, match="exact_width"):
+        ContractionConfig(exact_width=0)
 
 
 def test_dump_option_stores_the_stats_of_every_scored_token_and_is_off_by_default():
@@ -130,14 +191,15 @@ def test_dump_option_stores_the_stats_of_every_scored_token_and_is_off_by_defaul
     cc = ContractionConfig(power_iters=3, position_chunk=3, seed=5)
     plain = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=4, chunk_tokens=16))
     with_c = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=4, chunk_tokens=16, contraction=cc))
-    assert not {"contraction", "ftle", "ftle_share"} & set(plain.names)
+    assert not {"contraction", "contraction_bound", "ftle", "ftle_share"} & set(plain.names)
     assert "contraction" not in plain.attrs["params"]  # a default store's attributes are unchanged
-    assert with_c.attrs["params"]["contraction"] == {"power_iters": 3, "position_chunk": 3, "seed": 5}
+    assert with_c.attrs["params"]["contraction"] == {"power_iters": 3, "position_chunk": 3, "seed": 5,
+                                                     "exact_width": 256}
     for name in plain.names:  # the option adds arrays and changes none
         np.testing.assert_array_equal(with_c.read(name), plain.read(name), err_msg=name)
     mask = data.targets != IGNORE
     T = adapter.info.n_loops
-    for b0 in range(0, len(data), 4):  # the same batches, computed directly (seeded by the batch's first row)
+    for b0 in range(0, len(data), 4):  # the same batches, computed directly (seeded by each sequence's index)
         ids = torch.from_numpy(data.tokens[b0:b0 + 4])
         with torch.no_grad():
             st = adapter.states(ids)
@@ -149,6 +211,7 @@ def test_dump_option_stores_the_stats_of_every_scored_token_and_is_off_by_defaul
             np.testing.assert_allclose(with_c.read(name)[rows], x[m].numpy(), rtol=1e-5, err_msg=name)
     assert with_c.read("contraction").shape == (with_c.n_tokens, T)
     assert np.all(with_c.read("contraction") > 0) and np.all(np.isfinite(with_c.read("ftle")))
+    assert np.all(with_c.read("contraction_bound") >= with_c.read("contraction"))  # d = 16: exact, bounded
 
 
 def test_an_adapter_without_a_loop_step_is_refused_before_writing():

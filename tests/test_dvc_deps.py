@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -284,6 +287,22 @@ def test_value_modules_of_the_dump_are_its_deps():
     assert {rel(module_file(m)) for m in VALUE_MODULES} <= have
 
 
+def test_train_modules_are_the_train_stages_value_code():
+    """The train fingerprint hashes the source of TRAIN_MODULES (a finished model dir of the same fingerprint is
+    kept, not retrained): each is a dep of the train stage, and every task, regime, model and halting module the
+    stage imports is one of them."""
+    from looptrace.models.train import TRAIN_MODULES
+
+    stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["train"]
+    have = code_deps(REPO / "dvc.yaml", stage)
+    listed = {rel(module_file(m)) for m in TRAIN_MODULES}
+    assert listed <= have
+    value_code = {d for d in have if d.startswith(("pipeline/looptrace/tasks/", "pipeline/looptrace/signals/halting"))
+                  or d in ("pipeline/looptrace/models/looped.py", "pipeline/looptrace/models/regimes.py",
+                           "pipeline/looptrace/models/train.py")}
+    assert value_code <= listed, sorted(value_code - listed)
+
+
 @pytest.mark.parametrize("stage", TORCH_FREE_IMPORT)
 def test_stage_import_loads_no_torch_and_only_its_closure(stage):
     script = REPO / "stages" / f"{stage}.py"
@@ -333,6 +352,93 @@ def test_model_code_edit_leaves_analysis_stages_untouched():
     dynamics, loopmap, latency and generate; never geometry, readouts, gates, diagnose or report."""
     touched = {n for f, n, s in all_stages() if f == REPO / "dvc.yaml" and "pipeline/looptrace/models/looped.py" in code_deps(f, s)}
     assert touched == {"train", "dump", "dynamics", "loopmap", "latency", "generate"}, touched
+
+
+ADAPTERS = REPO / "pipeline" / "looptrace" / "models" / "adapters"
+
+
+def test_every_adapter_module_is_a_dep_of_each_stage_that_loads_adapters():
+    """The kinds table's modules are reached only through string references (looptrace.registry); the static scan
+    reads them, so every module of ``models/adapters`` — each kind's adapter and decoder, the base, the shim — is a
+    dep of every stage that can load an adapter (dump, generate, and dynamics, which checks the dump section's
+    ``dump.adapter``; in dvc.yaml and every profile)."""
+    from looptrace.models.adapters.kinds import KINDS
+
+    kinds = {rel(module_file(ref.split(":")[0])) for ref in KINDS.refs().values()}
+    package = {rel(f) for f in ADAPTERS.glob("*.py")}
+    assert len(kinds) == len(KINDS) and kinds <= package
+    loaders = set()
+    for f, n, s in all_stages():
+        have = code_deps(f, s)
+        if rel(ADAPTERS / "loading.py") in have:
+            loaders.add((rel(f), n))
+            assert package <= have, f"{rel(f)}:{n} lacks {sorted(package - have)}"
+    assert {n for _, n in loaders} == {"dump", "dynamics", "generate"} and ("dvc.yaml", "dump") in loaders, loaders
+
+
+def test_a_new_kind_is_one_module_and_one_table_line_and_a_dep_of_the_dump(tmp_path):
+    """In a scratch copy of the tree, a new adapter module plus its line in the kinds table is in the dump's closure
+    (hence written into its deps by ``python -m tests.test_dvc_deps``); without the line, it is not."""
+    shutil.copytree(REPO / "pipeline", tmp_path / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "stages", tmp_path / "stages", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    adapters = tmp_path / "pipeline" / "looptrace" / "models" / "adapters"
+    (adapters / "probe.py").write_text("from looptrace.models.adapters.base import HFAdapter\n\n\n"
+                                       "class ProbeAdapter(HFAdapter):\n    pass\n")
+
+    def dump_closure() -> set[str]:
+        graph = ImportGraph(tmp_path)
+        return {graph.rel(f) for f in graph.closure(tmp_path / "stages" / "dump.py")[0]}
+
+    probe = "pipeline/looptrace/models/adapters/probe.py"
+    assert probe not in dump_closure()
+    table = adapters / "kinds.py"
+    text = table.read_text()
+    line = '    "huginn": "looptrace.models.adapters.huginn:HuginnAdapter",\n'
+    assert line in text
+    table.write_text(text.replace(line, line + '    "probe": "looptrace.models.adapters.probe:ProbeAdapter",\n'))
+    assert probe in dump_closure()
+
+
+def _dvc_bin() -> str | None:
+    own = REPO / ".venv" / "bin" / "dvc"
+    return str(own) if own.exists() else shutil.which("dvc")
+
+
+@pytest.mark.skipif(_dvc_bin() is None, reason="needs dvc (the project's .venv)")
+def test_an_adapter_edit_makes_the_dump_stale(tmp_path):
+    """In a scratch copy of the project with the dump recorded as up to date (placeholder inputs and outputs: DVC
+    compares hashes), editing one adapter kind's module — which the dump reaches only through the kinds table —
+    makes ``dvc status`` list every dump item, and no stage that cannot load an adapter."""
+    from looptrace.project import model_names
+    from tests.test_e2e_gates import copy_tiny_project
+
+    params = copy_tiny_project(tmp_path)
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1", "PYTHONPATH": str(tmp_path / "pipeline")}
+
+    def dvc(*args: str) -> str:
+        res = subprocess.run([_dvc_bin(), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, f"dvc {' '.join(args)}: {res.stdout[-2000:]}{res.stderr[-2000:]}"
+        return res.stdout + res.stderr
+
+    def stale() -> set[str]:
+        return set(re.findall(r"(?m)^(\S+):\s*$", dvc("status", "dump")))
+
+    dvc("init", "--no-scm", "-q")
+    models = model_names(params)
+    for m in models:
+        for f in (tmp_path / "artifacts" / "train" / m / "model.pt", tmp_path / "artifacts" / "dump" / m / "x"):
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text(m)
+    dvc("commit", "-f", "-q", "dump")
+    assert stale() == set()
+    module = tmp_path / "pipeline" / "looptrace" / "models" / "adapters" / "huginn.py"
+    module.write_text(module.read_text() + "\n# an edit\n")
+    got = stale()
+    assert {n.split("@")[0] for n in got} == {"dump"} and len(got) == len(models), dvc("status", "dump")
+    touched = {n for n, s in yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"].items()
+               if rel(ADAPTERS / "huginn.py") in s["deps"]}
+    assert touched == {"dump", "dynamics", "generate"}, touched
 
 
 def test_design_stage_table_lists_the_params_each_stage_reads():

@@ -171,7 +171,7 @@ def test_own_model_decode_logits_equal_the_forward_at_every_loop():
 
 @pytest.fixture(scope="module")
 def standins(tmp_path_factory):
-    from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+    from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 
     root = tmp_path_factory.mktemp("standins")
     out = {

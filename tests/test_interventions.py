@@ -1,5 +1,6 @@
 """Intervention windows: a size-0 intervention changes nothing; on a linear loop map the measured decay equals
-‖A^j δ‖/‖δ‖ and the linearised prediction; on the tiny model the JVP chain predicts small perturbations."""
+‖A^j δ‖/‖δ‖ and the linearised prediction; on the tiny model the JVP chain predicts small perturbations; the noise
+and the patch donors are drawn per sequence, never repeated across batches."""
 
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ from looptrace.capture.interventions import (
     InterventionConfig,
     adapter_intervention,
     intervene,
+    patch_donors,
+    perturbation,
     window_summary,
 )
 from looptrace.config import ConfigError
@@ -64,3 +67,33 @@ def test_window_summary_and_bad_config():
     assert s["window"] == 3 and window_summary(eff, 0.001)["window"] == 4
     with pytest.raises(ConfigError, match="kind"):
         InterventionConfig(kind="blur")
+
+
+def test_two_batches_get_different_draws_and_a_sequence_the_same_in_any_batch():
+    h = torch.as_tensor(np.random.default_rng(0).standard_normal((4, 3, 5)))
+    noise = InterventionConfig(loop=1, scale=0.5, seed=2)
+    a = perturbation(h, noise, rows=np.arange(0, 4))
+    b = perturbation(h, noise, rows=np.arange(4, 8))  # same shape, the next four sequences
+    assert not torch.allclose(a, b)
+    # sequence 5 drawn alone or in a batch: the same direction
+    torch.testing.assert_close(perturbation(h[1:2], noise, rows=np.array([5])), b[1:2], rtol=0, atol=0)
+    # the relative size is s per token, whatever the draw
+    torch.testing.assert_close(a.norm(dim=-1), 0.5 * h.norm(dim=-1))
+    # patching: a derangement (a single cycle) keyed by the rows, another one for other rows
+    patch = InterventionConfig(loop=1, kind="patch", seed=2)
+    d1, d2 = patch_donors(np.arange(0, 6), 2, 1), patch_donors(np.arange(6, 12), 2, 1)
+    for rows, d in ((np.arange(0, 6), d1), (np.arange(6, 12), d2)):
+        assert set(d) == set(rows) and not (d == rows).any()
+        seen, r = [], int(rows[0])
+        for _ in rows:  # one cycle through all of them
+            seen.append(r)
+            r = int(d[r - rows[0]])
+        assert sorted(seen) == list(rows)
+    assert not np.array_equal(d1, d2 - 6)  # not the same shift in every batch
+    got = perturbation(h, patch, rows=np.arange(4))
+    want = h[torch.as_tensor(patch_donors(np.arange(4), 2, 1))] - h
+    torch.testing.assert_close(got, want)
+    donor = torch.zeros_like(h)
+    torch.testing.assert_close(perturbation(h, patch, rows=np.arange(4), donor=donor), -h)  # donors given
+    with pytest.raises(ConfigError, match="at least 2 sequences"):
+        patch_donors(np.array([3]), 0, 1)

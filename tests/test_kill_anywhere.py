@@ -8,8 +8,9 @@ matrix stage), in a copy of the reference project with that stage's output direc
    command) are SIGKILLed at random times after ``ready``, uniform over the stage's reference wall time — each one
    starting from whatever the previous kill left;
 2. after every kill, what is visible at the output is never a half-written output that could pass as valid: the
-   output directory is absent, or each store in it is refused as incomplete by ``open_store``, or it equals the
-   reference's (a kill after the final swap);
+   output directory is absent, or each store in it is refused as incomplete by ``open_store``, or (train: one
+   directory per model, a pool training them at once) each model directory is absent or the reference's, or it
+   equals the reference's (a kill after the final swap);
 3. the stage is re-run (in this process): its output equals the reference's, and no ``*.partial``, claims
    directory, staging directory (``.*.tmp``, ``.*.old``, ``.*.train``) or temp file is left anywhere;
 4. one more run over the complete output is killed: the output still equals the reference's; a re-run tidies.
@@ -61,9 +62,11 @@ BUDGET = float(os.environ.get("LOOPTRACE_KILL_BUDGET", "45"))
 ALL = os.environ.get("LOOPTRACE_KILL_ALL", "") not in ("", "0")
 CHILD = REPO / "tests" / "kill_child.py"
 
-#: The kill profile: the e2e tiny profile, one seed, and a train long enough (~1 s) to be killed between its kept
-#: checkpoints (a resume state is saved at each).
-PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkpoint_fractions": [0.25, 0.5, 0.75]},
+#: The kill profile: the e2e tiny profile, one seed, and a train long enough (~1 s a model; two models, uniform and
+#: joint, trained at once by the stage's pool) to be killed between its kept checkpoints (a resume state is saved
+#: at each) and between the stopping criterion's evaluations (never met here: each model trains to its cap, 90 steps).
+PROFILE = {**TINY, "train": {**TINY["train"], "seeds": [0], "steps": 60, "checkpoint_fractions": [0.25, 0.5, 0.75],
+                             "stop": {"target": 0.995, "patience": 2, "every": 20, "hold": 0.5, "cycles": 1}},
            "dynamics": {"enabled": True, "probe_sequences": 32}}
 
 #: What the child imports before ``ready`` and the reference imports before it times a stage, so that a kill
@@ -74,6 +77,9 @@ PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
            "looptrace.online.generate", "sklearn.linear_model", "sklearn.neural_network", "sklearn.decomposition",
            "skops.io", "matplotlib.pyplot")
 
+#: Stages whose output directory holds one directory per model, each swapped in whole as its model finishes (train:
+#: every model of the matrix in one stage, a pool of processes): after a kill each is absent or the reference's.
+PER_MODEL_OUTPUTS = {"train"}
 #: Stages whose outputs are wall-clock measurements (compared without their measured fields).
 MEASURED_STAGES = {"latency", "generate"}
 _MEASURED_COLUMN = re.compile(r"(_s|_per_s|realised_speedup|speedup_ratio|ratio_to_work_ideal)$")
@@ -141,6 +147,17 @@ def _assert_nothing_half_written(out: Path, ref: Path, stage: str) -> str:
 
     if not out.exists():
         return "absent"
+    if stage in PER_MODEL_OUTPUTS:  # one directory per model, each written whole: absent or the reference's
+        extra = sorted(p.name for p in out.iterdir() if not (ref / p.name).is_dir() and not _DEBRIS.search(p.name))
+        assert not extra, f"{stage}: {extra} beside the model directories after a kill"
+        states = []
+        for model in sorted(p for p in ref.iterdir() if p.is_dir()):
+            if not (out / model.name).exists():
+                states.append("absent")
+                continue
+            _assert_equal_output(out / model.name, model, stage, f"after a kill ({model.name} is visible)")
+            states.append("whole")
+        return "models " + "/".join(states)
     stores = sorted(out / p.name for p in ref.iterdir() if p.suffix == ".zarr")
     if stores:  # the dump: each store is absent, refused (incomplete) or complete and equal to the reference's
         extra = sorted(p.name for p in out.iterdir() if out / p.name not in stores and not _DEBRIS.search(p.name))

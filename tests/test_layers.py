@@ -11,14 +11,16 @@ from looptrace.config import ConfigError
 from looptrace.diagnose.layer_geometry import layer_geometry, layer_metrics
 from looptrace.io.store.location import memory_store
 from looptrace.models.interface import LoopedTransformerAdapter
+from looptrace.models.invariant import BatchInvariant
 from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.tasks import IGNORE
 from tests.builders import tiny_adapter_and_data
 
 
 def _by_hand(model, ids):
-    """Every loop-block layer's output, written out from the model's modules (form ``add`` with reinjection)."""
-    with torch.no_grad():
+    """Every loop-block layer's output, written out from the model's modules (form ``add`` with reinjection), in the
+    kernels the model's inference passes use (looptrace.models.invariant)."""
+    with torch.no_grad(), BatchInvariant(key_length=model.cfg.block_size):
         h0 = model.embed(ids)
         h, out = h0, []
         for g, group in enumerate(model.cfg.groups):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.models.adapters.hf import AdapterConfig, load_adapter
+from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from looptrace.models.decode import DecodeUnsupported
 from looptrace.models.decoders import decoder_for
 from looptrace.online.engine import RegistryRule

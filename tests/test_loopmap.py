@@ -125,9 +125,26 @@ def test_report_on_a_tiny_contraction_dump():
     assert rep["regime"]["regime"] in ("contracting", "marginal", "expanding")
     assert rep["frontier"].height == len(LoopMapConfig().eps) and rep["auc"].height == 8
     assert len(rep["words"]) == 4 and "FTLE" in rep["words"][0]
+    assert rep["certified"] and "certified fixed-point exit" in rep["words"][1]
+    np.testing.assert_allclose(  # the frontier of the certified exit: from the stored upper bound
+        rep["frontier"]["share_certified"].to_numpy(),
+        [float((certified_bound(st.read("contraction_bound"), _store_rel_step(st)) <= e).any(axis=1).mean())
+         for e in LoopMapConfig().eps])
     plain = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=6, chunk_tokens=32))
     with pytest.raises(InputError, match="dump.contraction"):
         loopmap_report(plain)
+    # wider than exact_width: no upper bound stored (NaN), the exit is the estimated one, said so
+    wide = dump_split(adapter, data, memory_store(), DumpConfig(batch_size=6, chunk_tokens=32, contraction=(
+        ContractionConfig(power_iters=2, exact_width=8))))
+    rep = loopmap_report(wide, LoopMapConfig(n_boot=0))
+    assert not rep["certified"] and np.isnan(wide.read("contraction_bound")).all()
+    assert rep["words"][1].startswith("No certified fixed-point exit") and "estimated" in rep["words"][1]
+
+
+def _store_rel_step(st):
+    from looptrace.signals.steps import step_metrics
+
+    return step_metrics(st.read("hidden"), st.read("hidden_init"))["rel_step"]
 
 
 def test_auc_sentences_best_first_or_why_not():

@@ -71,8 +71,9 @@ def test_linear_map_every_figure_in_closed_form():
                         window_threshold=0.1, n_boot=20)
     raw = measure(adapter, tokens, targets, cfg, seed=0, progress=False)
     n_tok = tokens.size - 1
-    # ρ_t = σ_max(a·I) = a on every token and loop; λ_t = log a at every loop (Benettin on a·I)
+    # ρ_t = σ_max(a·I) = a on every token and loop, and its upper bound ≥ a; λ_t = log a at every loop (Benettin)
     np.testing.assert_allclose(raw["rho"], A, rtol=1e-6)
+    assert raw["exact"] and (raw["rho_bound"] >= A).all() and (raw["rho_bound"] <= A * (1 + 1e-6)).all()
     np.testing.assert_allclose(raw["ftle"], math.log(A), rtol=1e-6)
     assert raw["rho"].shape == (n_tok, T) and raw["sequence"].shape == (n_tok,)
     # every intervention (noise or patch) of a linear map decays as ‖a^j δ‖/‖δ‖ = a^j, measured and linearised
@@ -137,6 +138,50 @@ def test_certified_exit_on_the_linear_map_is_the_distance_to_the_fixed_point():
     np.testing.assert_allclose(fixed["accuracy"].to_numpy(), correct.mean(0))
 
 
+def test_beyond_exact_width_the_exit_is_estimated_not_certified():
+    adapter = ScaledIdentity()
+    tokens, targets = _sample(n=6)
+    cfg = LoopmapConfig(sequences=6, batch_size=6, power_iters=2, exact_width=D - 1, loops=(), patch=False,
+                        n_boot=0, eps=(0.5, 0.1))
+    raw = measure(adapter, tokens, targets, cfg, seed=0, progress=False)
+    assert not raw["exact"] and np.isnan(raw["rho_bound"]).all()
+    np.testing.assert_allclose(raw["rho"], A, rtol=1e-6)  # the power method is exact on a·I
+    frames, words = loopmap_tables("lin", raw, cfg, seed=0, n_loops=T)
+    assert set(frames["frontier"]["rule"]) == {"estimated_fixed_point", "fixed", "rel_step", "entropy"}
+    assert words[1].startswith("Estimated fixed-point exit (not certified")
+    assert "ertified fixed-point exit (" not in words[1].replace("Estimated", "")
+
+
+def test_outputs_do_not_depend_on_the_batch_size():
+    """Every draw is per sequence (contraction start vectors, noise) or over the whole sample (patch donors): the
+    tables of a float64 tiny model at batch sizes 7, 3 and 1 agree to rounding (exact ρ_t and, beyond exact_width,
+    the seeded power method)."""
+    from tests.builders import tiny_adapter_and_data
+
+    adapter, data = tiny_adapter_and_data(n_seq=7, unscored=True, gate="none")
+    adapter.model.double()
+    for width in (256, 8):  # d_model 16: exact; power method
+        tables = []
+        for bs in (7, 3, 1):
+            cfg = LoopmapConfig(sequences=7, batch_size=bs, power_iters=2, exact_width=width, loops=(0, 1),
+                                scales=(0.1,), patch=True, n_boot=20)
+            raw = measure(adapter, data.tokens, data.targets, cfg, seed=4, progress=False)
+            tables.append(loopmap_tables("tiny", raw, cfg, seed=4, n_loops=adapter.info.n_loops)[0])
+        first = tables[0]
+        assert first["windows"].filter(pl.col("kind") == "patch").height  # the patch is measured
+        for other in tables[1:]:
+            for name, df in first.items():
+                o = other[name]
+                assert df.columns == o.columns and df.height == o.height, name
+                for c in df.columns:
+                    a, b = df[c], o[c]
+                    if a.dtype == pl.Float64:
+                        np.testing.assert_allclose(b.to_numpy(), a.to_numpy(), rtol=1e-9, atol=1e-12,
+                                                   err_msg=f"{name}.{c}")
+                    else:
+                        assert a.to_list() == b.to_list(), f"{name}.{c}"
+
+
 def test_size_zero_intervention_changes_nothing():
     adapter = ScaledIdentity()
     tokens, targets = _sample(n=4)
@@ -167,8 +212,11 @@ def test_weighted_auc_is_sklearns_for_every_weight_row():
 def test_config_is_checked():
     with pytest.raises(ConfigError, match="loopmap.split must be one of"):
         LoopmapConfig(split="train")
-    with pytest.raises(ConfigError, match="loopmap.patch needs batch_size >= 2"):
-        LoopmapConfig(batch_size=1)
+    with pytest.raises(ConfigError, match="loopmap.patch needs sequences >= 2"):
+        LoopmapConfig(sequences=1)
+    assert LoopmapConfig(batch_size=1).batch_size == 1  # patch donors come from the whole sample, not the batch
+    with pytest.raises(ConfigError, match="loopmap.exact_width must be >= 1"):
+        LoopmapConfig(exact_width=0)
     with pytest.raises(ConfigError, match="loopmap.eps"):
         LoopmapConfig(eps=(0.0,))
     assert LoopmapConfig().interventions(2, 0)[0].loop == 1 and len(LoopmapConfig().interventions(2, 0)) == 3

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from looptrace.models.adapters.hf import AdapterConfig, load_adapter, sequence_seed
+from looptrace.models.adapters.huginn import sequence_seed
+from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.halting import ouro_threshold

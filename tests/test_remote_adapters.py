@@ -19,7 +19,9 @@ import torch
 
 from looptrace.models.adapters import compat
 from looptrace.models.adapters.compat import CheckpointLoadError
-from looptrace.models.adapters.hf import AdapterConfig, OuroAdapter, load_adapter, sequence_seed
+from looptrace.models.adapters.huginn import sequence_seed
+from looptrace.models.adapters.loading import AdapterConfig, load_adapter
+from looptrace.models.adapters.ouro import OuroAdapter
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.halting import ouro_halting_cdf, ouro_threshold

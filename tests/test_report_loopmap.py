@@ -18,7 +18,7 @@ from looptrace.report.loopmap import decay_values, load_loopmap, loopmap_rows, p
 T = 3
 
 
-def _stage(root, model, rho, ftle, state, lin, window, reached, certified, on_front):
+def _stage(root, model, rho, ftle, state, lin, window, reached, certified, on_front, rule="certified_fixed_point"):
     """artifacts/loopmap/<model>/ as the stage writes it: per-loop medians ``rho``/``ftle`` [T]; the median state
     effect / linearised prediction [T − 1] of noise 0.01 at k = 1 (and a decoy at scale 0.1 and k = 2)."""
     per_loop = pl.DataFrame({"model": [model] * T, "loop": list(range(1, T + 1)), "rho_median": rho,
@@ -40,7 +40,7 @@ def _stage(root, model, rho, ftle, state, lin, window, reached, certified, on_fr
     regime = pl.DataFrame([{"model": model, "regime": "contracting", "ftle_median": -0.5, "ftle_lo": -0.61,
                             "ftle_hi": -0.4, "share_rho_below_1": 0.8, "share_lo": 0.75, "share_hi": 0.85,
                             "rho_median": 0.6, "n_sequences": 4, "n_tokens": 10, "words": "w"}])
-    frontier = pl.DataFrame({"model": [model] * 3, "rule": ["certified_fixed_point", "certified_fixed_point", "fixed"],
+    frontier = pl.DataFrame({"model": [model] * 3, "rule": [rule, rule, "fixed"],
                              "threshold": [0.3, 0.1, 1.0], "mean_depth": [1.5, 2.0, 1.0], "accuracy": [1.0] * 3,
                              "share_certified": certified + [math.nan], "pareto": [on_front, False, True]})
     write_outputs(root / "loopmap" / model, {"per_loop": per_loop, "windows": windows, "window_length": wl,
@@ -77,6 +77,14 @@ def test_per_model_text(two_seeds):
     assert r1["certified_text"] == "90 % at most; on the front"
     assert r0["noise_window"] == "2 loops (k = 1, scale 0.01, threshold 0.1)"
     assert r0["patch_window"] == "> 2 loops (k = 1, threshold 0.1)"
+
+
+def test_an_estimated_exit_is_not_called_certified(tmp_path):
+    """A model wider than loopmap.exact_width: its frontier rows are the estimated fixed-point exit, said so."""
+    _stage(tmp_path, "wide-s0", [2.0, 0.5, 0.4], [0.7, 0.1, -0.2], [0.5, 0.25], [0.5, 0.2], 2, True, [0.4, 0.2],
+           True, rule="estimated_fixed_point")
+    r = loopmap_rows(load_loopmap(tmp_path, ["wide-s0"])).row(0, named=True)
+    assert r["certified_text"] == "estimated, not certified: 40 % at most; on the front"
 
 
 def test_figure_and_page_section(two_seeds, tmp_path):

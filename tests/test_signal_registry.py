@@ -98,14 +98,12 @@ def test_token_loop_columns_agree():
 def test_rule_vocabulary_agrees():
     from looptrace.rules import base as registry
     from looptrace.rules.builtin import BUILTIN_RULES, LOOP_COLUMNS, OURO_Q_EXIT_RULES
-    from looptrace.rules.registry import (
-        _REGISTERED,  # the self-registering rules (calm, certified_fixed_point)
-    )
+    from looptrace.rules.registry import RULES  # the registered rules (calm, certified_fixed_point, ...)
 
     assert registry.ONLINE_SIGNALS == select(online=True)
     assert set(registry.SIGNALS) == set(SIGNALS)
     assert registry.OFFLINE_ONLY_SIGNALS == {s.name: s.offline_why for s in REGISTRY if not s.online}
-    for r in (*BUILTIN_RULES.values(), *OURO_Q_EXIT_RULES.values(), *_REGISTERED.values()):
+    for r in (*BUILTIN_RULES.values(), *OURO_Q_EXIT_RULES.values(), *RULES.values()):
         for s in r.signals:
             assert s in SIGNALS, (r.name, s)
             assert SIGNALS[s].online or r.kind == "oracle" or (s in names.OFFLINE_CAUSAL and r.online is None), (

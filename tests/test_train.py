@@ -16,9 +16,21 @@ from tests.builders import tiny_train_config
 
 
 def test_lr_schedule():
+    from looptrace.models.train import StopConfig
+
     cfg = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10)
     assert np.isclose(lr_at(0, cfg), 1e-4) and np.isclose(lr_at(9, cfg), 1e-3)
     assert np.isclose(lr_at(55, cfg), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(100, cfg), 1e-4)
+    assert lr_at(99, cfg) > 1e-4 and lr_at(150, cfg) == 1e-4  # past the schedule: min_lr held (stop.hold null)
+    again = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10,
+                              stop=StopConfig(target=0.9, hold=0.0))
+    assert [lr_at(n, again) for n in (0, 9, 55, 99)] == [lr_at(n, cfg) for n in (0, 9, 55, 99)]
+    assert np.isclose(lr_at(100, again), 1e-4) and np.isclose(lr_at(109, again), 1e-3)  # hold 0: warm-up again
+    assert np.isclose(lr_at(155, again), 1e-4 + 0.5 * 9e-4) and np.isclose(lr_at(255, again), 1e-4 + 0.5 * 9e-4)
+    held = tiny_train_config(steps=100, lr=1e-3, min_lr=1e-4, warmup=10, stop=StopConfig(target=0.9, hold=0.3))
+    assert [lr_at(n, held) for n in (100, 129)] == [1e-4, 1e-4] and np.isclose(lr_at(139, held), 1e-3)
+    assert np.isclose(lr_at(185, held), 1e-4 + 0.5 * 9e-4) and lr_at(255, held) == 1e-4
+    assert (held.stop.cap(100), again.stop.cap(100), cfg.stop.cap(100)) == (260, 200, 100)  # 2 periods; no target
 
 
 def test_train_is_deterministic_and_writes_artifacts(tmp_path, tiny_base):
@@ -85,29 +97,129 @@ def test_cli_train_and_errors(tmp_path, repo_root):
     assert len(res.output.strip().splitlines()) == 1
 
 
-def test_seed_axis_models_equal_lone_training(tmp_path, tiny_base):
-    """train.seeds in parallel worker processes: each model is bit-for-bit the seed trained alone (same thread
-    count), named <task>-<regime>-s<seed>, carrying its seed; different seeds give different models."""
+def _files(root):
+    """Every file under ``root`` (relative path -> bytes), metrics.json without its wall-clock fields and the manifest
+    without its digest of metrics.json (the one file holding them)."""
+    out = {}
+    for f in sorted(root.rglob("*")):
+        if not f.is_file():
+            continue
+        rel = f.relative_to(root).as_posix()
+        if f.name == "metrics.json":
+            out[rel] = {k: v for k, v in json.loads(f.read_text()).items() if not k.endswith("seconds")}
+        elif f.name == "manifest.json":
+            doc = json.loads(f.read_text())
+            out[rel] = {**doc, "files": {k: v for k, v in doc["files"].items() if not k.endswith("metrics.json")}}
+        else:
+            out[rel] = f.read_bytes()
+    return out
+
+
+def test_pool_writes_the_bytes_of_a_serial_run(tmp_path, tiny_base):
+    """The matrix (2 regimes x 2 seeds, criterion on) trained one after another in this process and in a pool of 2
+    spawned processes: identical model.pt, checkpoints and metrics (but wall time); a seed trained alone with
+    train_model is the same model too; different seeds differ. A second run finds every model up to date."""
     import dataclasses
 
-    from looptrace.models.train import train_seeds
+    from looptrace.models.train import StopConfig, train_models
     from looptrace.project import model_name
 
-    cfg = dataclasses.replace(tiny_train_config(steps=12), seeds=(3, 5), workers=2, checkpoint_fractions=())
-    assert cfg.model_threads(tiny_base) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"
-    ms = train_seeds(tiny_base, cfg, [("rp", "uniform")], tmp_path / "ens")
-    assert [m["model"] for m in ms] == ["rp-uniform-s3", "rp-uniform-s5"]
-    alone = train_model(tiny_base, cfg, "rp", "uniform", tmp_path / "alone", progress=False, seed=5, threads=1)
-    assert alone["model"] == "rp-uniform-s5" and alone["val"] == ms[1]["val"]
-    a, ck = load_checkpoint(tmp_path / "alone" / "model.pt")
-    b, ckb = load_checkpoint(tmp_path / "ens" / "rp-uniform-s5" / "model.pt")
-    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        assert torch.equal(p, q), n
-    assert (ck["seed"], ck["threads"], ckb["seed"], ckb["name"]) == (5, 1, 5, "rp-uniform-s5")
-    c, ckc = load_checkpoint(tmp_path / "ens" / "rp-uniform-s3" / "model.pt")
-    assert ckc["seed"] == 3 and not torch.equal(c.head.weight, b.head.weight)
+    cfg = tiny_train_config(steps=24, regimes=("uniform", "joint"), seeds=(3, 5), checkpoint_fractions=(0.5,),
+                            stop=StopConfig(target=0.99, patience=2, every=8, hold=0.5, cycles=1))
+    assert cfg.model_threads(tiny_base.threads) == 1 and model_name("rp", "uniform", 3) == "rp-uniform-s3"
+    assert cfg.matrix() == [("rp", "uniform", 3), ("rp", "uniform", 5), ("rp", "joint", 3), ("rp", "joint", 5)]
+    serial = train_models(tiny_base, dataclasses.replace(cfg, workers=1), cfg.matrix(), tmp_path / "serial",
+                          progress=False)
+    lines: list[str] = []
+    pooled = train_models(tiny_base, dataclasses.replace(cfg, workers=2), cfg.matrix(), tmp_path / "pool",
+                          progress=False, echo=lines.append)
+    assert [m["model"] for m in pooled] == ["rp-uniform-s3", "rp-uniform-s5", "rp-joint-s3", "rp-joint-s5"]
+    assert len(lines) == 4 and all("val accuracy per loop" in line for line in lines)
+    a, b = _files(tmp_path / "serial"), _files(tmp_path / "pool")
+    assert sorted(a) == sorted(b) and "rp-joint-s5/checkpoints/step_000012.pt" in a
+    assert [k for k in a if a[k] != b[k]] == []
+    assert [m["steps"] for m in serial] == [m["steps"] for m in pooled] == [36] * 4  # never 0.99: the cap, 24 + 12
+    assert {m["stop"]["reason"] for m in pooled} == {"step_cap"}
+    alone = train_model(tiny_base, cfg, "rp", "joint", tmp_path / "alone" / "rp-joint-s5", progress=False, seed=5)
+    assert alone["val"] == pooled[3]["val"]
+    assert file_sha256(tmp_path / "alone" / "rp-joint-s5" / "model.pt") == \
+        file_sha256(tmp_path / "pool" / "rp-joint-s5" / "model.pt")
+    c, ckc = load_checkpoint(tmp_path / "pool" / "rp-joint-s3" / "model.pt")
+    d, ckd = load_checkpoint(tmp_path / "pool" / "rp-joint-s5" / "model.pt")
+    assert (ckc["seed"], ckd["seed"], ckd["threads"], ckd["name"]) == (3, 5, 1, "rp-joint-s5")
+    assert not torch.equal(c.head.weight, d.head.weight)
+    # the checkpoint records the model's recipe, not the matrix: no seeds/workers, its own task's steps
+    assert "seeds" not in ckd["train"] and "workers" not in ckd["train"] and ckd["train"]["steps"] == 24
+    assert ckd["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    lines.clear()
+    again = train_models(tiny_base, dataclasses.replace(cfg, workers=2), cfg.matrix(), tmp_path / "pool",
+                         progress=False, echo=lines.append)
+    assert all(": up to date (" in line for line in lines) and again == [
+        json.loads((tmp_path / "pool" / m["model"] / "metrics.json").read_text()) for m in pooled]
     with pytest.raises(ConfigError, match="duplicates"):
         dataclasses.replace(cfg, seeds=(1, 1))
+
+
+def _first_stop(history: list[dict], target: float, patience: int, every: int) -> int | None:
+    """The criterion by hand: the step of the first evaluation (every ``every`` steps) completing ``patience``
+    consecutive full-depth accuracies >= ``target``."""
+    run = 0
+    for h in history:
+        if h["step"] % every:
+            continue
+        run = run + 1 if h["acc_per_loop"][-1] >= target else 0
+        if run >= patience:
+            return h["step"]
+    return None
+
+
+def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
+    """A run whose criterion never holds trains to the cap (reason step_cap) and records every evaluation; the
+    criterion at a target taken from that record stops where the rule applied by hand to the record says (reason
+    criterion), with the weights of a run capped at that very step: the criterion only decides where the run ends."""
+    import dataclasses
+
+    from looptrace.models.train import StopConfig
+
+    # (a task and learning rate under which the tiny model learns something within 80 steps)
+    base_cfg = tiny_train_config(steps=40, checkpoint_fractions=(), batch_size=32, lr=0.01, min_lr=0.001)
+    never = dataclasses.replace(base_cfg, stop=StopConfig(target=1.0, patience=99, every=5, cycles=2))
+    long = train_model(tiny_base, never, "mano", "uniform", tmp_path / "long", progress=False)
+    assert long["steps"] == 80 and long["stop"]["reason"] == "step_cap"
+    assert [h["step"] for h in long["history"]] == list(range(5, 81, 5))
+    assert long["history"][-1]["acc_per_loop"] == long["val"]["acc_per_loop"]
+    # the target the record reaches twice in a row latest before the cap (here past the schedule's 40 steps)
+    accs = sorted({h["acc_per_loop"][-1] for h in long["history"]})
+    cases = [(t, _first_stop(long["history"], t, 2, 5)) for t in accs]
+    target, at = max(((t, s) for t, s in cases if s is not None and s < 80), key=lambda c: c[1])
+    crit = dataclasses.replace(base_cfg, stop=StopConfig(target=target, patience=2, every=5, cycles=2))
+    got = train_model(tiny_base, crit, "mano", "uniform", tmp_path / "crit", progress=False)
+    assert got["steps"] == at and got["stop"]["reason"] == "criterion"
+    assert got["stop"]["first_step_at_target"] == next(h["step"] for h in long["history"]
+                                                       if h["acc_per_loop"][-1] >= target)
+    assert got["history"] == [h for h in long["history"] if h["step"] <= at]
+    # the weights at step `at` of a run without the criterion: its kept checkpoint there (before the schedule's
+    # end), or a run capped there (after it)
+    if at < 40:
+        ref_cfg = dataclasses.replace(base_cfg, checkpoint_fractions=(at / 40,))
+        train_model(tiny_base, ref_cfg, "mano", "uniform", tmp_path / "ref", progress=False)
+        ref_path = tmp_path / "ref" / "checkpoints" / f"step_{at:06d}.pt"
+    else:
+        capped = dataclasses.replace(never, stop=StopConfig(target=1.0, patience=99, every=5, hold=(at - 40) / 40, cycles=1))
+        assert train_model(tiny_base, capped, "mano", "uniform", tmp_path / "ref", progress=False)["steps"] == at
+        ref_path = tmp_path / "ref" / "model.pt"
+    a, _ = load_checkpoint(tmp_path / "crit" / "model.pt")
+    b, ck = load_checkpoint(ref_path)
+    assert ck["step"] == at
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
+    # without a target: exactly `steps`, no evaluation but the final one
+    fixed = train_model(tiny_base, base_cfg, "mano", "uniform", tmp_path / "fixed", progress=False)
+    assert fixed["steps"] == 40 and fixed["stop"] == {"reason": "budget", "steps": 40, "schedule_steps": 40,
+                                                      "cap": 40, "target": None}
+    assert [h["step"] for h in fixed["history"]] == [40]
+    # past `steps` the learning rate stays at min_lr
+    assert lr_at(60, dataclasses.replace(base_cfg, steps=40)) == base_cfg.min_lr
 
 
 def test_loop_form_reaches_the_model(tmp_path, tiny_base):
@@ -195,3 +307,93 @@ def test_retrain_replaces_the_whole_model_dir(tmp_path, tiny_base, monkeypatch):
     assert ck["step"] == 12 and not staging_dir(out).exists()
     train_model(tiny_base, third, "rp", "joint", tmp_path / "fresh", progress=False)
     assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "fresh" / "model.pt")
+
+
+def test_killed_run_resumes_the_criterion_mid_streak(tmp_path, tiny_base, monkeypatch):
+    """Killed one step before the criterion holds (the last resume state mid-streak), the re-run continues the streak
+    and stops at the same step with the same bytes as an uninterrupted run."""
+    import dataclasses
+
+    import looptrace.models.train as train_mod
+    from looptrace.models.train import StopConfig, staging_dir
+
+    cfg = tiny_train_config(steps=40, checkpoint_fractions=(0.25,), batch_size=32, lr=0.01, min_lr=0.001,
+                            stop=StopConfig(target=1.0, patience=99, every=5, cycles=2))
+    long = train_model(tiny_base, cfg, "mano", "uniform", tmp_path / "long", progress=False)
+    cases = [(t, _first_stop(long["history"], t, 2, 5)) for t in {h["acc_per_loop"][-1] for h in long["history"]}]
+    target, at = max(((t, s) for t, s in cases if s is not None and s < 80), key=lambda c: c[1])
+    cfg = dataclasses.replace(cfg, stop=StopConfig(target=target, patience=2, every=5, cycles=2))
+    ref = train_model(tiny_base, cfg, "mano", "uniform", tmp_path / "ref", progress=False)
+    assert ref["steps"] == at and ref["stop"]["reason"] == "criterion"
+    monkeypatch.setattr(train_mod, "RESUME_EVERY_S", 0.0)  # a resume state after every step
+    out = tmp_path / "m"
+    _kill_at(monkeypatch, at - 1)  # killed in step at - 1: the last resume state is step at - 2's, one hit in
+    with pytest.raises(_Killed):
+        train_model(tiny_base, cfg, "mano", "uniform", out, progress=False)
+    state = torch.load(staging_dir(out) / "resume.pt", weights_only=True)
+    assert (state["step"], state["streak"]) == (at - 2, 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(train_mod, "RESUME_EVERY_S", 0.0)
+    calls = _kill_at(monkeypatch, 10**9)
+    got = train_model(tiny_base, cfg, "mano", "uniform", out, progress=False)
+    assert len(calls) == 2 and got["steps"] == at and got["history"] == ref["history"]
+    assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "ref" / "model.pt")
+    assert _files(out) == _files(tmp_path / "ref")
+
+
+@pytest.mark.slow
+def test_killed_pool_keeps_finished_models_and_rerun_trains_the_rest(tmp_path, repo_root):
+    """The train stage (every model of the matrix, a pool of 2) SIGKILLed — with its workers — once the short model
+    is written while the long one trains: the short model's directory is whole (its manifest and fingerprint
+    check), nothing half-written is visible, and the re-run keeps it as it is and trains only the long one, to
+    the bytes of that model trained alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from looptrace.config import load_base, load_section
+    from looptrace.io.guard import CURRENT_STAGE
+    from looptrace.models.train import TrainConfig, finished_run, plan_run
+
+    params = tmp_path / "params.yaml"
+    params.write_text(
+        "base: {seed: 0, threads: 1}\n"
+        "train:\n  tasks: [rp, rs]\n  regimes: [u]\n  seeds: [0]\n  workers: 2\n"
+        "  steps: 30\n  steps_by_task: {rs: 1500}\n  stop: {target: null}\n  batch_size: 16\n  warmup: 2\n"
+        "  val_sequences: 16\n  checkpoint_fractions: [0.5]\n"
+        "  task_defs: {rp: {kind: running_parity, length: 6}, rs: {kind: running_sum, length: 6, modulus: 3}}\n"
+        "  regime_defs: {u: {kind: uniform}}\n"
+        "  model: {d_model: 16, n_head: 2, groups: [{n_layer: 1, loops: 3}]}\n")
+    out = tmp_path / "train"
+    argv = [sys.executable, str(repo_root / "stages" / "train.py"), "--params", str(params), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo_root / "pipeline"), str(repo_root)])}
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "rp-u-s0" / "model.pt").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert not (out / "rs-u-s0").exists(), "the long model finished before the kill: the test saw no kill mid-pool"
+    base, cfg = load_base([params]), load_section(TrainConfig, "train", [params])
+    token = CURRENT_STAGE.set("train")
+    try:
+        short = finished_run(out / "rp-u-s0", plan_run(base, cfg, "rp", "u", 0).fingerprint)
+    finally:
+        CURRENT_STAGE.reset(token)
+    assert short is not None and short["model"] == "rp-u-s0"
+    kept = (out / "rp-u-s0" / "model.pt").stat().st_mtime_ns
+    res = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rp-u-s0: up to date (budget at step 30" in res.stdout and "rs-u-s0: budget at step 1500" in res.stdout
+    assert (out / "rp-u-s0" / "model.pt").stat().st_mtime_ns == kept
+    assert sorted(p.name for p in out.iterdir()) == ["rp-u-s0", "rs-u-s0"]  # no staging dir, no claims left
+    alone = train_model(base, cfg, "rs", "u", tmp_path / "alone", progress=False, seed=0)
+    assert alone["steps"] == 1500
+    assert file_sha256(tmp_path / "alone" / "model.pt") == file_sha256(out / "rs-u-s0" / "model.pt")

@@ -236,7 +236,7 @@ def test_entry_point_rule(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-rules-pkg\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[looptrace.rules]\nsharp = ep_rules_pkg:low_entropy\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_RESOLVED", {})
+    monkeypatch.setattr(registry, "RULES", registry.RULES.copy())
     r = get_rule("sharp")
     assert isinstance(r, ExitRule) and r.name == "sharp" and "entry point ep_rules_pkg:low_entropy" in r.origin
     val, test = _split(1), _split(2)
@@ -256,7 +256,7 @@ def test_register_a_rule_defined_in_this_process(monkeypatch):
     """register(): a rule defined here (a notebook, a script) is found by its name; built-in names are refused."""
     from looptrace.rules import register, registry
 
-    monkeypatch.setattr(registry, "_REGISTERED", {})
+    monkeypatch.setattr(registry, "RULES", registry.RULES.copy())
     rule = exit_rule(signals=("max_prob",), op="ge", name="confident")(lambda s: s["max_prob"])
     assert register(rule) is rule and get_rule("confident") is rule
     val, test = _split(7), _split(8)

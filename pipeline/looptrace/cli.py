@@ -14,7 +14,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from looptrace.errors import launch
-from looptrace.models.adapters.registry import adapter_kinds
+from looptrace.models.adapters.kinds import KINDS as ADAPTERS
 from looptrace.models.regimes import KINDS as REGIMES
 from looptrace.project import defined_names
 from looptrace.rules.builtin import OURO_Q_EXIT_RULES
@@ -84,7 +84,7 @@ def vocabulary(*blocks: str) -> str:
             out.append(f"Your own rule: 'package.module:function' (decorated with looptrace.rules.exit_rule) or an "
                        f"entry point in the '{ENTRY_POINT_GROUP}' group; docs/pipeline.md 'Your own exit rule'.")
         elif b == "adapters":
-            out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(adapter_kinds())
+            out.append("Checkpoint adapters (dump.adapter.kind, a local directory only): " + ", ".join(ADAPTERS.names())
                        + ".")
         else:
             raise ValueError(f"unknown help block {b!r}")

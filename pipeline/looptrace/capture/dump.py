@@ -70,7 +70,7 @@ from looptrace.io.store.location import (
 from looptrace.io.store.reader import TrajectoryStore, open_store
 from looptrace.io.store.schema import DIMS, DTYPES, HIDDEN_DTYPES, SCHEMA_VERSION, STAT_NAMES, StoreError
 from looptrace.io.store.writer import ArraySpec, StoreWriter
-from looptrace.models.adapters.hf import AdapterConfig
+from looptrace.models.adapters.loading import AdapterConfig
 from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
 from looptrace.project import versions
 from looptrace.signals.logits import LoopStats
@@ -97,7 +97,7 @@ class DumpConfig:
         allow_nan: accept NaN/Inf in the stored states (they are counted in ``nan_count`` either way);
             when false a dump that produced any fails after writing, and readers refuse the store.
         clevel: zstd compression level (Blosc, byte shuffle).
-        adapter: a real checkpoint to dump instead of a trained looptrace model (``looptrace.models.adapters.hf``;
+        adapter: a real checkpoint to dump instead of a trained looptrace model (``looptrace.models.adapters``;
             the run name is ``adapter.name``); null = the default pipeline's checkpoints.
         text: the corpus of an adapter dump (:class:`looptrace.tasks.text.TextConfig`); required with ``adapter``.
         claim_lease_s: a writer's claim held by a process on *another host* counts as dead after this many
@@ -189,7 +189,8 @@ VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.encode", "looptrac
 
 
 def _code_hash(*extra_modules: str) -> str:
-    """sha256 of the source of :data:`VALUE_MODULES` and ``extra_modules`` (the adapter's, a finalizer's)."""
+    """sha256 of the source of :data:`VALUE_MODULES` and ``extra_modules`` (the adapter's class and the looptrace
+    classes it derives from, a finalizer's)."""
     h = hashlib.sha256()
     for name in sorted({*VALUE_MODULES, *extra_modules}):
         module = sys.modules.get(name) or importlib.import_module(name)
@@ -658,7 +659,8 @@ def dump_split(adapter: LoopedModelAdapter, data: TaskBatch, path: StoreTarget, 
         "versions": versions(),
     }
     base_attrs.update(user)
-    code = _code_hash(type(adapter).__module__, *([finalize.__module__] if finalize is not None else []))
+    bases = [c.__module__ for c in type(adapter).__mro__ if c.__module__.startswith("looptrace.")]  # an adapter's base
+    code = _code_hash(type(adapter).__module__, *bases, *([finalize.__module__] if finalize is not None else []))
     base_attrs["code_hash"] = code
     fp = _fingerprint(adapter, data, cfg, {**user, "versions": base_attrs["versions"]}, code)
     base_attrs["fingerprint"] = fp
@@ -1019,7 +1021,7 @@ def dump_text_model(adapter, cfg, out_dir: Path | str, base=None, progress: bool
     completion by :func:`looptrace.tasks.text.loss_bins_finalizer`.
 
     Args:
-        adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters.hf``).
+        adapter: the checkpoint's :class:`~looptrace.models.interface.LoopedModelAdapter` (``looptrace.models.adapters``).
         cfg: the ``dump`` section (:class:`looptrace.capture.dump.DumpConfig`) with ``text`` set; the tokenizer
             defaults to ``cfg.adapter.path``.
         out_dir: ``artifacts/dump/<model>`` (or a URL).

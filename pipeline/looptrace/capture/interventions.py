@@ -4,9 +4,12 @@ the number of loops j after it (SPEC §2b "intervention window"; a capture-side 
 For a batch of sequences with states h_0..h_T (the capture's), an intervention at loop k replaces h_k by h'_k =
 h_k + δ on every position of every sequence at once:
 
-- ``noise``: δ[i] = s·‖h_k[i]‖·ξ_i/‖ξ_i‖, ξ Gaussian (seeded): noise of relative scale s per token;
-- ``patch``: h'_k[b, i] = h_k[π(b), i], the state of another sequence's token at the same position and loop (π a
-  seeded derangement; activation patching across the loop axis).
+- ``noise``: δ[i] = s·‖h_k[i]‖·ξ_i/‖ξ_i‖, ξ Gaussian: noise of relative scale s per token, each sequence's ξ drawn
+  from (seed, k, the sequence's index in the split) — never the same draw for two sequences, whatever the batching;
+- ``patch``: h'_k[b, i] = h_k[π(b), i], the state of another sequence's token at the same position and loop
+  (activation patching across the loop axis). π is a seeded derangement — one random cycle through the given
+  sequences, drawn from (seed, k, their indices) (:func:`patch_donors`); the loopmap stage draws it once over its
+  whole sample and passes each batch its donors' states, so a token's donor does not depend on the batching.
 
 Then h'_{k+j} = F_{k+j}(h'_{k+j−1}) through the model's own loop step, and per token and j = 1..T − k:
 
@@ -63,23 +66,59 @@ class InterventionConfig:
             raise ConfigError(f"intervention.scale must be >= 0, got {self.scale}")
 
 
-def perturbation(h_k: torch.Tensor, cfg: InterventionConfig) -> torch.Tensor:
-    """δ [batch, seq, d] of the intervention on h_k [batch, seq, d] (module docstring)."""
-    rng = np.random.default_rng([int(cfg.seed), int(cfg.loop)])
-    if cfg.kind == "noise":
-        xi = torch.from_numpy(rng.standard_normal(tuple(h_k.shape))).to(h_k)
-        xi = xi / xi.norm(dim=-1, keepdim=True).clamp_min(_EPS)
-        return cfg.scale * h_k.norm(dim=-1, keepdim=True) * xi
+def patch_donors(rows: np.ndarray, seed: int, loop: int) -> np.ndarray:
+    """π for :data:`KINDS` ``patch``: the donor of each of ``rows`` (sequence indices, ≥ 2 of them), another of them.
+
+    One random cycle through ``rows`` (a derangement: nobody keeps its own), drawn from (seed, loop, rows), so
+    another set of sequences gets another pattern.
+
+    Returns:
+        [len(rows)] int64, the donor's index in the split for each row.
+    """
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.shape[0] < 2:
+        raise ConfigError("intervention.kind patch needs at least 2 sequences (a token is patched with another "
+                          "sequence's state)")
+    order = np.random.default_rng([int(seed), int(loop), *map(int, rows)]).permutation(rows.shape[0])
+    donor = np.empty_like(order)
+    donor[order] = order[np.r_[1:order.shape[0], 0]]  # each one's successor on the cycle
+    return rows[donor]
+
+
+def perturbation(h_k: torch.Tensor, cfg: InterventionConfig, rows: np.ndarray | None = None,
+                 donor: torch.Tensor | None = None) -> torch.Tensor:
+    """δ [batch, seq, d] of the intervention on h_k [batch, seq, d] (module docstring).
+
+    Args:
+        h_k: the states after loop k.
+        cfg: the intervention.
+        rows: [batch] each sequence's index in the split (seeds its noise, or the within-batch patch); None =
+            0..batch − 1.
+        donor: ``patch`` only: [batch, seq, d] the donor sequences' states after loop k (the loopmap stage's,
+            from :func:`patch_donors` over its sample); None = a :func:`patch_donors` derangement within the batch.
+    """
     B = h_k.shape[0]
-    if B < 2:
-        raise ConfigError("intervention.kind patch needs at least 2 sequences in the batch")
-    perm = (np.arange(B) + 1 + rng.integers(0, B - 1)) % B  # a cyclic shift by 1..B−1: no sequence keeps its own
-    return h_k[torch.from_numpy(perm).to(h_k.device)] - h_k
+    rows = np.arange(B) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if rows.shape[0] != B:
+        raise ValueError(f"rows: one index per sequence of the batch ({B}), got {rows.shape[0]}")
+    if cfg.kind == "noise":
+        xi = np.stack([np.random.default_rng([int(cfg.seed), int(cfg.loop), int(r)]).standard_normal(h_k.shape[1:])
+                       for r in rows])
+        x = torch.from_numpy(xi).to(h_k)
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(_EPS)
+        return cfg.scale * h_k.norm(dim=-1, keepdim=True) * x
+    if donor is None:
+        local = {int(r): b for b, r in enumerate(rows)}
+        perm = [local[int(d)] for d in patch_donors(rows, cfg.seed, cfg.loop)]
+        donor = h_k[torch.as_tensor(perm, device=h_k.device)]
+    if donor.shape != h_k.shape:
+        raise ValueError(f"donor states must be shaped as h_k {tuple(h_k.shape)}, got {tuple(donor.shape)}")
+    return donor - h_k
 
 
 def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: torch.Tensor, hidden: torch.Tensor,
-              cfg: InterventionConfig, readout: Callable[[torch.Tensor, int], torch.Tensor] | None = None
-              ) -> dict[str, torch.Tensor]:
+              cfg: InterventionConfig, readout: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
+              rows: np.ndarray | None = None, donor: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Run one intervention and measure its decay (module docstring).
 
     Args:
@@ -88,6 +127,8 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
         hidden: [batch, seq, loop, d] h_1..h_T.
         cfg: the intervention.
         readout: (h_t, t) -> logits [batch, seq, vocab]; None = no readout effect.
+        rows, donor: the sequences' indices in the split and (``patch``) the donors' states after loop k
+            (:func:`perturbation`).
 
     Returns:
         ``state`` e_j, ``linear`` ê_j and (with ``readout``) ``kl`` and ``flip`` (0/1) — each [batch, seq, T − k]
@@ -102,7 +143,7 @@ def intervene(step: Callable[[torch.Tensor, int], torch.Tensor], hidden_init: to
     with torch.inference_mode(False), torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         h_all = hidden.clone()
         h_k = hidden_init.clone() if k == 0 else h_all[:, :, k - 1]
-        delta = perturbation(h_k, cfg)
+        delta = perturbation(h_k, cfg, rows, donor)
         dn = delta.norm(dim=-1)
         denom = dn.clamp_min(_EPS)[..., None]
         # the reference re-runs loops k+1..T from h_k through the same code (and attention kernel) as the perturbed
@@ -150,4 +191,5 @@ def adapter_intervention(adapter, input_ids: torch.Tensor, cfg: InterventionConf
                      readout=lambda h, t: adapter.readout(h, t))
 
 
-__all__ = ["InterventionConfig", "KINDS", "adapter_intervention", "intervene", "perturbation", "window_summary"]
+__all__ = ["InterventionConfig", "KINDS", "adapter_intervention", "intervene", "patch_donors", "perturbation",
+           "window_summary"]

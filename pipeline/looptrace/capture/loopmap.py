@@ -6,10 +6,12 @@ it is off by default and nothing about the loop map would appear in a default ru
 trained checkpoint and measures, on ``loopmap.sequences`` sequences of ``loopmap.split`` (the first ones of the split,
 drawn with the checkpoint's own data seed, so the sample is fixed):
 
-1. ρ_t and the FTLE per token and loop (:func:`looptrace.capture.contraction.contraction_stats`, JVP/VJP power
-   iteration and Benettin [BE] through the model's loop step), and from them, with the torch-free functions of
-   :mod:`looptrace.diagnose.loopmap`: the regime in words with bootstrap intervals, the share of (token, loop) with
-   ρ_t < 1, the certified fixed-point exit's operating points ([BA]) beside fixed depth and two post-hoc threshold
+1. ρ_t, its upper bound ρ̄_t and the FTLE per token and loop (:func:`looptrace.capture.contraction.contraction_stats`:
+   the exact top singular value of each token's Jacobian block from S·d VJPs up to ``loopmap.exact_width``, a
+   power-method estimate beyond it; Benettin [BE] through the model's loop step), and from them, with the
+   torch-free functions of :mod:`looptrace.diagnose.loopmap`: the regime in words with bootstrap intervals, the
+   share of (token, loop) with ρ_t < 1, the certified fixed-point exit's operating points ([BA], from ρ̄_t; beyond
+   ``exact_width`` the *estimated* fixed-point exit, from ρ_t) beside fixed depth and two post-hoc threshold
    rules on the same sample (``rel_step``, ``entropy``; thresholds not calibrated on val — the comparison shows
    where the certificate sits, not a deployable operating point) with the Pareto front over all of them, and the
    failure-prediction AUC table (FTLE, ρ, rel_step, entropy for trajectory vs readout failures, SPEC §7);
@@ -19,8 +21,9 @@ drawn with the checkpoint's own data seed, so the sample is fixed):
    tokens whose argmax flipped (bootstrap interval over sequences); the window length of each (SPEC §2b).
 
 Tables are written by the stage (:mod:`looptrace.stages.loopmap`), figures by :mod:`looptrace.capture.loopmap_plots`.
-The cost is bounded by the sample: ``sequences`` × T × (2·``power_iters`` + 1) vmapped S-position JVP/VJP calls for
-ρ_t, and a few forwards per intervention (docs/loopmap.md states the measured cost).
+The cost is bounded by the sample: ``sequences`` × T × S·d VJPs for the exact ρ_t (beyond ``exact_width``:
+(2·``power_iters`` + 1) S-position JVP/VJP calls), and a few forwards per intervention (docs/loopmap.md states the
+measured cost).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch
 from tqdm.auto import tqdm
 
 from looptrace.capture.contraction import ContractionConfig, contraction_stats
-from looptrace.capture.interventions import InterventionConfig, intervene, window_summary
+from looptrace.capture.interventions import InterventionConfig, intervene, patch_donors, window_summary
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.diagnose.loopmap import (
     AUC_SCHEMA,
@@ -56,6 +59,9 @@ from looptrace.tasks.base import IGNORE
 
 #: Measures of an intervention, per loop j after it (SPEC §2b "intervention window").
 MEASURES = ("state", "linear", "kl", "flip")
+#: The fixed-point exit's name in ``frontier.parquet``: certified (ρ̄_t, an upper bound; d_model ≤ exact_width) or
+#: estimated (the power-method ρ_t, a lower bound; wider models).
+CERTIFIED_RULE, ESTIMATED_RULE = "certified_fixed_point", "estimated_fixed_point"
 
 PER_LOOP_SCHEMA = {"model": pl.String, "loop": pl.Int64, "rho_median": pl.Float64, "rho_lo": pl.Float64,
                    "rho_hi": pl.Float64, "share_rho_below_1": pl.Float64, "ftle_median": pl.Float64,
@@ -82,9 +88,14 @@ class LoopmapConfig:
     Attributes:
         split: the split the fixed sample is drawn from (the checkpoint's data seed for it).
         sequences: sequences in the sample (the first ones of the split): the stage's cost is linear in it.
-        batch_size: sequences per forward / JVP batch (bounds memory; patching permutes within a batch).
-        power_iters: power-method iterations for ρ_t per loop (warm-started from the previous loop's vector).
-        position_chunk: one-position tangents per vmapped JVP/VJP.
+        batch_size: sequences per forward / JVP batch (bounds memory; the outputs do not depend on it: every
+            random draw is per sequence and a patch donor is drawn over the whole sample).
+        power_iters: power-method iterations for ρ_t per loop (warm-started from the previous loop's vector), for a
+            model wider than ``exact_width``.
+        position_chunk: one-position tangents (one-hot cotangents) per vmapped JVP (VJP).
+        exact_width: the widest d_model whose Jacobian blocks are read whole: exact ρ_t and its upper bound, the
+            *certified* fixed-point exit; a wider model gets the power-method estimate and the *estimated* exit
+            (SPEC §2b).
         loops: intervention loops k (0 = perturb h_0); those ≥ T of a model are skipped (and listed in metrics).
         scales: relative noise scales s of the noise interventions (‖δ_i‖ = s·‖h_k[i]‖).
         patch: also patch each token's state with another sequence's at the same position and loop.
@@ -106,6 +117,7 @@ class LoopmapConfig:
     batch_size: int = 64
     power_iters: int = 2
     position_chunk: int = 16
+    exact_width: int = 256
     loops: tuple[int, ...] = (1, 3)
     scales: tuple[float, ...] = (0.01, 0.1)
     patch: bool = True
@@ -123,12 +135,12 @@ class LoopmapConfig:
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
             raise ConfigError(f"loopmap.split must be one of {', '.join(SPLITS)}, got {self.split!r}")
-        for key in ("sequences", "batch_size", "power_iters", "position_chunk", "min_class", "dpi"):
+        for key in ("sequences", "batch_size", "power_iters", "position_chunk", "exact_width", "min_class", "dpi"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"loopmap.{key} must be >= 1, got {getattr(self, key)}")
-        if self.patch and (self.batch_size < 2 or self.sequences < 2):
-            raise ConfigError("loopmap.patch needs batch_size >= 2 and sequences >= 2 (a token is patched with "
-                              "another sequence's); set patch: false or raise them")
+        if self.patch and self.sequences < 2:
+            raise ConfigError("loopmap.patch needs sequences >= 2 (a token is patched with another sequence's); "
+                              "set patch: false or raise it")
         if any(k < 0 for k in self.loops):
             raise ConfigError(f"loopmap.loops must be >= 0, got {list(self.loops)}")
         if any(not s >= 0 for s in self.scales):
@@ -178,6 +190,12 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
             progress: bool = True) -> dict:
     """Run the sample through the model: per-(token, loop) arrays and every intervention's per-token effects.
 
+    Every random draw is keyed by the sequence's index in the sample (the contraction's start vectors, the noise) or
+    drawn once over the whole sample (the patch donors, :func:`~looptrace.capture.interventions.patch_donors`), so
+    the result does not depend on ``cfg.batch_size`` beyond the rounding of batched kernels. A batch's states are
+    computed in one forward together with its patch donors' (a donor with the token's own prefix then gives δ = 0
+    exactly, as within one batch).
+
     Args:
         adapter: a model with a loop step (:func:`no_loop_step` is None).
         tokens: [sequence, seq] input ids.
@@ -187,47 +205,63 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
         progress: show a progress bar.
 
     Returns:
-        ``rho``, ``ftle``, ``rel_step``, ``entropy``, ``correct`` [token, loop]; ``sequence`` [token];
-        ``interventions``: list of (:class:`InterventionConfig`, measure -> [token, T − k], and ``delta_norm``
-        [token] ‖δ‖) in :meth:`LoopmapConfig.interventions` order. Tokens are the scored positions, sequence-major.
+        ``rho`` (ρ_t: exact up to ``cfg.exact_width``, else the power-method estimate), ``rho_bound`` (its upper
+        bound ρ̄_t; NaN beyond ``exact_width``), ``ftle``, ``rel_step``, ``entropy``, ``correct`` [token, loop];
+        ``sequence`` [token]; ``exact`` (bool: d_model ≤ ``exact_width``); ``interventions``: list of
+        (:class:`InterventionConfig`, measure -> [token, T − k], and ``delta_norm`` [token] ‖δ‖) in
+        :meth:`LoopmapConfig.interventions` order. Tokens are the scored positions, sequence-major.
     """
     n = tokens.shape[0]
     T = adapter.info.n_loops
-    ccfg = ContractionConfig(power_iters=cfg.power_iters, position_chunk=cfg.position_chunk, seed=seed)
+    ccfg = ContractionConfig(power_iters=cfg.power_iters, position_chunk=cfg.position_chunk, seed=seed,
+                             exact_width=cfg.exact_width)
     icfgs = cfg.interventions(T, seed)
+    # each patch's donors, drawn once over the whole sample (not per batch: the batching changes nothing)
+    donors = {i: patch_donors(np.arange(n), c.seed, c.loop) for i, c in enumerate(icfgs) if c.kind == "patch"}
     parts: defaultdict[str, list[np.ndarray]] = defaultdict(list)  # the Returns' [token, loop] / [token] arrays
     effects: list[dict[str, list[np.ndarray]]] = [{m: [] for m in (*MEASURES, "delta_norm")} for _ in icfgs]
-    # near-equal batches (np.array_split): none of one sequence, so patching always has another to take from
-    bounds = np.array_split(np.arange(n), max(1, -(-n // cfg.batch_size)))
+    bounds = np.array_split(np.arange(n), max(1, -(-n // cfg.batch_size)))  # near-equal batches
     for rows in tqdm(bounds, desc="loop map", disable=None if progress else True, leave=False):
-        ids = torch.from_numpy(tokens[rows]).to(adapter.device)
+        B = len(rows)
+        extra = np.setdiff1d(np.concatenate([d[rows] for d in donors.values()]), rows) if donors else rows[:0]
+        run = np.concatenate([rows, extra])  # the batch, then the donors it lacks: one forward
+        at = {int(r): j for j, r in enumerate(run)}
         tgt = targets[rows]
         mask = tgt != IGNORE  # [B, S]
-        st = adapter.states(ids)
-        h0 = st.hidden_init
+        st = adapter.states(torch.from_numpy(tokens[run]).to(adapter.device))
+        h0_all, hid_all = st.hidden_init, st.hidden
+        h0, hidden = h0_all[:B], hid_all[:B]
 
         def step(h: torch.Tensor, t: int, h0: torch.Tensor = h0) -> torch.Tensor:
             return adapter.loop_step(h, h0, t)
 
-        stats = contraction_stats(step, h0, st.hidden, ccfg, first_row=int(rows[0]))
+        # exact blocks only at the positions some sequence of the batch scores (the others are dropped below)
+        stats = contraction_stats(step, h0, hidden, ccfg, rows=rows, positions=np.flatnonzero(mask.any(axis=0)))
         sel = torch.from_numpy(mask).to(h0.device)
         parts["rho"].append(stats["contraction"][sel].cpu().numpy())
+        parts["rho_bound"].append(stats["contraction_bound"][sel].cpu().numpy())
         parts["ftle"].append(stats["ftle"][sel].cpu().numpy())
-        hid = st.hidden[sel].double().cpu().numpy()  # [token, loop, d]
+        hid = hidden[sel].double().cpu().numpy()  # [token, loop, d]
         parts["rel_step"].append(step_metrics(hid, h0[sel].double().cpu().numpy())["rel_step"])
         ent, arg = [], []
         for t in range(T):
-            logp = torch.log_softmax(adapter.readout(st.hidden[:, :, t], t).double(), -1)[sel]
+            logp = torch.log_softmax(adapter.readout(hidden[:, :, t], t).double(), -1)[sel]
             ent.append(-(logp.exp() * logp).sum(-1).cpu().numpy())
             arg.append(logp.argmax(-1).cpu().numpy())
         parts["entropy"].append(np.stack(ent, 1))
         parts["correct"].append(np.stack(arg, 1) == tgt[mask][:, None])
         parts["sequence"].append(np.broadcast_to(rows[:, None], mask.shape)[mask])
-        for icfg, acc in zip(icfgs, effects, strict=True):
-            out = intervene(step, h0, st.hidden, icfg, readout=lambda h, t: adapter.readout(h, t))
+        for i, (icfg, acc) in enumerate(zip(icfgs, effects, strict=True)):
+            donor = None
+            if i in donors:  # the donors' states after loop k, from the same forward
+                idx = torch.as_tensor([at[int(d)] for d in donors[i][rows]], device=h0.device)
+                donor = (h0_all if icfg.loop == 0 else hid_all[:, :, icfg.loop - 1])[idx]
+            out = intervene(step, h0, hidden, icfg, readout=lambda h, t: adapter.readout(h, t), rows=rows,
+                            donor=donor)
             for m in (*MEASURES, "delta_norm"):
                 acc[m].append(out[m][sel].cpu().numpy())
     res: dict = {k: np.concatenate(v) for k, v in parts.items()}
+    res["exact"] = ccfg.exact(int(hid_all.shape[-1]))
     res["interventions"] = [(icfg, {m: np.concatenate(acc[m]).astype(np.float64) for m in (*MEASURES, "delta_norm")})
                             for icfg, acc in zip(icfgs, effects, strict=True)]
     return res
@@ -269,14 +303,26 @@ def threshold_points(signal: np.ndarray, correct: np.ndarray, thresholds) -> lis
     return rows
 
 
+def fixed_point_rule(raw: dict) -> tuple[str, np.ndarray]:
+    """The fixed-point exit the sample supports and its ρ: ``certified_fixed_point`` with the upper bound ρ̄_t when
+    the blocks were read whole (``raw["exact"]``), else ``estimated_fixed_point`` with the power-method ρ_t (a lower
+    bound of the Jacobian norm: an estimate, never a certificate)."""
+    if raw.get("exact", False):
+        return CERTIFIED_RULE, raw["rho_bound"]
+    return ESTIMATED_RULE, raw["rho"]
+
+
 def frontier_table(model: str, raw: dict, cfg: LoopmapConfig) -> pl.DataFrame:
-    """The certified exit's points ([BA]) beside fixed depth and the post-hoc ``rel_step`` / ``entropy`` threshold
-    rules on the same sample, with the Pareto front over all of them (``pareto``)."""
+    """The certified (or, beyond ``exact_width``, estimated) fixed-point exit's points ([BA]) beside fixed depth and
+    the post-hoc ``rel_step`` / ``entropy`` threshold rules on the same sample, with the Pareto front over all of
+    them (``pareto``). ``share_certified`` is the share of tokens whose bound reaches ε (for the estimated exit: an
+    estimate of it)."""
     correct = raw["correct"]
     T = correct.shape[1]
-    bound = certified_bound(raw["rho"], raw["rel_step"])
+    rule, rho = fixed_point_rule(raw)
+    bound = certified_bound(rho, raw["rel_step"])
     cert = certified_frontier(bound, correct, cfg.eps)
-    rows = [{"rule": "certified_fixed_point", "threshold": r["eps"], "mean_depth": r["mean_depth"],
+    rows = [{"rule": rule, "threshold": r["eps"], "mean_depth": r["mean_depth"],
              "accuracy": r["accuracy"], "share_certified": r["share_certified"]} for r in cert.iter_rows(named=True)]
     rows += [{"rule": "fixed", "threshold": float(d), "mean_depth": float(d),
               "accuracy": float(correct[:, d - 1].mean()), "share_certified": None} for d in range(1, T + 1)]
@@ -351,12 +397,19 @@ def summary_words(frames: dict, regime_words: str, min_class: int = LoopmapConfi
     """The regime sentence, where the certified exit sits on the sample's front, and the state windows."""
     words = [regime_words]
     fr = frames["frontier"]
-    cert = fr.filter(pl.col("rule") == "certified_fixed_point")
+    estimated = bool(fr.filter(pl.col("rule") == ESTIMATED_RULE).height)
+    cert = fr.filter(pl.col("rule") == (ESTIMATED_RULE if estimated else CERTIFIED_RULE))
     on = cert.filter(pl.col("pareto"))
     fired = cert["share_certified"].max()
-    words.append(f"Certified fixed-point exit: {on.height} of its {cert.height} operating points on the sample's "
-                 f"Pareto front (beside fixed depth, post-hoc rel_step and entropy thresholds); it certifies up to "
-                 f"{100 * (fired or 0):.0f} % of tokens.")
+    if estimated:
+        words.append(f"Estimated fixed-point exit (not certified: ρ_t is a power-method estimate, a lower bound of "
+                     f"the Jacobian norm, as d_model > loopmap.exact_width): {on.height} of its {cert.height} "
+                     f"operating points on the sample's Pareto front (beside fixed depth, post-hoc rel_step and "
+                     f"entropy thresholds); its bound reaches ε on up to {100 * (fired or 0):.0f} % of tokens.")
+    else:
+        words.append(f"Certified fixed-point exit (ρ̄_t an upper bound of the token's Jacobian norm): {on.height} of "
+                     f"its {cert.height} operating points on the sample's Pareto front (beside fixed depth, post-hoc "
+                     f"rel_step and entropy thresholds); it certifies up to {100 * (fired or 0):.0f} % of tokens.")
     wl = frames["window_length"].filter(pl.col("measure") == "state")
     lin = frames["window_length"].filter(pl.col("measure") == "linear")
     parts = []
@@ -453,6 +506,7 @@ def write_loopmap(out_dir: Path | str, frames: dict[str, pl.DataFrame], words: l
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2, allow_nan=True) + "\n")
 
 
-__all__ = ["FRONTIER_SCHEMA", "LoopmapConfig", "MEASURES", "PER_LOOP_SCHEMA", "REGIME_SCHEMA", "WINDOWS_SCHEMA",
-           "WINDOW_LENGTH_SCHEMA", "empty_frames", "frontier_table", "load_sample", "loopmap_model", "loopmap_tables", "measure", "no_loop_step",
+__all__ = ["CERTIFIED_RULE", "ESTIMATED_RULE", "FRONTIER_SCHEMA", "LoopmapConfig", "MEASURES", "PER_LOOP_SCHEMA",
+           "REGIME_SCHEMA", "WINDOWS_SCHEMA", "WINDOW_LENGTH_SCHEMA", "empty_frames", "fixed_point_rule",
+           "frontier_table", "load_sample", "loopmap_model", "loopmap_tables", "measure", "no_loop_step",
            "per_loop_table", "summary_words", "threshold_points", "window_tables", "write_loopmap"]

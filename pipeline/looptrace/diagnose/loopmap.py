@@ -4,11 +4,13 @@ model's regime in words, and how well the FTLE (and ρ, rel_step, entropy) predi
 Torch-free (an offline module): it reads the store's ``contraction`` / ``ftle`` arrays, the states (for
 ``rel_step``, :func:`looptrace.signals.steps.step_metrics`), ``argmax``, ``entropy`` and ``target``.
 
-- **Certified exit** ([BA]): b_t = r_t·ρ_t/(1 − ρ_t) bounds ‖h_t − h*‖/‖h_t‖ when the loop map contracts with factor
-  ρ_t < 1 (:func:`certified_bound`; NaN — never certified — where ρ_t ≥ 1); the rule exits at the first t with
-  b_t ≤ ε, else at T (:func:`certified_exit`). How often ρ_t < 1 holds is reported beside it, and said in words:
-  on a model in the expanding (chaotic) regime the rule almost never fires, and that is a finding, not a silent
-  censoring.
+- **Certified exit** ([BA]): b_t = r_t·ρ̄_t/(1 − ρ̄_t) bounds ‖h_t − h*‖/‖h_t‖ when the loop map contracts with
+  factor ρ̄_t < 1 (:func:`certified_bound`; NaN — never certified — where ρ̄_t ≥ 1), ρ̄_t = ``contraction_bound`` an
+  upper bound of the token's Jacobian norm; the rule exits at the first t with b_t ≤ ε, else at T
+  (:func:`certified_exit`). A store without that bound (d_model > ``dump.contraction.exact_width``: NaN) gets the
+  *estimated* exit from ``contraction`` instead, named so (the power-method ρ_t is a lower bound: not a
+  certificate). How often ρ_t < 1 holds is reported beside it, and said in words: on a model in the expanding
+  (chaotic) regime the rule almost never fires, and that is a finding, not a silent censoring.
 - **Regime** (:func:`regime`): from the final FTLE λ_T of each sequence (median, bootstrap interval over sequences)
   and the share of (token, loop) pairs with ρ_t < 1.
 - **Failure prediction** (:func:`failure_auc`): ROC AUC (scikit-learn ``roc_auc_score``) of each per-token
@@ -234,15 +236,17 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
         cfg: the diagnoses' parameters.
 
     Returns:
-        ``regime`` (:func:`regime`), ``frontier`` (:func:`certified_frontier`), ``auc`` (:func:`failure_auc`) and
-        ``words``: the summary sentences (regime; how often ρ_t < 1 so the rule can fire; the best predictor).
+        ``regime`` (:func:`regime`), ``frontier`` (:func:`certified_frontier`: of the certified exit when the store
+        holds an upper bound ``contraction_bound``, else of the estimated one), ``certified`` (which of the two),
+        ``auc`` (:func:`failure_auc`) and ``words``: the summary sentences (regime; how often ρ_t < 1 so the rule can
+        fire; the best predictor).
 
     Raises:
         InputError: the store has no ``contraction`` arrays (names the option that writes them).
     """
     if "contraction" not in store or "ftle" not in store:
         raise InputError(f"store {getattr(store, 'label', '')!s}: no 'contraction'/'ftle' arrays; dump it with "
-                         "dump.contraction: {power_iters: 4} (docs/dump.md)")
+                         "dump.contraction: {} (docs/dump.md)")
     rho = store.read("contraction").astype(np.float64)
     ftle = store.read("ftle").astype(np.float64)
     # block by block (the store's chunks): the states are the one array too big to read whole on a real model
@@ -250,7 +254,9 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
                           for rows in store.blocks()]).astype(np.float64)
     correct = store.read("argmax") == store.read("target")[:, None]
     seq = store.read("sequence")
-    bound = certified_bound(rho, rel)
+    upper = store.read("contraction_bound").astype(np.float64) if "contraction_bound" in store else None
+    certified = upper is not None and not np.isnan(upper).all()  # NaN: wider than exact_width, no upper bound
+    bound = certified_bound(upper if upper is not None and certified else rho, rel)
     reg = regime(ftle[:, -1], rho, seq, cfg)
     frontier = certified_frontier(bound, correct, cfg.eps)
     preds = {"ftle": ftle[:, -1], "contraction": rho.mean(axis=1), "rel_step": rel[:, -1],
@@ -258,7 +264,12 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
     auc = failure_auc(preds, correct, seq, cfg)
     words = [reg["words"]]
     fired = float((bound <= max(cfg.eps)).any(axis=1).mean())
-    if reg["share_rho_below_1"] < 0.5:
+    if not certified:
+        words.append(f"No certified fixed-point exit: the store holds no upper bound of the Jacobian norm "
+                     f"(d_model > dump.contraction.exact_width, or dumped without one), so ρ_t is a power-method "
+                     f"estimate, a lower bound; the estimated fixed-point exit reaches ε = {max(cfg.eps):g} on "
+                     f"{100 * fired:.0f} % of tokens (ρ_t < 1 on {100 * reg['share_rho_below_1']:.0f} % of pairs).")
+    elif reg["share_rho_below_1"] < 0.5:
         words.append(f"The certified fixed-point exit needs ρ_t < 1, which holds on only "
                      f"{100 * reg['share_rho_below_1']:.0f} % of (token, loop) pairs: at ε = {max(cfg.eps):g} it "
                      f"certifies {100 * fired:.0f} % of tokens; the rest run all loops (not censored silently).")
@@ -266,7 +277,7 @@ def loopmap_report(store, cfg: LoopMapConfig = LoopMapConfig()) -> dict:
         words.append(f"The certified fixed-point exit certifies {100 * fired:.0f} % of tokens at ε = "
                      f"{max(cfg.eps):g} (ρ_t < 1 on {100 * reg['share_rho_below_1']:.0f} % of pairs).")
     words += auc_sentences(auc, cfg.min_class)
-    return {"regime": reg, "frontier": frontier, "auc": auc, "words": words}
+    return {"regime": reg, "frontier": frontier, "certified": certified, "auc": auc, "words": words}
 
 
 def auc_sentences(auc: pl.DataFrame, min_class: int) -> list[str]:

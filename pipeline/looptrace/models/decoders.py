@@ -1,11 +1,11 @@
 """The decoder of a model for one KV policy (:func:`decoder_for`): looptrace's own
 (:class:`~looptrace.models.decode.LoopedTransformerDecoder`) or an adapter's
-(:func:`looptrace.models.adapters.hf_decode.hf_decoder`). It sits above both, so that the decoding protocol
+(:func:`looptrace.models.adapters.decoding.hf_decoder`). It sits above both, so that the decoding protocol
 (:mod:`looptrace.models.decode`) is imported by the adapters' decoders and imports neither."""
 
 from __future__ import annotations
 
-from looptrace.models.adapters.hf_decode import hf_decoder
+from looptrace.models.adapters.decoding import hf_decoder
 from looptrace.models.decode import LoopDecoder, LoopedTransformerDecoder
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.models.looped import LoopedTransformer
@@ -17,7 +17,7 @@ def decoder_for(model, policy: str, **options) -> LoopDecoder:
     Args:
         model: a :class:`~looptrace.models.looped.LoopedTransformer`, its
             :class:`~looptrace.models.interface.LoopedTransformerAdapter`, or an adapter of
-            :func:`looptrace.models.adapters.hf.load_adapter`.
+            :func:`looptrace.models.adapters.loading.load_adapter`.
         policy: ``share`` | ``recompute`` | ``native``.
         options: kind-specific (``huginn_lookup_strategy`` for Huginn's native cache; ``seed``).
 

@@ -11,9 +11,9 @@ one operation order, whatever its batch — which is what this mode gives:
 
 - ``F.linear`` (every ``nn.Linear``): each row as its own [1, K] × [K, N] problem of one batched product
   (``torch.bmm`` over rows: the same problem shape for every row, so the same kernel and summation order);
-- ``F.scaled_dot_product_attention``: each query as its own row, the keys padded with masked entries to a
-  multiple of :data:`KEY_TILE` (so the reduction over keys sees the same length, and the masked/padded terms are
-  exact zeros appended after the real ones), scores and the weighted sum of values as per-query batched products;
+- ``F.scaled_dot_product_attention``: every (batch, head) as products of one shape, the keys padded with masked
+  entries to a multiple of :data:`KEY_TILE` and each query at its absolute row (:func:`attention`), so a query's
+  numbers do not depend on how many later positions exist or whether it is decoded alone;
 - (row reductions over a long vocabulary, which ATen orders differently for a lone row: the logit signals use
   :func:`looptrace.signals.rowwise.row_sum` in every mode.)
 
@@ -54,25 +54,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], N)
 
 
-def _per_query(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[..., Q, K] @ [..., K, N] with every one of the Q rows its own [1, K] × [K, N] problem -> [..., Q, N]."""
-    lead, Q, K, N = a.shape[:-2], a.shape[-2], a.shape[-1], b.shape[-1]
-    # contiguous operands: bmm picks its kernel by the operands' strides too (a transposed view would run another)
-    aa = a.reshape(-1, 1, K).contiguous()  # [L·Q, 1, K]
-    bb = b.reshape(-1, 1, K, N).expand(-1, Q, K, N).reshape(-1, K, N).contiguous()  # [L·Q, K, N]
-    return torch.bmm(aa, bb).reshape(*lead, Q, N)
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (same arguments and semantics; inference: no dropout), each query
-    computed on its own over keys padded to a multiple of :data:`KEY_TILE`.
+              enable_gqa: bool = False, key_length: int | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (same arguments and semantics for inference) in one fixed-shape form.
+
+    Every (batch, head) runs the same two products whatever the sequence: the keys/values are padded with masked
+    entries to L, a multiple of :data:`KEY_TILE`, and the queries are placed at their absolute rows of an
+    [L, E] matrix (query i of S_q new ones at row S_k − S_q + i: a decoded query sits where it sits in the
+    full causal pass), so a query's scores, softmax and weighted sum of values are computed at the same row of
+    products of the same shapes — the same operation order — in the full pass, a truncated one and a decoded one.
 
     Args:
-        q: [..., H, S_q, E]; k: [..., H_k, S_k, E]; v: [..., H_k, S_k, E_v].
+        q: [..., H, S_q, E]; k: [..., H_k, S_k, E]; v: [..., H_k, S_k, E_v]; S_q ≤ S_k (new queries are the
+            last S_q positions, the KV-cache convention).
         attn_mask: bool (True = attend) or additive float, broadcastable to [..., H, S_q, S_k].
-        is_causal: query i attends to keys j ≤ i (top-left aligned, as torch's).
+        is_causal: query i attends to keys j ≤ i (needs S_q = S_k, as the full pass has).
+        key_length: L itself (the model's context length, which every pass of the model fits): then every pass
+            runs products of exactly one shape. None: S_k rounded up to a multiple of :data:`KEY_TILE`.
 
     Returns:
         [..., H, S_q, E_v].
@@ -84,23 +83,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
         rep = H // k.shape[-3]
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     S_k = k.shape[-2]
-    L = max(KEY_TILE, math.ceil(S_k / KEY_TILE) * KEY_TILE)
-    pad = L - S_k
-    kp = F.pad(k, (0, 0, 0, pad))  # [..., H, L, E]
-    vp = F.pad(v, (0, 0, 0, pad))  # [..., H, L, E_v]
+    if S_q > S_k or (is_causal and S_q != S_k):
+        raise ValueError(f"batch-invariant attention: {S_q} queries over {S_k} keys (queries are the last keys' "
+                         "positions; is_causal needs as many queries as keys)")
+    L = key_length if key_length is not None and key_length >= S_k else \
+        max(KEY_TILE, math.ceil(S_k / KEY_TILE) * KEY_TILE)
+    off = S_k - S_q  # the queries' absolute rows: off .. S_k − 1
+    qp = F.pad(q, (0, 0, off, L - S_k)).contiguous()  # [..., H, L, E]
+    kt = F.pad(k, (0, 0, 0, L - S_k)).transpose(-2, -1).contiguous()  # [..., H, E, L]
+    vp = F.pad(v, (0, 0, 0, L - S_k)).contiguous()  # [..., H, L, E_v]
     s = scale if scale is not None else 1.0 / math.sqrt(E)
-    scores = _per_query(q, kp.transpose(-2, -1)) * s  # [..., H, S_q, L]
-    allowed = torch.arange(L, device=q.device) < S_k  # the padding is never attended
-    allowed = allowed.expand(S_q, L)
-    if is_causal:  # query i sees keys j <= i
-        allowed = allowed & (torch.arange(L, device=q.device)[None, :] <= torch.arange(S_q, device=q.device)[:, None])
+    scores = torch.matmul(qp, kt) * s  # [..., H, L, L]
+    col = torch.arange(L, device=q.device)
+    allowed = (col < S_k).expand(L, L)  # the padding is never attended
+    if is_causal:
+        allowed = allowed & (col[None, :] <= col[:, None])
     neg = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
     scores = torch.where(allowed, scores, neg)
-    if attn_mask is not None:
-        m = F.pad(attn_mask, (0, pad), value=False if attn_mask.dtype == torch.bool else float("-inf"))
-        scores = torch.where(m, scores, neg) if m.dtype == torch.bool else scores + m
-    p = torch.softmax(scores, dim=-1)  # [..., H, S_q, L]; the padded entries exactly 0
-    return _per_query(p, vp)  # [..., H, S_q, E_v]
+    if attn_mask is not None:  # the given rows at the queries' rows; the other rows attend everything real
+        if attn_mask.dtype == torch.bool:
+            m = F.pad(attn_mask, (0, L - S_k, off, L - S_k), value=True) & (col < S_k)
+            scores = torch.where(m, scores, neg)
+        else:
+            scores = scores + F.pad(attn_mask, (0, L - S_k, off, L - S_k))
+    p = torch.softmax(scores, dim=-1)  # [..., H, L, L]; masked and padded entries exactly 0
+    return torch.matmul(p, vp)[..., off:S_k, :]  # [..., H, S_q, E_v]
 
 
 _KERNELS: dict[Callable[..., Any], Callable[..., Any]] = {
@@ -113,11 +120,23 @@ _STATE = threading.local()
 
 
 class BatchInvariant(TorchFunctionMode):
-    """The mode: ``F.linear`` and ``F.scaled_dot_product_attention`` replaced by their row-wise forms."""
+    """The mode: ``F.linear`` and ``F.scaled_dot_product_attention`` replaced by their row-wise forms.
+
+    Args:
+        key_length: the model's context length: attention pads every key sequence to it (one shape for every pass
+            of the model, :func:`attention`); None: to a multiple of :data:`KEY_TILE`.
+    """
+
+    def __init__(self, key_length: int | None = None):
+        super().__init__()
+        self.key_length = key_length
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is F.scaled_dot_product_attention:
+            kwargs["key_length"] = self.key_length
         kernel = _KERNELS.get(func)
-        return (kernel or func)(*args, **(kwargs or {}))
+        return (kernel or func)(*args, **kwargs)
 
     def __enter__(self):
         _STATE.depth = getattr(_STATE, "depth", 0) + 1
@@ -134,15 +153,16 @@ def active() -> bool:
 
 
 def inference_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a model method: without autograd it runs in :class:`BatchInvariant` (module docstring); with
-    autograd (training) the default kernels."""
+    """Decorate a model method: without autograd it runs in :class:`BatchInvariant` (module docstring) with the
+    model's context length ``self.cfg.block_size`` as the attention's key length; with autograd (training) the
+    default kernels."""
 
     @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() or active():
-            return fn(*args, **kwargs)
-        with BatchInvariant():
-            return fn(*args, **kwargs)
+            return fn(self, *args, **kwargs)
+        with BatchInvariant(key_length=self.cfg.block_size):
+            return fn(self, *args, **kwargs)
 
     return wrapped
 

@@ -2,23 +2,32 @@
 
 The loop is written out (nanoGPT style): fresh data from the ``fit`` split every step, AdamW with
 linear warm-up and cosine decay, gradient clipping, per-loop evaluation on ``val`` at every kept
-checkpoint. Everything is seeded from ``base.seed`` and the data seeds, so the same params give the
-same weights and the same numbers.
+checkpoint and at the stopping criterion's fixed step intervals (:class:`StopConfig`). Everything is seeded from
+``base.seed`` and the data seeds, so the same params give the same weights and the same numbers on one CPU kernel
+path. :func:`train_models` trains the models of the matrix in a pool of processes, each bit for bit as trained
+alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import importlib
 import json
 import math
 import multiprocessing as mp
 import os
+import queue as queue_mod
 import shutil
+import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 import numpy as np
 import torch
@@ -38,6 +47,8 @@ from looptrace.config import (
     to_dict,
 )
 from looptrace.io.artifacts import swap_in
+from looptrace.io.guard import CURRENT_STAGE
+from looptrace.io.manifest import MANIFEST, build_manifest
 from looptrace.models.looped import (
     LOOP_FORMS,
     GroupConfig,
@@ -87,6 +98,47 @@ class DataSeeds:
 
 
 @dataclass(frozen=True)
+class StopConfig:
+    """``train.stop``: when a model's training ends (docs/train.md "Stopping criterion"; SPEC §5 "Training length").
+
+    With a ``target``, the model is evaluated on the fixed val set (``train.val_sequences`` sequences of data seed
+    ``train.data_seeds.val``) after every ``every`` optimiser steps, and training stops after the first evaluation
+    that completes ``patience`` consecutive evaluations whose full-depth (loop T) accuracy is ≥ ``target``, or at the
+    step cap (:meth:`cap`), whichever comes first. Past the schedule's ``steps`` the learning rate stays at
+    ``min_lr`` for ``hold × steps`` steps (a model that nearly holds the target gets there), then the schedule starts again
+    (warm-up, cosine over ``steps``: a model stuck below the target at ``min_lr`` gets another cycle), and so on.
+    The schedule does not depend on the criterion and an evaluation draws from no RNG, so the weights at a step are
+    the same whatever the criterion: it only decides where the run ends, and the same evaluations on every machine
+    decide it. Without a ``target`` the run trains exactly ``steps`` (a fixed budget). Never wall time.
+
+    Attributes:
+        target: full-depth val accuracy (fraction) a model must hold; null = a fixed budget of ``steps``.
+        patience: consecutive evaluations at or above ``target`` (k).
+        every: optimiser steps between two evaluations.
+        hold: steps at ``min_lr`` after each cycle of the schedule before it starts again, as a fraction of
+            ``steps``; null = ``min_lr`` until the cap (never again).
+        cycles: the step cap in periods of the schedule: ``cycles × (steps + round(hold × steps))``
+            (``cycles × steps`` with ``hold`` null).
+    """
+
+    target: Annotated[float, Check(gt=0, le=1, why="a full-depth val accuracy (fraction)")] | None = None
+    patience: Annotated[int, Check(ge=1, why="consecutive evaluations")] = 3
+    every: Annotated[int, Check(ge=1, why="optimiser steps between evaluations")] = 100
+    hold: Annotated[float, Check(ge=0, why="steps at min_lr between two cycles, a fraction of train.steps")] | None = None
+    cycles: Annotated[int, Check(ge=1, why="the step cap in periods of the schedule")] = 2
+
+    def period(self, steps: int) -> int | None:
+        """Steps of one period of the learning-rate schedule (a cycle and its hold); None: it never restarts."""
+        return None if self.hold is None else steps + round(self.hold * steps)
+
+    def cap(self, steps: int) -> int:
+        """The last step a model of a ``steps``-step schedule may train to (``steps`` without a target)."""
+        if self.target is None:
+            return steps
+        return self.cycles * (self.period(steps) or steps)
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """``train`` section of ``params.yaml``.
 
@@ -96,21 +148,25 @@ class TrainConfig:
         task_defs: every available task, by name.
         regime_defs: every available regime, by name.
         model: architecture.
-        steps: optimiser steps.
+        steps: length of the learning-rate schedule (warm-up, cosine decay to ``min_lr`` at this step; ``min_lr``
+            after it); without ``stop.target`` also the optimiser steps taken.
         steps_by_task: per-task override of ``steps`` (tasks learn at different speeds).
+        stop: when training ends (:class:`StopConfig`).
         batch_size: sequences per step (fresh from the fit split each step).
         lr, min_lr: peak and final learning rate (cosine decay after ``warmup`` steps).
         betas, weight_decay, grad_clip: AdamW settings and gradient-norm clip.
-        val_sequences: sequences of the val split used for metrics.
+        val_sequences: sequences of the val split used for metrics and the stopping criterion.
         checkpoint_fractions: fractions of ``steps`` at which an intermediate checkpoint is kept
-            ([TS] measures loop dynamics across training).
+            ([TS] measures loop dynamics across training); one the run stops before is not written.
         data_seeds: seeds of the fit / val / test splits.
         seeds: training seeds of every task × regime (model init and fit-data order); each trains its own model
             ``<task>-<regime>-s<seed>``. Empty: the one seed ``base.seed``, named ``<task>-<regime>``.
-        workers: processes that train the seeds of one call of :func:`train_seeds` in parallel.
-        threads_per_model: torch threads of each model's training; null = ``base.threads // workers`` (at least 1).
-            Part of what defines a checkpoint (recorded in it): the same seed trained with another thread count
-            may differ in the last bits.
+        workers: processes that train the models of the matrix at once (:func:`train_models`); null = on the CPU
+            the cores this process may use // the threads of one model, on an accelerator 1. Never part of a model:
+            a model trained in a pool is bit for bit the model trained alone.
+        threads_per_model: torch threads of each model's training; null = ``base.threads``. Part of what defines a
+            checkpoint (recorded in it): the same seed trained with another thread count may differ in the last
+            bits.
     """
 
     tasks: tuple[str, ...] = ("running_sum",)
@@ -120,6 +176,7 @@ class TrainConfig:
     model: ModelParams = field(default_factory=ModelParams)
     steps: Annotated[int, Check(ge=1, why="optimiser steps; 0 would save an untrained model")] = 1500
     steps_by_task: dict[str, Annotated[int, Check(ge=1, why="optimiser steps")]] = field(default_factory=dict)
+    stop: StopConfig = field(default_factory=StopConfig)
     batch_size: Annotated[int, Check(ge=1, why="sequences per step")] = 128
     lr: PosFloat = 1e-3
     min_lr: NonNegFloat = 1e-4
@@ -132,8 +189,8 @@ class TrainConfig:
         0.1, 0.25, 0.5)
     data_seeds: DataSeeds = field(default_factory=DataSeeds)
     seeds: tuple[Seed, ...] = ()
-    workers: PosInt = 1
-    threads_per_model: PosInt | None = None
+    workers: Annotated[int, Check(ge=1, why="models trained at once")] | None = None
+    threads_per_model: Annotated[int, Check(ge=1, why="torch threads")] | None = None
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2:
@@ -142,20 +199,23 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr = {self.min_lr} exceeds train.lr = {self.lr}; set min_lr ≤ lr")
         if len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"train.seeds has duplicates: {list(self.seeds)}")
-        if self.workers < 1:
-            raise ConfigError(f"train.workers must be >= 1, got {self.workers}")
-        if self.threads_per_model is not None and self.threads_per_model < 1:
-            raise ConfigError(f"train.threads_per_model must be >= 1 or null, got {self.threads_per_model}")
 
     def seed_list(self) -> list[int | None]:
         """The seeds to train: ``seeds``, or ``[None]`` (= ``base.seed`` under the unsuffixed name)."""
         return list(self.seeds) if self.seeds else [None]
 
-    def model_threads(self, base: BaseConfig) -> int:
-        """Torch threads of one model's training (:attr:`threads_per_model`)."""
-        if self.threads_per_model is not None:
-            return self.threads_per_model
-        return max(1, base.threads // self.workers)
+    def model_threads(self, base_threads: int) -> int:
+        """Torch threads of one model's training (:attr:`threads_per_model`, else ``base.threads``)."""
+        return self.threads_per_model if self.threads_per_model is not None else base_threads
+
+    def pool_size(self, base_threads: int, device: str, models: int) -> int:
+        """Processes :func:`train_models` trains ``models`` models in (:attr:`workers`; null = on the CPU the
+        cores // the threads of a model, on an accelerator one: the device is the shared resource)."""
+        if self.workers is not None:
+            n = self.workers
+        else:
+            n = host_cores() // self.model_threads(base_threads) if str(device) == "cpu" else 1
+        return max(1, min(n, models))
 
     def task(self, name: str) -> Task:
         if name not in self.task_defs:
@@ -164,7 +224,7 @@ class TrainConfig:
         return make_task(name, self.task_defs[name])
 
     def steps_for(self, task: str) -> int:
-        """Optimiser steps for ``task`` (``steps_by_task`` overrides ``steps``)."""
+        """Schedule steps for ``task`` (``steps_by_task`` overrides ``steps``)."""
         return self.steps_by_task.get(task, self.steps)
 
     def regime(self, name: str) -> RegimeConfig:
@@ -172,6 +232,33 @@ class TrainConfig:
             raise ConfigError(f"regime '{name}' is not defined in params section 'train.regime_defs' "
                              f"(defined: {', '.join(self.regime_defs) or 'none'})")
         return self.regime_defs[name]
+
+    def matrix(self) -> list[tuple[str, str, int | None]]:
+        """The default matrix: (task, regime, seed) of ``tasks`` × ``regimes`` × :meth:`seed_list`, in that order."""
+        return [(t, r, s) for t in self.tasks for r in self.regimes for s in self.seed_list()]
+
+
+#: Keys of the train section that choose *which* models are trained and how many at once, not how one is trained:
+#: left out of what a checkpoint records (and of its fingerprint), so adding a seed to ``train.seeds`` leaves the
+#: other models' bytes, and DVC's downstream stages of them, as they were. ``steps_by_task`` is recorded as the
+#: model's own ``steps``, ``threads_per_model`` as its ``threads``.
+MATRIX_KEYS = ("tasks", "regimes", "task_defs", "regime_defs", "seeds", "workers", "steps_by_task", "threads_per_model")
+
+
+def recipe(cfg: TrainConfig, task: str) -> dict:
+    """The train section as one model of ``task`` records it: :data:`MATRIX_KEYS` out, ``steps`` = the task's."""
+    out = to_dict(dataclasses.replace(cfg, steps=cfg.steps_for(task)))
+    if cfg.stop.target is None:  # a fixed budget: the criterion's other settings change nothing
+        out["stop"] = {"target": None}
+    return {k: v for k, v in out.items() if k not in MATRIX_KEYS}
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it, else every core)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> ModelConfig:
@@ -185,7 +272,14 @@ def build_model_config(mp: ModelParams, task: Task, regime: RegimeConfig) -> Mod
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``steps``."""
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr`` at ``steps``; past ``steps`` (a run the stopping
+    criterion takes on) ``min_lr`` for ``stop.hold × steps`` steps, then the same schedule again (null: ``min_lr``
+    on)."""
+    period = cfg.stop.period(cfg.steps)
+    if period is not None:
+        step %= period
+    if step >= cfg.steps:
+        return cfg.min_lr
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
     frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
@@ -243,10 +337,81 @@ def staging_dir(out_dir: Path | str) -> Path:
     return out_dir.with_name(f".{out_dir.name}.train")
 
 
+#: Modules whose code decides a trained model (weights and recorded metrics). Their source is part of a run's
+#: fingerprint: DVC re-runs the stage when one of them changes, and a model directory holding a run of the earlier
+#: code must then be trained again, not kept as up to date; a resume likewise never mixes two versions of the code.
+TRAIN_MODULES = ("looptrace.models.train", "looptrace.models.looped", "looptrace.models.regimes",
+                 "looptrace.signals.halting_torch", "looptrace.tasks", "looptrace.tasks.base", "looptrace.tasks.mano",
+                 "looptrace.tasks.parity", "looptrace.tasks.running")
+
+
+@functools.cache
+def _code_hash() -> str:
+    """sha256 of the source of :data:`TRAIN_MODULES`."""
+    h = hashlib.sha256()
+    for name in sorted(TRAIN_MODULES):
+        module = sys.modules.get(name) or importlib.import_module(name)
+        source = getattr(module, "__file__", None)
+        h.update(name.encode() + b"\0" + (Path(source).read_bytes() if source else b""))
+    return h.hexdigest()
+
+
 def _fingerprint(meta: dict, device: str) -> str:
-    """What a resume state must match to be continued: everything the weights depend on (task, regime, seed,
-    the train section, threads, versions) and the device."""
-    return hashlib.sha256(json.dumps({"meta": meta, "device": device}, sort_keys=True, default=str).encode()).hexdigest()
+    """What a run is: everything the weights depend on (task, regime, seed, the model's recipe, threads, CPU kernel
+    path, versions: ``meta``), the device and the code of :data:`TRAIN_MODULES`. A resume state continues only a run
+    of the same fingerprint, and a finished model directory of the same fingerprint is kept (:func:`finished_run`)."""
+    doc = {"meta": meta, "device": device, "code": _code_hash()}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cpu_capability() -> str:
+    """The CPU kernel path torch's ATen runs on this machine (``AVX512``, ``AVX2``, ``DEFAULT`` ...; env
+    ``ATEN_CPU_CAPABILITY`` lowers it): the same seed trained on two of them differs in the last bits."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One model's run before it trains: its name, the metadata every checkpoint of it records, and its
+    fingerprint (:func:`_fingerprint`)."""
+
+    name: str
+    seed: int
+    threads: int
+    meta: dict
+    fingerprint: str
+
+
+def plan_run(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, seed: int | None = None,
+             threads: int | None = None) -> RunPlan:
+    """The :class:`RunPlan` of ``task_name`` × ``regime_name`` × ``seed`` (None = ``base.seed``, unsuffixed name) at
+    ``threads`` torch threads (None = :meth:`TrainConfig.model_threads`)."""
+    threads = cfg.model_threads(base.threads) if threads is None else int(threads)
+    task, regime = cfg.task(task_name), cfg.regime(regime_name)
+    run_seed = base.seed if seed is None else int(seed)
+    meta = {"name": model_name(task_name, regime_name, seed), "task": task.spec() | {"name": task_name},
+            "regime": to_dict(regime) | {"name": regime_name}, "seed": run_seed, "data_seeds": to_dict(cfg.data_seeds),
+            "threads": threads, "train": recipe(cfg, task_name), "versions": versions()}
+    if str(base.device) == "cpu":
+        meta["cpu_capability"] = cpu_capability()
+    return RunPlan(meta["name"], run_seed, threads, meta, _fingerprint(meta, str(base.device)))
+
+
+def finished_run(out_dir: Path | str, fingerprint: str) -> dict | None:
+    """The metrics of the finished run in ``out_dir`` if it is the run ``fingerprint`` names and every file of the
+    directory matches its manifest (nothing added, removed or changed since it was written); else None."""
+    out_dir = Path(out_dir)
+    try:
+        metrics = json.loads((out_dir / "metrics.json").read_text())
+        manifest = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(metrics, dict) or metrics.get("fingerprint") != fingerprint or not isinstance(manifest, dict):
+        return None
+    stage = CURRENT_STAGE.get()
+    if manifest.get("stage") != stage or manifest.get("files") != build_manifest(out_dir, stage)["files"]:
+        return None
+    return metrics
 
 
 def _load_resume(stage: Path, fingerprint: str) -> dict | None:
@@ -302,13 +467,21 @@ def optimiser_step(model, opt, task, regime, cfg: TrainConfig, rng: np.random.Ge
     return loss
 
 
+#: ``progress`` of :func:`train_model` may be a callable: ``(steps done, step cap, status text)``, called every
+#: :data:`REPORT_EVERY` steps, at every evaluation and at the end (the pool's progress lines).
+Reporter = Callable[[int, int, str], None]
+REPORT_EVERY = 25
+
+
 def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name: str, out_dir: Path,
-                progress: bool = True, seed: int | None = None, threads: int | None = None) -> dict:
+                progress: bool | Reporter = True, seed: int | None = None, threads: int | None = None) -> dict:
     """Train one looped model and write ``model.pt``, ``metrics.json`` and ``checkpoints/``.
 
-    The directory is built in :func:`staging_dir` and replaces ``out_dir`` whole when training ends; a killed run
-    resumes from its last resume state (every kept checkpoint, and every :data:`RESUME_EVERY_S` seconds) and ends
-    bit-identical to an uninterrupted run.
+    The run ends on ``cfg.stop`` (:class:`StopConfig`): the criterion on the fixed val set, or the step cap, or
+    without a target after ``steps``. The directory is built in :func:`staging_dir` and replaces ``out_dir`` whole
+    when training ends; a killed run resumes from its last resume state (every kept checkpoint, and every
+    :data:`RESUME_EVERY_S` seconds) and ends bit-identical to an uninterrupted run. An ``out_dir`` that already
+    holds this very run (:func:`finished_run`) is kept as it is.
 
     Args:
         base: shared settings (seed, threads, device).
@@ -316,17 +489,23 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         task_name: key of ``cfg.task_defs``.
         regime_name: key of ``cfg.regime_defs``.
         out_dir: ``artifacts/train/<model>``.
-        progress: show a progress bar (it is silent anyway when stderr is not a terminal).
+        progress: show a progress bar (silent anyway when stderr is not a terminal), or a :data:`Reporter`.
         seed: training seed (model init and fit-data order); None = ``base.seed`` and the unsuffixed model name.
-        threads: torch threads (default ``base.threads``).
+        threads: torch threads (default :meth:`TrainConfig.model_threads`).
 
     Returns:
         The metrics dict written to ``metrics.json``.
     """
-    threads = base.threads if threads is None else int(threads)
+    plan = plan_run(base, cfg, task_name, regime_name, seed, threads)
+    out_dir = Path(out_dir)
+    done_before = finished_run(out_dir, plan.fingerprint)
+    if done_before is not None:
+        return done_before
+    threads, seed, name, meta, fingerprint = plan.threads, plan.seed, plan.name, plan.meta, plan.fingerprint
     torch.set_num_threads(threads)
-    named_seed, seed = seed, base.seed if seed is None else int(seed)
-    cfg = dataclasses.replace(cfg, steps=cfg.steps_for(task_name))
+    steps = cfg.steps_for(task_name)
+    cfg = dataclasses.replace(cfg, steps=steps)
+    stop, cap = cfg.stop, cfg.stop.cap(steps)
     task, regime = cfg.task(task_name), cfg.regime(regime_name)
     mcfg = build_model_config(cfg.model, task, regime)
     torch.manual_seed(seed)
@@ -346,29 +525,27 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=betas)
     rng = np.random.default_rng([cfg.data_seeds.fit, SPLITS.index("fit"), seed])
     val = task.dataset("val", cfg.val_sequences, cfg.data_seeds.val)
-    out_dir = Path(out_dir)
-    ckpt_steps = sorted({max(1, round(f * cfg.steps)) for f in cfg.checkpoint_fractions if 0 < f < 1})
-    name = model_name(task_name, regime_name, named_seed)
-    meta = {"name": name, "task": task.spec() | {"name": task_name}, "regime": to_dict(regime) | {"name": regime_name},
-            "seed": seed, "data_seeds": to_dict(cfg.data_seeds), "threads": threads,
-            "train": to_dict(cfg) | {"task_defs": None, "regime_defs": None}, "versions": versions()}
+    ckpt_steps = sorted({max(1, round(f * steps)) for f in cfg.checkpoint_fractions if 0 < f < 1})
     # The run is built in a staging dir and swapped in whole at the end, so out_dir only ever holds one finished
     # run (a retrain or a killed run never mixes its checkpoints/ with an earlier run's). A killed run's staging
-    # dir keeps its kept checkpoints and a resume state (weights, AdamW moments, data RNG): the next run with the
-    # same fingerprint continues from there and ends bit-identical to an uninterrupted run; any other is removed.
-    stage, fingerprint = staging_dir(out_dir), _fingerprint(meta, str(base.device))
+    # dir keeps its kept checkpoints and a resume state (weights, AdamW moments, data RNG, the criterion's streak):
+    # the next run with the same fingerprint continues from there and ends bit-identical to an uninterrupted run;
+    # any other is removed.
+    stage = staging_dir(out_dir)
     resume = _load_resume(stage, fingerprint)
     if resume is None:
         shutil.rmtree(stage, ignore_errors=True)
     (stage / "checkpoints").mkdir(parents=True, exist_ok=True)
-    history, loss_ema, start, spent = [], None, 0, (0.0, 0.0)
+    history: list[dict] = []
+    loss_ema: float | None = None
+    start, spent, streak = 0, (0.0, 0.0), 0
     if resume is not None:
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["opt"])
         rng.bit_generator.state = json.loads(resume["rng"])
         torch.set_rng_state(resume["torch_rng"])
         history, loss_ema, start = json.loads(resume["history"]), resume["loss_ema"], int(resume["step"])
-        spent = (float(resume["seconds"]), float(resume["cpu_seconds"]))
+        spent, streak = (float(resume["seconds"]), float(resume["cpu_seconds"])), int(resume["streak"])
         for stale in (stage / "checkpoints").glob("step_*.pt"):  # written after the resume state was saved
             if int(stale.stem.split("_")[1]) > start:
                 stale.unlink()
@@ -379,38 +556,63 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         _save_resume(stage, {"fingerprint": fingerprint, "step": done, "model": model.state_dict(),
                              "opt": opt.state_dict(), "rng": json.dumps(rng.bit_generator.state),
                              "torch_rng": torch.get_rng_state(), "loss_ema": loss_ema, "history": json.dumps(history),
-                             "seconds": spent[0] + time.perf_counter() - t0,
+                             "streak": streak, "seconds": spent[0] + time.perf_counter() - t0,
                              "cpu_seconds": spent[1] + time.process_time() - cpu0})
 
+    def record(done: int) -> dict:
+        ev = evaluate(model, val, base.device)
+        history.append({"step": done, "fraction": done / steps, "acc_per_loop": ev["acc_per_loop"],
+                        "loss_per_loop": ev["loss_per_loop"]})
+        return ev
+
+    def status() -> str:
+        text = f"loss {loss_ema:.4f}" if loss_ema is not None else ""
+        if history:
+            text += f", val {history[-1]['acc_per_loop'][-1]:.4f}"
+        return text + (f" ({streak}/{stop.patience} ≥ {stop.target})" if stop.target is not None else "")
+
+    show = progress if callable(progress) else None
+    bar = tqdm(total=cap, initial=start, desc=f"train {name}", disable=None if progress is True else True,
+               leave=False)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    last_save = t0
-    bar = tqdm(range(start, cfg.steps), desc=f"train {name}", disable=None if progress else True, leave=False,
-               initial=start, total=cfg.steps)
-    for step in bar:
+    last_save, done, ev, reason = t0, start, None, "budget" if stop.target is None else "step_cap"
+    for step in range(start, cap):
         model.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         loss = optimiser_step(model, opt, task, regime, cfg, rng, base.device)
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
-        if step % 25 == 0:
-            bar.set_postfix(loss=f"{loss_ema:.4f}")
-        if step + 1 in ckpt_steps:
-            ev = evaluate(model, val, base.device)
-            history.append({"step": step + 1, "fraction": (step + 1) / cfg.steps,
-                            "acc_per_loop": ev["acc_per_loop"], "loss_per_loop": ev["loss_per_loop"]})
-            save_checkpoint(stage / "checkpoints" / f"step_{step + 1:06d}.pt", model,
-                            **meta, step=step + 1, fraction=(step + 1) / cfg.steps, metrics=ev)
-        if step + 1 < cfg.steps and (step + 1 in ckpt_steps or time.perf_counter() - last_save >= RESUME_EVERY_S):
-            save_resume(step + 1)
+        done, ev = step + 1, None
+        if stop.target is not None and done % stop.every == 0:
+            ev = record(done)
+            streak = streak + 1 if ev["acc_per_loop"][-1] >= stop.target else 0
+            if streak >= stop.patience:
+                reason = "criterion"
+                break
+        if done in ckpt_steps:
+            ev = ev or record(done)
+            save_checkpoint(stage / "checkpoints" / f"step_{done:06d}.pt", model,
+                            **meta, step=done, fraction=done / steps, metrics=ev)
+        if done < cap and (done in ckpt_steps or time.perf_counter() - last_save >= RESUME_EVERY_S):
+            save_resume(done)
             last_save = time.perf_counter()
+        if done % REPORT_EVERY == 0 or ev is not None:
+            bar.update(done - bar.n)
+            bar.set_postfix_str(status(), refresh=False)
+            if show is not None:
+                show(done, cap, status())
     bar.close()
     seconds, cpu_seconds = spent[0] + time.perf_counter() - t0, spent[1] + time.process_time() - cpu0
-    ev = evaluate(model, val, base.device)
-    history.append({"step": cfg.steps, "fraction": 1.0, "acc_per_loop": ev["acc_per_loop"],
-                    "loss_per_loop": ev["loss_per_loop"]})
+    if ev is None:
+        ev = record(done)
     acc = ev["acc_per_loop"]
+    target_steps = [h["step"] for h in history if stop.target is not None and h["step"] % stop.every == 0
+                    and h["acc_per_loop"][-1] >= stop.target]
     metrics = {
-        "model": name, "task": task_name, "regime": regime_name, "seed": seed, "steps": cfg.steps,
+        "model": name, "task": task_name, "regime": regime_name, "seed": seed, "steps": done,
+        "stop": {"reason": reason, "steps": done, "schedule_steps": steps, "cap": cap, "target": stop.target}
+        | ({"patience": stop.patience, "every": stop.every, "hold": stop.hold, "cycles": stop.cycles,
+            "first_step_at_target": target_steps[0] if target_steps else None} if stop.target is not None else {}),
         "n_params": model.num_params(), "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 2),
         "threads": threads, "final_train_loss": loss_ema,
         "val_acc_last_loop": acc[-1], "val_acc_best_loop": max(acc), "best_loop": int(np.argmax(acc)) + 1,
@@ -418,45 +620,165 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         "val_acc_by_difficulty": ev["acc_by_difficulty"],
         "history": history,
     }
+    if show is not None:
+        show(done, cap, f"{reason} at step {done}, val {acc[-1]:.4f}")
     # Wall-clock figures go to metrics.json only: model.pt's sha256 is the checkpoint hash every store records, so
-    # identical weights retrained must write identical bytes.
+    # identical weights retrained must write identical bytes (the fingerprint, which hashes the code, likewise).
     timeless = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
-    save_checkpoint(stage / "model.pt", model, **meta, step=cfg.steps, fraction=1.0, metrics=timeless)
-    (stage / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    save_checkpoint(stage / "model.pt", model, **meta, step=done, fraction=done / steps, metrics=timeless)
+    (stage / "metrics.json").write_text(json.dumps(metrics | {"fingerprint": fingerprint}, indent=2))
     (stage / "resume.pt").unlink(missing_ok=True)
     swap_in(stage, out_dir)  # the whole model dir at once (a kill between its renames: stage_output tidies)
     return metrics
 
 
+def summary_line(metrics: dict) -> str:
+    """One line per trained model: name, how the run ended, full-depth val accuracy, val accuracy per loop."""
+    st = metrics.get("stop") or {}
+    acc = " ".join(f"{a:.3f}" for a in metrics["val"]["acc_per_loop"])
+    return (f"{metrics['model']}: {st.get('reason', 'budget')} at step {metrics['steps']}, val accuracy per loop "
+            f"{acc} ({metrics['train_seconds']:.0f} s)")
+
+
+# ------------------------------------------------------------------------------------------------ the pool
+
+_QUEUE: Any = None
+
+
+def _worker_init(queue: Any, stage: str | None) -> None:
+    """A pool worker: where to report progress, which stage writes (the manifests name it), and a watchdog that
+    ends the worker when its parent is gone (a killed stage leaves no orphan writing on; its staging dirs keep the
+    resume states the re-run continues from)."""
+    global _QUEUE
+    _QUEUE = queue
+    CURRENT_STAGE.set(stage)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="looptrace-parent-watch").start()
+
+
 def _train_job(args: tuple) -> dict:
-    base, cfg, task_name, regime_name, out_dir, seed, threads = args
-    return train_model(base, cfg, task_name, regime_name, out_dir, progress=False, seed=seed, threads=threads)
+    index, base, cfg, task_name, regime_name, out_dir, seed, threads = args
+
+    def report(done: int, total: int, text: str) -> None:
+        _QUEUE.put((index, done, total, text))
+
+    return train_model(base, cfg, task_name, regime_name, out_dir, progress=report, seed=seed, threads=threads)
 
 
-def train_seeds(base: BaseConfig, cfg: TrainConfig, jobs: list[tuple[str, str]], out_root: Path,
-                progress: bool = True) -> list[dict]:
-    """Train every seed of ``cfg.seeds`` for each (task, regime) of ``jobs``: ``<out_root>/<task>-<regime>-s<seed>``.
+class _Lines:
+    """One progress line per model (tqdm; silent when stderr is not a terminal), fed from any process."""
 
-    The (task, regime, seed) models are independent; ``cfg.workers`` processes train them in parallel, each with
-    :meth:`TrainConfig.model_threads` torch threads. A model's weights depend only on its task, regime, seed, the
-    train section and its thread count — not on the worker count, the other seeds, or the order — so a seed trained
-    here is bit-for-bit the seed trained alone with :func:`train_model` (``tests/test_train.py``).
+    def __init__(self, names: list[str], totals: list[int], enabled: bool) -> None:
+        self.bars = [tqdm(total=t, desc=f"train {n}", position=i, leave=True, disable=None if enabled else True)
+                     for i, (n, t) in enumerate(zip(names, totals, strict=True))]
 
-    Why processes and not one batched ensemble (stacked weights, ``vmap``): training these models on this CPU is
+    def reporter(self, i: int) -> Reporter:
+        return lambda done, total, text: self.update(i, done, total, text)
+
+    def update(self, i: int, done: int, total: int, text: str) -> None:
+        bar = self.bars[i]
+        bar.update(done - bar.n)
+        bar.set_postfix_str(text)
+
+    def drain(self, queue: Any) -> None:
+        while True:
+            try:
+                self.update(*queue.get_nowait())
+            except queue_mod.Empty:
+                return
+
+    def close(self) -> None:
+        for bar in reversed(self.bars):
+            bar.close()
+
+
+def train_models(base: BaseConfig, cfg: TrainConfig, models: list[tuple[str, str, int | None]], out_root: Path | str,
+                 progress: bool = True, echo: Callable[[str], None] | None = None) -> list[dict]:
+    """Train ``models`` ((task, regime, seed) each; :meth:`TrainConfig.matrix`) into ``<out_root>/<model>``, at most
+    :meth:`TrainConfig.pool_size` at once.
+
+    The models are independent: each trains in one of the pool's spawned processes on
+    :meth:`TrainConfig.model_threads` torch threads, and its weights depend only on its task, regime, seed, recipe,
+    thread count and the CPU kernel path — not on the pool size, the other models or the order — so a model trained
+    here is bit for bit the model trained alone with :func:`train_model` (``tests/test_train.py``). The longest
+    schedules start first. A model whose directory already holds this very run is kept (:func:`finished_run`); a
+    killed pool leaves every finished model whole and each unfinished one's resume state, so a re-run trains only
+    the rest, from where each stopped. With ``pool_size`` 1 the models train one after another in this process.
+
+    Why processes and not one batched ensemble (stacked weights, ``vmap``): training these models on a CPU is
     compute-bound (``mm``/``addmm`` ~half of a step, near single-thread peak), so folding three members into one
     batched pass cost 2.7–3.0× one member (stacked weights; and members were no longer bit-identical to lone
-    models) or more than three lone models (per-member weights, bit-identical); a second core is the only real
-    saving (docs/train.md).
+    models) or more than three lone models (per-member weights, bit-identical); another core is the only real
+    saving (docs/train.md "Seeds").
+
+    Args:
+        base: shared settings (seed, threads, device).
+        cfg: the ``train`` section.
+        models: (task, regime, seed) to train; seed None = ``base.seed`` under the unsuffixed name.
+        out_root: ``artifacts/train``.
+        progress: one progress line per model (silent when stderr is not a terminal).
+        echo: called with :func:`summary_line` of each model as it finishes (or is found up to date).
 
     Returns:
-        The metrics of every model, in (job, seed) order.
+        The metrics of every model, in the order of ``models``.
     """
-    threads = cfg.model_threads(base)
-    work = [(base, cfg, t, r, Path(out_root) / model_name(t, r, s), s, threads)
-            for t, r in jobs for s in cfg.seed_list()]
-    if cfg.workers == 1 or len(work) == 1:
-        return [train_model(*w[:5], progress=progress, seed=w[5], threads=w[6]) for w in work]
+    threads = cfg.model_threads(base.threads)
+    lean = BaseConfig(seed=base.seed, threads=base.threads, device=base.device)  # what a model's run reads of base
+    outs = [Path(out_root) / model_name(t, r, s) for t, r, s in models]
+    results: dict[int, dict] = {}
+    todo = []
+    for i, ((t, r, s), out) in enumerate(zip(models, outs, strict=True)):
+        done = finished_run(out, plan_run(lean, cfg, t, r, s, threads).fingerprint)
+        if done is None:
+            todo.append(i)
+            continue
+        results[i] = done
+        if echo is not None:
+            echo(f"{done['model']}: up to date ({summary_line(done).split(': ', 1)[1]})")
+    todo.sort(key=lambda i: -cfg.stop.cap(cfg.steps_for(models[i][0])))  # longest first (stable: matrix order)
+    caps = [cfg.stop.cap(cfg.steps_for(models[i][0])) for i in todo]
+    lines = _Lines([outs[i].name for i in todo], caps, progress)
 
-    # spawn: a fresh interpreter per worker (forking a process whose OpenMP pool is running can deadlock)
-    with mp.get_context("spawn").Pool(min(cfg.workers, len(work)), maxtasksperchild=1) as pool:
-        return pool.map(_train_job, work, chunksize=1)
+    def finished(i: int, metrics: dict) -> None:
+        results[i] = metrics
+        if echo is not None:
+            with tqdm.external_write_mode():
+                echo(summary_line(metrics))
+
+    try:
+        n = cfg.pool_size(base.threads, base.device, len(todo))
+        if n == 1:
+            for k, i in enumerate(todo):
+                t, r, s = models[i]
+                finished(i, train_model(lean, cfg, t, r, outs[i], progress=lines.reporter(k), seed=s, threads=threads))
+        elif todo:
+            # spawn: a fresh interpreter per worker (forking a process whose OpenMP pool is running can deadlock).
+            # A worker trains one model after another, as the serial path does in this process: a run seeds and
+            # sets everything it depends on itself (tests/test_train.py: serial and pooled bytes are equal).
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init,
+                                     initargs=(queue, CURRENT_STAGE.get())) as pool:
+                futures = {pool.submit(_train_job, (k, lean, cfg, *models[i][:2], outs[i], models[i][2], threads)): i
+                           for k, i in enumerate(todo)}
+                pending = set(futures)
+                try:
+                    while pending:
+                        ready, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                        lines.drain(queue)
+                        for f in ready:
+                            finished(futures[f], f.result())
+                except BaseException:
+                    for f in pending:
+                        f.cancel()
+                    raise
+                lines.drain(queue)
+    finally:
+        lines.close()
+    return [results[i] for i in range(len(models))]

@@ -54,7 +54,7 @@ from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
 from looptrace.io.store.reader import open_store
-from looptrace.models.adapters.hf import load_adapter
+from looptrace.models.adapters.loading import load_adapter
 from looptrace.models.decode import NATIVE_MODES, POLICIES, DecodeUnsupported, LoopDecoder
 from looptrace.models.decoders import decoder_for
 from looptrace.models.interface import file_sha256
@@ -564,7 +564,7 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         cfg: the ``generate`` section.
         dump_root, readouts_root, gates_root: artifact roots (prompts and hidden dtype; chosen points; gates).
         train_root: looptrace's own checkpoints (``<root>/<model>/model.pt``), when ``adapter`` is None.
-        adapter: ``dump.adapter`` (an :class:`~looptrace.models.adapters.hf.AdapterConfig`) for a real LM.
+        adapter: ``dump.adapter`` (an :class:`~looptrace.models.adapters.loading.AdapterConfig`) for a real LM.
         device: torch device.
         seed: ``base.seed`` (Huginn's random initial states).
         regime_meta: model name -> dict(model, task, regime, regime_kind).

@@ -20,17 +20,19 @@ from looptrace.io.artifacts import read_parquet
 
 #: the loopmap stage's tables the report reads (artifacts/loopmap/<model>/<name>.parquet)
 TABLES = ("regime", "per_loop", "windows", "window_length", "frontier")
-#: the certified fixed-point rule's name in the stage's frontier table
-CERTIFIED = "certified_fixed_point"
+#: the fixed-point rule's names in the stage's frontier table: certified (an upper bound of the Jacobian norm) or,
+#: for a model wider than loopmap.exact_width, estimated (the power-method ρ_t, a lower bound)
+CERTIFIED, ESTIMATED = "certified_fixed_point", "estimated_fixed_point"
 
 INTRO = ("The loop map h_t = f(h_{t−1}) of every model on a fixed sample of test sequences (the loopmap stage, "
          "docs/loopmap.md): its regime from the finite-time Lyapunov exponent λ_T (median over sequences, 95 % "
          "bootstrap interval) and the share of (token, loop) pairs whose local contraction ρ_t (top singular value "
          "of the position's Jacobian block) is below 1; the certified fixed-point exit (Banach: exit when "
-         "‖Δ_t‖ρ_t/(1 − ρ_t) ≤ ε‖h_t‖) with the share of tokens it certifies and whether any of its points lies on "
-         "the sample's Pareto front beside fixed depth and two post-hoc rules; and how many loops a perturbation "
-         "of h_k lives (window: loops until its median relative effect on the state falls below the threshold; "
-         "\"> j\" = not within the j loops left).")
+         "‖Δ_t‖ρ̄_t/(1 − ρ̄_t) ≤ ε‖h_t‖, ρ̄_t an upper bound of that block's norm; \"estimated\" where the model is too "
+         "wide for one and ρ_t is a power-method estimate) with the share of tokens it certifies and whether any of "
+         "its points lies on the sample's Pareto front beside fixed depth and two post-hoc rules; and how many loops "
+         "a perturbation of h_k lives (window: loops until its median relative effect on the state falls below the "
+         "threshold; \"> j\" = not within the j loops left).")
 
 COLUMNS = (("model", "model"), ("regime", "regime"), ("ftle_text", "λ_T (FTLE)"),
            ("share_text", "share ρ_t < 1 (%)"), ("certified_text", "certified exit: share certified, on front"),
@@ -73,10 +75,12 @@ def loopmap_rows(lm: dict[str, pl.DataFrame]) -> pl.DataFrame:
         m = r["model"]
         cert = "—"
         if fr is not None and fr.height:
-            c = fr.filter((pl.col("model") == m) & (pl.col("rule") == CERTIFIED))
+            c = fr.filter((pl.col("model") == m) & (pl.col("rule").is_in([CERTIFIED, ESTIMATED])))
             if c.height:
                 best = float(np.nanmax(c["share_certified"].to_numpy()))
                 cert = f"{100 * best:.0f} % at most; {'on' if bool(c['pareto'].any()) else 'not on'} the front"
+                if bool((c["rule"] == ESTIMATED).any()):
+                    cert = f"estimated, not certified: {cert}"
         rows.append({"model": m, "regime": r["regime"],
                      "ftle_text": fmt_ci(r["ftle_median"], r["ftle_lo"], r["ftle_hi"], 3),
                      "share_text": fmt_ci(r["share_rho_below_1"], r["share_lo"], r["share_hi"], 0, 100.0),

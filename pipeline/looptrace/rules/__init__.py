@@ -11,7 +11,7 @@ then ``readouts.rules: [..., mypkg.rules:my_rule]`` (and ``latency.rules``), or 
 """
 
 from looptrace.rules import calm as _calm  # noqa: F401 - registers CALM's rule (``calm``)
-from looptrace.rules import certified as _certified  # noqa: F401 - registers ``certified_fixed_point``
+from looptrace.rules import certified as _certified  # noqa: F401 - registers ``certified_fixed_point``, ``estimated_fixed_point``
 from looptrace.rules.base import ExitRule, exit_rule
 from looptrace.rules.registry import get_rule, register
 

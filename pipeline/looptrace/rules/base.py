@@ -162,7 +162,7 @@ class ExitRule:
             raise ConfigError(f"exit rule '{self.name}' ({self.origin}) reads signal {exc} that it does not "
                              f"declare in signals={list(self.signals)}") from None
         except Exception as exc:  # a user's rule that raises is the user's bug (issue 24); a built-in's is ours
-            if self.origin == "builtin":
+            if self.origin == "builtin" or self.origin.startswith("looptrace."):  # looptrace's own registered rules
                 raise
             raise user_rule_error(self, exc, shape) from None
         out = np.asarray(out, dtype=np.float64)

@@ -1,19 +1,18 @@
 """The exit-rule registry: a rule looked up by name (:func:`get_rule`) among the built-ins
-(:mod:`looptrace.rules.builtin`), the rules :func:`register`-ed in this process (Ouro's Q-exit in a model dtype
-among them), module references ``package.module:function`` and the ``looptrace.rules`` entry points; and the
-checked rule list of a params section (:func:`resolve_rules`). The rule object is :mod:`looptrace.rules.base`."""
+(:mod:`looptrace.rules.builtin`) and :data:`RULES` (a :class:`looptrace.registry.Registry`): the rules
+:func:`register`-ed in this process (Ouro's Q-exit in a model dtype among them), module references
+``package.module:function`` and the ``looptrace.rules`` entry points; and the checked rule list of a params section
+(:func:`resolve_rules`). The rule object is :mod:`looptrace.rules.base`."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import os
-import sys
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from looptrace.config import ConfigError
+from looptrace.registry import Registry, RegistryError, UnknownName
 from looptrace.rules.base import OFFLINE_ONLY_SIGNALS, ExitRule
 from looptrace.rules.builtin import BUILTIN_RULES, OURO_Q_EXIT_RULES
 from looptrace.rules.native_halting import NATIVE_HALTING_RULES
@@ -23,11 +22,24 @@ ENTRY_POINT_GROUP = "looptrace.rules"
 
 
 # ----------------------------------------------------------------------------------------------
-# The registry: built-ins, then rules registered in this process, then module references / entry points
+# The registry: built-ins, then rules registered in this process, then entry points / module references
 # ----------------------------------------------------------------------------------------------
 
-_REGISTERED: dict[str, ExitRule] = {}
-_RESOLVED: dict[str, ExitRule] = {}
+def _not_a_rule(obj) -> str | None:
+    if isinstance(obj, ExitRule):
+        return None
+    return "is not an exit rule: decorate the function with @looptrace.rules.exit_rule(signals=..., op=...)"
+
+
+def _entry_point_rule(rule: ExitRule, name: str, value: str) -> ExitRule:
+    """An entry point's rule goes by the entry point's name."""
+    return dataclasses.replace(rule, name=name, origin=f"entry point {value}")
+
+
+#: The rules besides the built-ins: registered in this process, ``looptrace.rules`` entry points, and any
+#: ``package.module:function`` reference (resolved once, then kept).
+RULES: Registry[ExitRule] = Registry("rule", group=ENTRY_POINT_GROUP, check=_not_a_rule, adopt=_entry_point_rule,
+                                     references=True)
 
 
 def builtin_rules() -> dict[str, ExitRule]:
@@ -42,7 +54,7 @@ def register(rule: ExitRule) -> ExitRule:
     if rule.name in builtin_rules():
         raise ConfigError(f"exit rule '{rule.name}' ({rule.origin}): the name is a built-in rule; pick another "
                          f"(exit_rule(name=...))")
-    _REGISTERED[rule.name] = rule
+    RULES.add(rule.name, rule, replace=True)
     return rule
 
 
@@ -55,59 +67,9 @@ def _how_to_name() -> str:
             f"decorated with looptrace.rules.exit_rule) or registered in the '{ENTRY_POINT_GROUP}' entry-point group")
 
 
-def _import_module(mod: str):
-    try:
-        return importlib.import_module(mod)
-    except ModuleNotFoundError as exc:
-        cwd = os.getcwd()
-        top = mod.split(".")[0]
-        if exc.name != top or cwd in sys.path or "" in sys.path:
-            raise
-        sys.path.append(cwd)  # `python stages/x.py` (DVC) does not put the working directory on sys.path
-        return importlib.import_module(mod)
-
-
-def _load_reference(ref: str) -> ExitRule:
-    mod, _, attr = ref.partition(":")
-    if not mod or not attr:
-        raise ConfigError(f"rule '{ref}': a user rule is named 'package.module:function'")
-    try:
-        module = _import_module(mod)
-    except Exception as exc:  # noqa: BLE001 - any import failure of the user's module is a config error
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"rule '{ref}': cannot import module '{mod}' ({msg})") from None
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"rule '{ref}': module '{mod}' has no attribute '{attr}'")
-        obj = getattr(obj, part)
-    if not isinstance(obj, ExitRule):
-        raise ConfigError(f"rule '{ref}' is not an exit rule: decorate the function with "
-                          f"@looptrace.rules.exit_rule(signals=..., op=...)")
-    return obj
-
-
-def _entry_point(name: str) -> ExitRule | None:
-    from importlib.metadata import entry_points
-
-    eps = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
-    if not eps:
-        return None
-    ep = eps[0]
-    try:
-        obj = ep.load()
-    except Exception as exc:  # noqa: BLE001
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"rule '{name}': cannot load entry point '{ep.value}' ({msg})") from None
-    if not isinstance(obj, ExitRule):
-        raise ConfigError(f"rule '{name}': entry point '{ep.value}' is not an exit rule: decorate the function "
-                          f"with @looptrace.rules.exit_rule(signals=..., op=...)")
-    return dataclasses.replace(obj, name=name, origin=f"entry point {ep.value}")
-
-
 def get_rule(name: str | ExitRule) -> ExitRule:
     """The rule named ``name``: a built-in, a rule :func:`register`-ed in this process, a module reference
-    ``package.module:function`` or a ``looptrace.rules`` entry point (in that order).
+    ``package.module:function`` or a ``looptrace.rules`` entry point.
 
     Raises:
         ConfigError: one line: unknown name (listing the built-ins and how to name a user rule), a module
@@ -118,22 +80,17 @@ def get_rule(name: str | ExitRule) -> ExitRule:
     builtins = builtin_rules()
     if name in builtins:
         return builtins[name]
-    if name in _REGISTERED:
-        return _REGISTERED[name]
-    if name in _RESOLVED:
-        return _RESOLVED[name]
     try:
-        rule = _load_reference(name) if ":" in name else _entry_point(name)
-    except ConfigError:
+        rule = RULES[name]
+    except UnknownName:
+        raise ConfigError(f"unknown rule '{name}'; {_how_to_name()}") from None
+    except RegistryError:
         raise
     except ValueError as exc:  # a bad decorator call inside the user's module
         raise ConfigError(f"rule '{name}': {str(exc).splitlines()[0]}") from None
-    if rule is None:
-        raise ConfigError(f"unknown rule '{name}'; {_how_to_name()}")
     if rule.name in builtins:
         raise ConfigError(f"rule '{name}' is named '{rule.name}', a built-in rule; pick another name "
                           f"(exit_rule(name=...))")
-    _RESOLVED[name] = rule
     return rule
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from dataclasses import dataclass
 
+from looptrace.registry import Registry
+
 #: Where a signal comes from: the readout z_t, the states h_t, the native gate, the loop index, the label, the loop
 #: map's Jacobian (opt-in store arrays, SPEC §2b).
 SOURCES = ("logits", "states", "gate", "loop", "label", "jacobian")
@@ -106,10 +108,14 @@ REGISTRY: tuple[Signal, ...] = (
     # engine computes no Jacobian, so only an offline rule (online=None) reads it
     Signal("contraction", "jacobian", 1, True, "§2", online=False, offline_why=_JVP, feature=False,
            no_feature_why=_OPT_IN, opt_in="dump.contraction"),
+    # its upper bound ρ̄_t (NaN beyond dump.contraction.exact_width): what the certified exit reads
+    Signal("contraction_bound", "jacobian", 1, True, "§2", online=False, offline_why=_JVP, feature=False,
+           no_feature_why=_OPT_IN, opt_in="dump.contraction"),
 )
 
-#: name -> :class:`Signal`.
-SIGNALS: dict[str, Signal] = {s.name: s for s in REGISTRY}
+#: name -> :class:`Signal` (the one registry mechanism, :class:`looptrace.registry.Registry`; an unknown name raises
+#: its one-line ``UnknownName``).
+SIGNALS: Registry[Signal] = Registry("signal", {s.name: s for s in REGISTRY})
 
 
 def select(source: str | None = None, *, stored: bool | None = None, online: bool | None = None,

@@ -5,7 +5,9 @@
 An entry holds its registration and its CLI ``main`` (options; load config, claim the output, open inputs, call its
 library once, print a summary); the computation and the section's config dataclass live in the stage's library, the
 module named by ``library=``, in the concern package of what it computes (docs/DESIGN.md, "Where a stage's code
-lives"). Everything that lists the stages derives from this registry: the CLI's commands (:mod:`looptrace.cli`),
+lives"). Everything that lists the stages derives from this registry (:data:`STAGES`, a
+:class:`looptrace.registry.Registry` whose entries are the entry modules, each registering its stage when imported):
+the CLI's commands (:mod:`looptrace.cli`),
 the params sections (:data:`looptrace.config.SECTIONS`, from the entries' file names, so that loading params imports
 no entry), the kill harness (tests/test_kill_anywhere.py) and DESIGN.md's stage table (tests/test_stages.py).
 
@@ -14,12 +16,12 @@ This package's ``__init__`` is torch-free and imports no entry: :func:`registere
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from looptrace.config import STAGE_NAMES
 from looptrace.io.interrupts import guarded
+from looptrace.registry import Registry
 
 #: The help blocks a stage's ``--help`` may list (``looptrace.cli.vocabulary``).
 HELP_BLOCKS = ("tasks", "regimes", "models", "rules", "adapters")
@@ -47,7 +49,9 @@ class Stage:
     help_blocks: tuple[str, ...] = ("models",)
 
 
-_REGISTRY: dict[str, Stage] = {}
+#: name -> its :class:`Stage`: each entry module ``looptrace.stages.<name>`` (named by its file, :data:`STAGE_NAMES`)
+#: registers its stage when imported.
+STAGES: Registry[Stage] = Registry("stage", {name: f"{__name__}.{name}" for name in STAGE_NAMES})
 
 
 def register_stage(name: str, order: int, *, config: type, library: str,
@@ -61,15 +65,16 @@ def register_stage(name: str, order: int, *, config: type, library: str,
         module = main.__module__
         if module != f"{__name__}.{name}":
             raise ValueError(f"stage {name!r} must be registered by {__name__}.{name}, not {module}")
-        if name in _REGISTRY and getattr(_REGISTRY[name].main, "__wrapped__", None) is not main:
+        old = STAGES.entry(name)
+        if isinstance(old, Stage) and getattr(old.main, "__wrapped__", None) is not main:
             raise ValueError(f"stage {name!r} is registered twice")
         unknown = [b for b in help_blocks if b not in HELP_BLOCKS]
         if unknown:
             raise ValueError(f"stage {name!r}: unknown help blocks {unknown}; known: {', '.join(HELP_BLOCKS)}")
         # The body a signal may stop (looptrace.io.interrupts): the module's ``main`` is this wrapper, so the
         # launcher stages/<name>.py and the CLI run the same one.
-        body = _REGISTRY[name].main if name in _REGISTRY else guarded(name, main)
-        _REGISTRY[name] = Stage(name, order, body, config, library, tuple(help_blocks))
+        body = old.main if isinstance(old, Stage) else guarded(name, main)
+        STAGES.add(name, Stage(name, order, body, config, library, tuple(help_blocks)), module=module)
         return body
 
     return deco
@@ -79,12 +84,6 @@ def registered() -> tuple[Stage, ...]:
     """Every stage, in pipeline order: imports each entry ``looptrace.stages.<name>`` (torch included).
 
     Raises:
-        RuntimeError: an entry registers no stage.
+        looptrace.registry.RegistryError: an entry registers no stage (decorate its main with @register_stage).
     """
-    for name in STAGE_NAMES:
-        importlib.import_module(f"{__name__}.{name}")
-    missing = sorted(set(STAGE_NAMES) - set(_REGISTRY))
-    if missing:
-        raise RuntimeError(f"{', '.join(missing)}: an entry module of {__name__} registers no stage "
-                           "(decorate its main with @register_stage)")
-    return tuple(sorted(_REGISTRY.values(), key=lambda s: (s.order, s.name)))
+    return tuple(sorted(STAGES.values(), key=lambda s: (s.order, s.name)))

@@ -28,7 +28,7 @@ from looptrace.io.claims import parse_shard, shard_from_env
 from looptrace.io.guard import check_overlap
 from looptrace.io.store.location import join_store
 from looptrace.models import check_device
-from looptrace.models.adapters.hf import load_adapter
+from looptrace.models.adapters.loading import load_adapter
 from looptrace.models.interface import LoopedTransformerAdapter
 from looptrace.stages import register_stage
 from looptrace.tasks import make_task

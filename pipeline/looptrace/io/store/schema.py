@@ -22,8 +22,9 @@ STAT_NAMES = LOGIT_SIGNALS
 TOKEN_FIELDS = ("target", "token_id", "sequence", "position", "difficulty", "token_type")
 
 #: Optional per-(token, loop) loop-map statistics (SPEC §2b), written only with ``dump.contraction``
-#: (:mod:`looptrace.capture.contraction`): ρ_t of the diagonal Jacobian block, the sequence's FTLE and its share.
-CONTRACTION_NAMES = ("contraction", "ftle", "ftle_share")
+#: (:mod:`looptrace.capture.contraction`): ρ_t of the diagonal Jacobian block, its upper bound (NaN beyond
+#: ``dump.contraction.exact_width``), the sequence's FTLE and its share.
+CONTRACTION_NAMES = ("contraction", "contraction_bound", "ftle", "ftle_share")
 
 #: Dimension names of every array the store may hold.
 DIMS: dict[str, tuple[str, ...]] = {
