@@ -577,10 +577,9 @@ def test_generate_stage_on_a_tiny_pipeline(tmp_path):
     name, rows, _ = _tiny_pipeline(tmp_path)
     roots = {k: tmp_path / k for k in ("train", "dump", "readouts", "gates")}
     cfg = GenerateConfig(rules=("top1", "q_exit", "entropy", "gate"), policies=("share", "recompute", "native"),
-                         batch_sizes=(1, 3), prompts=3, prompt_len=3, new_tokens=4, repeats=1, speculative=None)
-    df, metrics, spec = generate_models([name], cfg, roots["dump"], roots["readouts"], roots["gates"],
-                                        train_root=roots["train"], progress=False)
-    assert spec is None and "speculative" not in metrics  # off (tests/test_speculative.py runs it)
+                         batch_sizes=(1, 3), prompts=3, prompt_len=3, new_tokens=4, repeats=1)
+    df, metrics = generate_models([name], cfg, roots["dump"], roots["readouts"], roots["gates"],
+                                  train_root=roots["train"], progress=False)
     assert df.height == 2 * 2 * 2  # (top1, q_exit) × (share, recompute) × batch (1, 3)
     chosen = {r["rule"]: r["threshold"] for r in rows}
     assert {r["rule"]: r["threshold"] for r in df.iter_rows(named=True)} == chosen

@@ -26,6 +26,7 @@ from looptrace.models.looped import GroupConfig, LoopedTransformer, ModelConfig
 from looptrace.online.generate import decode_tokens
 from looptrace.online.speculative import (
     SpeculativeConfig,
+    SpeculativeStage,
     continuation_agreement,
     decode_speculative,
     measure_costs,
@@ -307,9 +308,12 @@ def test_generate_stage_speculative_section(tmp_path):
     roots = {k: tmp_path / k for k in ("train", "dump", "readouts", "gates")}
     cfg = GenerateConfig(rules=("top1",), policies=("recompute",), batch_sizes=(1, 3), prompts=3, prompt_len=3,
                          new_tokens=5, repeats=1, speculative=SpeculativeConfig(k=(1, 3, 4), d=(2,), cost_repeats=1))
-    df, metrics, spec = generate_models([name], cfg, roots["dump"], roots["readouts"], roots["gates"],
-                                        train_root=roots["train"], progress=False)
-    assert spec is not None and spec.height == 2 * 2  # k (1, 3) × batch (1, 3); k = 4 = T skipped
+    assert cfg.speculative is not None
+    stage = SpeculativeStage(cfg.speculative, cfg.batch_sizes, cfg.new_tokens, cfg.repeats, 200, 0.95)
+    df, metrics = generate_models([name], cfg, roots["dump"], roots["readouts"], roots["gates"],
+                                  train_root=roots["train"], progress=False, after_model=stage)
+    spec, metrics["speculative"] = stage.frame(), stage.metrics()
+    assert spec.height == 2 * 2  # k (1, 3) × batch (1, 3); k = 4 = T skipped
     assert "T = 4" in metrics["models"][name]["skipped"]["speculative:k=4"]
     assert spec["exact"].all() and metrics["speculative"]["all_exact"]
     st = open_store(roots["dump"] / name / "test.zarr")

@@ -48,7 +48,6 @@ import torch
 from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError, MissingInputError
-from looptrace.intervals import IntervalsConfig, boot_seed
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
@@ -63,12 +62,7 @@ from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.genrun import GenRun
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.online.lookahead import decode_tokens_lookahead
-from looptrace.online.speculative import (
-    SpeculativeConfig,
-    speculative_for_model,
-    speculative_frame,
-    speculative_metrics,
-)
+from looptrace.online.speculative_predict import SpeculativeConfig
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks.text import text_splits
 
@@ -243,8 +237,9 @@ class GenerateConfig:
             late: :mod:`looptrace.online.lookahead`; for an accelerator). Same tokens and exit depths; off by
             default (on a CPU its speculative loop is pure cost). Policies whose native mode is not ``compact``
             keep the per-loop path.
-        speculative: loop self-speculative decoding (:mod:`looptrace.online.speculative`): draft loops ``k`` and
-            draft lengths ``d``, realised against predicted in ``speculative.parquet``; null = off.
+        speculative: loop self-speculative decoding (the stage runs :class:`looptrace.online.speculative.
+            SpeculativeStage`): draft loops ``k`` and draft lengths ``d``, realised against predicted in
+            ``speculative.parquet``; null = off.
     """
 
     rules: tuple[str, ...] = ("top1", "entropy", "kl_prev", "q_exit", "gate")
@@ -555,8 +550,8 @@ def model_decoders(model, cfg: GenerateConfig, seed: int = 0) -> tuple[dict[str,
 def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path | str, readouts_root: Path | str,
                     gates_root: Path | str, train_root: Path | str | None = None, adapter=None, device: str = "cpu",
                     seed: int = 0, regime_meta: Callable | None = None, progress: bool = True,
-                    text_windows: Callable[[], np.ndarray] | None = None, intervals: IntervalsConfig | None = None
-                    ) -> tuple[pl.DataFrame, dict, pl.DataFrame | None]:
+                    text_windows: Callable[[], np.ndarray] | None = None, after_model: Callable | None = None
+                    ) -> tuple[pl.DataFrame, dict]:
     """The ``generate`` stage: every model's decoders × rules × batch sizes -> rows and metrics.
 
     Args:
@@ -569,14 +564,14 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         seed: ``base.seed`` (Huginn's random initial states).
         regime_meta: model name -> dict(model, task, regime, regime_kind).
         text_windows: () -> the corpus's test windows (a text store's prompts; :func:`dump_text_windows`).
-        intervals: the bootstrap of the speculative prediction's intervals (default: the section's defaults).
+        after_model: (name, model, test store, prompts, meta) -> {what: reason skipped}, called after each model's
+            rules (the speculative section: :class:`looptrace.online.speculative.SpeculativeStage`).
 
     Returns:
-        (generate frame, metrics dict, speculative frame or None when ``generate.speculative`` is off).
+        (generate frame, metrics dict).
     """
 
-    all_rows, skipped, info, spec_rows = [], {}, {}, []
-    iv = intervals or IntervalsConfig()
+    all_rows, skipped, info = [], {}, {}
     for name in models:
         model: LoopedModelAdapter | LoopedTransformer
         if adapter is not None:
@@ -606,22 +601,14 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         skip.update(skip_p)
         meta = regime_meta(name) if regime_meta is not None else {"model": name}
         all_rows += generate_model(decoders, prompts, specs, cfg, meta, device, progress)
-        if cfg.speculative is not None:
-            sp_rows, sp_skip = speculative_for_model(model, st, prompts, cfg.speculative, cfg.batch_sizes,
-                                                     cfg.new_tokens, cfg.repeats, meta, iv.n_boot, iv.level,
-                                                     boot_seed(seed, name, "speculative"), device)
-            spec_rows += sp_rows
-            skip.update(sp_skip)
+        if after_model is not None:
+            skip.update(after_model(name, model, st, prompts, meta))
         skipped[name] = skip
         info[name] = {"n_loops": next(iter(decoders.values())).n_loops if decoders else None,
                       "hidden_dtype": hidden_dtype, "policies": list(decoders),
                       "native": {p: d.native_name for p, d in decoders.items() if p == "native"}}
     df = pl.DataFrame(all_rows, schema=GENERATE_SCHEMA)
-    metrics = generate_metrics(df, skipped, info)
-    if cfg.speculative is None:
-        return df, metrics, None
-    metrics["speculative"] = speculative_metrics(spec_rows)
-    return df, metrics, speculative_frame(spec_rows)
+    return df, generate_metrics(df, skipped, info)
 
 
 def generate_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:

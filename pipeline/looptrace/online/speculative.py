@@ -46,7 +46,12 @@ import torch
 from looptrace.config import ConfigError
 from looptrace.models.decode import DecodeUnsupported, LoopDecoder
 from looptrace.online.engine import OnlineRule
-from looptrace.online.speculative_predict import SpecCosts, predict_speculative, simulate_blocks
+from looptrace.online.speculative_predict import (
+    SpecCosts,
+    SpeculativeConfig,
+    predict_speculative,
+    simulate_blocks,
+)
 
 # ----------------------------------------------------------------------------------------------
 # Decoding
@@ -253,29 +258,6 @@ def measure_costs(dec: LoopDecoder, prompts: torch.Tensor, k: int, d: int, new_t
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """``generate.speculative`` section of ``params.yaml`` (null = off).
-
-    Attributes:
-        k: draft loops (each 1 ≤ k < T; a k ≥ the model's T is skipped with the reason in metrics.json).
-        d: draft lengths (tokens proposed per block).
-        cost_repeats: timed repetitions of the cost model's measurements (:func:`measure_costs`; median).
-    """
-
-    k: tuple[int, ...] = (2,)
-    d: tuple[int, ...] = (3,)
-    cost_repeats: int = 5
-
-    def __post_init__(self) -> None:
-        if not self.k or min(self.k) < 1:
-            raise ConfigError(f"generate.speculative.k must be a non-empty list of draft loops ≥ 1, got {list(self.k)}")
-        if not self.d or min(self.d) < 1:
-            raise ConfigError(f"generate.speculative.d must be a non-empty list of draft lengths ≥ 1, got {list(self.d)}")
-        if self.cost_repeats < 1:
-            raise ConfigError(f"generate.speculative.cost_repeats must be ≥ 1, got {self.cost_repeats}")
-
-
 #: ``speculative.parquet`` columns (one row per model × k × d × batch size).
 SPECULATIVE_SCHEMA = {
     "model": "str", "task": "str", "regime": "str", "regime_kind": "str", "k": "int", "d": "int",
@@ -449,24 +431,53 @@ def speculative_model(dec: LoopDecoder, prompts: np.ndarray, store: dict[str, np
     return rows, skipped
 
 
-def speculative_for_model(model, store, prompts: np.ndarray, cfg: SpeculativeConfig, batch_sizes: Sequence[int],
-                          new_tokens: int, repeats: int, meta: dict, n_boot: int, level: float, seed: int,
-                          device: str = "cpu") -> tuple[list[dict], dict[str, str]]:
-    """:func:`speculative_model` for a loaded model and its opened test store (the ``generate`` stage's call): the
-    model's ``recompute`` decoder (its cache is looptrace's, so it rolls back), the store's argmax runs.
+class SpeculativeStage:
+    """The ``generate`` stage's speculative section over its models: called once per model after its rules
+    (:func:`looptrace.online.generate.generate_models`'s ``after_model``), with the model's ``recompute`` decoder
+    (its cache is looptrace's, so it rolls back) and its opened test store's argmax runs.
 
-    Returns:
-        (rows, skipped settings with reasons; ``speculative`` when the model cannot be decoded this way).
+    Args:
+        cfg: ``generate.speculative``.
+        batch_sizes, new_tokens, repeats: ``generate``'s.
+        n_boot, level: ``intervals``.
+        seed: ``base.seed`` (each model's bootstrap seed is :func:`looptrace.intervals.boot_seed` of it, the model
+            and ``speculative``).
+        device: torch device.
+
+    Attributes:
+        rows: the rows so far (:data:`SPECULATIVE_SCHEMA`).
     """
-    from looptrace.models.decoders import decoder_for
 
-    try:
-        dec = decoder_for(model, "recompute", seed=seed)
-    except DecodeUnsupported as exc:
-        return [], {"speculative": str(exc)}
-    arrays = {name: np.asarray(store.read(name)) for name in ("argmax", "sequence", "position")}
-    return speculative_model(dec, prompts, arrays, cfg, batch_sizes, new_tokens, repeats, meta, n_boot, level, seed,
-                             device)
+    def __init__(self, cfg: SpeculativeConfig, batch_sizes: Sequence[int], new_tokens: int, repeats: int,
+                 n_boot: int, level: float, seed: int = 0, device: str = "cpu"):
+        self.cfg, self.batch_sizes, self.new_tokens, self.repeats = cfg, tuple(batch_sizes), new_tokens, repeats
+        self.n_boot, self.level, self.seed, self.device = n_boot, level, seed, device
+        self.rows: list[dict] = []
+
+    def __call__(self, name: str, model, store, prompts: np.ndarray, meta: dict) -> dict[str, str]:
+        """Run one model; returns the settings skipped with reasons (``speculative`` when the model cannot be
+        decoded this way)."""
+        from looptrace.intervals import boot_seed
+        from looptrace.models.decoders import decoder_for
+
+        try:
+            dec = decoder_for(model, "recompute", seed=self.seed)
+        except DecodeUnsupported as exc:
+            return {"speculative": str(exc)}
+        arrays = {a: np.asarray(store.read(a)) for a in ("argmax", "sequence", "position")}
+        rows, skipped = speculative_model(dec, prompts, arrays, self.cfg, self.batch_sizes, self.new_tokens,
+                                          self.repeats, meta, self.n_boot, self.level,
+                                          boot_seed(self.seed, name, "speculative"), self.device)
+        self.rows += rows
+        return skipped
+
+    def frame(self):
+        """The rows as ``speculative.parquet``'s frame."""
+        return speculative_frame(self.rows)
+
+    def metrics(self) -> dict:
+        """``metrics.json``'s ``speculative`` entry."""
+        return speculative_metrics(self.rows)
 
 
 def speculative_metrics(rows: Sequence[dict]) -> dict:
@@ -492,6 +503,6 @@ def speculative_frame(rows: Sequence[dict]):
     return pl.DataFrame(list(rows), schema={k: kinds[v] for k, v in SPECULATIVE_SCHEMA.items()})
 
 
-__all__ = ["SPECULATIVE_SCHEMA", "SpecRun", "SpeculativeConfig", "check_speculative", "continuation_agreement",
-           "decode_speculative", "measure_costs", "speculative_for_model", "speculative_frame", "speculative_metrics",
+__all__ = ["SPECULATIVE_SCHEMA", "SpecRun", "SpeculativeConfig", "SpeculativeStage", "check_speculative",
+           "continuation_agreement", "decode_speculative", "measure_costs", "speculative_frame", "speculative_metrics",
            "speculative_model"]

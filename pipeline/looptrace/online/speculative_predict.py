@@ -25,6 +25,31 @@ from typing import Any
 
 import numpy as np
 
+from looptrace.config import ConfigError
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``generate.speculative`` section of ``params.yaml`` (null = off; :mod:`looptrace.online.speculative`).
+
+    Attributes:
+        k: draft loops (each 1 ≤ k < T; a k ≥ the model's T is skipped with the reason in metrics.json).
+        d: draft lengths (tokens proposed per block).
+        cost_repeats: timed repetitions of the cost model's measurements (:func:`measure_costs`; median).
+    """
+
+    k: tuple[int, ...] = (2,)
+    d: tuple[int, ...] = (3,)
+    cost_repeats: int = 5
+
+    def __post_init__(self) -> None:
+        if not self.k or min(self.k) < 1:
+            raise ConfigError(f"generate.speculative.k must be a non-empty list of draft loops ≥ 1, got {list(self.k)}")
+        if not self.d or min(self.d) < 1:
+            raise ConfigError(f"generate.speculative.d must be a non-empty list of draft lengths ≥ 1, got {list(self.d)}")
+        if self.cost_repeats < 1:
+            raise ConfigError(f"generate.speculative.cost_repeats must be ≥ 1, got {self.cost_repeats}")
+
 
 @dataclass(frozen=True)
 class SpecCosts:
@@ -198,5 +223,5 @@ def _figures(q: np.ndarray, batch: int, n_tokens: int, costs: SpecCosts) -> dict
                 "accept_steady": 1.0 + Q.sum(axis=-1)}
 
 
-__all__ = ["SpecCosts", "agreement_windows", "batch_acceptance", "horizon_expectations", "predict_speculative",
+__all__ = ["SpecCosts", "SpeculativeConfig", "agreement_windows", "batch_acceptance", "horizon_expectations", "predict_speculative",
            "simulate_blocks"]
