@@ -34,6 +34,12 @@ tokens and depths asserted equal; printed: lookahead / per-loop time, device rul
 and the per-phase breakdown of each path. ``--rules ...,q_exit`` builds the model with a linear gate
 (``--gate auto``); thresholds are calibrated on the rule's score (q_exit: the halting CDF).
 
+Last, **loop self-speculative decoding** (``--spec k:d,...``, default ``2:3,4:3``; :mod:`looptrace.online.speculative`)
+at batch 1: tokens asserted equal to full depth's; realised speedup (median of paired t_full / t_spec) against the
+speedup predicted from argmax_k = argmax_T along the full-depth continuations (what a store of these sequences
+would hold) and the measured block costs (:func:`looptrace.online.speculative_predict.predict_speculative`);
+printed: realised / predicted (target ≥ 0.9).
+
 Cores obtained = process CPU seconds / wall seconds over the timed section (the machine may be shared).
 
 Usage: ``python benchmarks/generate.py [--d-model 1024 --layers 8 --loops 8 --vocab 32000 --prompts 2
@@ -60,6 +66,8 @@ from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.generate import decode_tokens
 from looptrace.online.live_signals import LiveSignals
 from looptrace.online.lookahead import decode_tokens_lookahead
+from looptrace.online.speculative import decode_speculative, measure_costs
+from looptrace.online.speculative_predict import predict_speculative, simulate_blocks
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 
@@ -195,6 +203,72 @@ def breakdown(dec, prompts, new_tokens, factory, lookahead: bool = False,
 
 
 # ----------------------------------------------------------------------------------------------
+# Loop self-speculative decoding: realised against predicted
+# ----------------------------------------------------------------------------------------------
+
+
+def speculative_section(model: LoopedTransformer, dec, prompts: torch.Tensor, full_tok: np.ndarray, settings,
+                        repeats: int, cost_repeats: int) -> list[tuple[int, int, float, float, float]]:
+    """Speculative decoding at batch 1 for each (k, d) of ``settings``: tokens asserted equal to full depth's;
+    realised speedup = median of paired t_full / t_spec; predicted from the agreement of argmax_k with argmax_T
+    along the full-depth continuations (the uncached forward of prompt + continuation: what a store of these
+    sequences would hold) and the measured block costs (:func:`looptrace.online.speculative_predict.
+    predict_speculative`); the blocks also simulated exactly from those agreements (no coda: a draft is the
+    forward's loop-k readout) and checked against the realised ones, and timed at the measured costs (the cost model
+    alone). Returns (k, d, realised, predicted, simulated-blocks) speedup rows."""
+    P, S0 = prompts.shape
+    N, T = full_tok.shape[1], model.n_loops
+    with torch.inference_mode():
+        am = np.stack([model(torch.cat([prompts[i:i + 1], torch.from_numpy(full_tok[i:i + 1])], 1)).logits
+                       .argmax(-1)[0, S0 - 1:S0 - 1 + N].numpy() for i in range(P)])  # [P, N, T]
+    store = {"argmax": am.reshape(P * N, T), "sequence": np.repeat(np.arange(P), N), "position": np.tile(np.arange(N), P)}
+
+    def run(k: int | None, d: int) -> tuple[float, list]:
+        out = [decode_speculative(dec, prompts[i:i + 1], N, k, d) if k else decode_tokens(dec, prompts[i:i + 1], N)
+               for i in range(P)]
+        return sum(r.seconds for r in out), out
+
+    print(f"\nloop self-speculative decoding (batch 1; tokens asserted equal to full depth's; predicted from argmax_k "
+          f"= argmax_T along the full-depth continuations and measured block costs, {cost_repeats} repeats)")
+    print(f"{'k':>2s} {'d':>2s} {'agree':>6s} {'tok/blk':>7s} {'pred':>6s} {'sim':>6s} {'real':>6s} {'pred':>6s} "
+          f"{'real/pred':>9s} {'sim':>6s} {'real/sim':>8s} {'verify(d+1)/pos':>15s}")
+    rows = []
+    for k, d in settings:
+        if not 1 <= k < T:
+            print(f"{k:2d} {d:2d} skipped: a draft needs 1 ≤ k < T = {T}")
+            continue
+        run(k, d)  # warm-up
+        tf, ts = [], []
+        for _ in range(repeats):
+            tf.append(run(None, d)[0])
+            t, out = run(k, d)
+            ts.append(t)
+        assert all(np.array_equal(r.tokens, full_tok[i:i + 1]) for i, r in enumerate(out)), f"k={k} d={d}: not exact"
+        realised = statistics.median(f / s for f, s in zip(tf, ts, strict=True))
+        costs = measure_costs(dec, prompts[:1], k, d, N, cost_repeats)
+        pred = predict_speculative(store, k, d, 1, N, costs)
+        sim = [simulate_blocks(am[i:i + 1, :, k - 1] == am[i:i + 1, :, T - 1], d) for i in range(P)]
+        if model.cfg.n_coda == 0:
+            assert all(np.array_equal(r.emitted, s[1]) for r, s in zip(out, sim, strict=True)), "blocks != simulation"
+        tpb = sum(int(r.emitted.sum()) for r in out) / sum(r.blocks for r in out)
+        tpb_sim = P * N / sum(s[0].size for s in sim)
+        # the cost model alone: the simulated (= realised) blocks at their measured costs
+        sp_sim = N * costs.full / float(np.mean([sum(costs.block(int(dd)) for dd in s[0]) for s in sim]))
+        dm = min(d, N - 1)
+        print(f"{k:2d} {d:2d} {pred['agreement']:6.2f} {tpb:7.2f} {pred['tokens_per_block']:6.2f} {tpb_sim:6.2f} "
+              f"{realised:5.2f}x {pred['speedup']:5.2f}x {realised / pred['speedup']:9.2f} {sp_sim:5.2f}x "
+              f"{realised / sp_sim:8.2f} "
+              f"{costs.verify[dm] / (costs.full / T * (T - k) if costs.chunk else costs.full):15.2f}")
+        rows.append((k, d, realised, pred["speedup"], sp_sim))
+    print("# tok/blk: tokens per verification (realised, predicted by the horizon recursion from the agreement runs, "
+          "simulated exactly); pred: the speedup predicted from the agreement runs (as from a store) and the costs; "
+          "sim: the simulated blocks at the measured costs (the cost model alone); verify(d+1)/pos: a verification "
+          "of d+1 positions over the full-depth cost of the loops it runs for one position (1 = a chunk costs what "
+          "one position does; d+1 = no batching gain)")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------
 
@@ -209,7 +283,7 @@ def build_model(args) -> LoopedTransformer:
 
 #: ``--smoke``: sizes of a run of seconds (the speedups mean nothing at this size).
 SMOKE = {"d_model": 32, "heads": 4, "layers": 1, "loops": 3, "vocab": 64, "prompts": 1, "prompt_len": 4,
-         "new_tokens": 3, "repeats": 1}
+         "new_tokens": 3, "repeats": 1, "spec": "1:2"}
 
 
 def main() -> None:
@@ -235,6 +309,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                     help="also time each rule on the lookahead path (no per-loop host read) and print the ratio")
+    ap.add_argument("--spec", default="2:3,4:3",
+                    help="loop self-speculative decoding settings k:d (draft loops : draft length), comma-separated; "
+                         "'none' to skip")
     ap.add_argument("--smoke", action="store_true", help="a tiny run (seconds) that checks the benchmark still runs end to end; targets not enforced "
                     "(tests/test_benchmarks.py)")
     args = ap.parse_args()
@@ -370,10 +447,16 @@ def main() -> None:
         print(f"  per loop: block {1e3 * c_b:.2f} ms, readout {1e3 * c_r:.2f} ms ({c_r / c_b:.2f} of a loop), rule "
               f"{1e3 * c_rule:.3f} ms -> bound (c_b + c_r/T) / (c_b + c_r + c_rule) = "
               f"{(c_b + c_r / T) / (c_b + c_r + c_rule):.2f}")
+    settings = [] if args.spec == "none" else [tuple(int(x) for x in kd.split(":")) for kd in args.spec.split(",")]
+    spec_rows = speculative_section(model, dec, prompts, full_tok, settings, args.repeats, max(5, args.repeats))
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     print(f"\n# whole run: {wall:.1f} s wall, {cpu:.1f} s CPU -> {cpu / wall:.2f} cores obtained")
     for n, (_d, real, ideal) in summary.items():
         print(f"# {n}: realised/ideal {real / ideal:.2f} ({'meets' if real / ideal >= 0.8 else 'below'} the 0.8 target)")
+    for k, d, real, pred, sim in spec_rows:
+        print(f"# speculative k={k} d={d}: realised/predicted {real / pred:.2f} "
+              f"({'meets' if real / pred >= 0.9 else 'below'} the 0.9 target); realised/simulated blocks at the "
+              f"measured costs {real / sim:.2f}")
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ STAGE_SECTIONS = {"dump": ["dump", "base"], "dynamics": ["dynamics", "dump", "ba
                   "readouts": ["readouts", "calibration", "intervals", "base"],
                   "gates": ["gates", "calibration", "intervals", "base"],
                   "diagnose": ["diagnose", "calibration", "intervals", "base"],
-                  "latency": ["latency", "readouts", "base"], "generate": ["generate", "dump", "base"],
+                  "latency": ["latency", "readouts", "base"], "generate": ["generate", "dump", "intervals", "base"],
                   "report": ["report", "geometry", "calibration", "base"]}
 
 

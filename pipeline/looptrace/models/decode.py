@@ -9,6 +9,7 @@ rule can interleave with (:mod:`looptrace.online.generate` drives it):
     gate_logit(h)         the native halting gate (Ouro)                            -> [b, 1]
     share(rows, t)        KV policy ``share``: rows exited after loop t
     advance()             the next position
+    verify(ids, inj, h, k) positions pos..pos+q−1 at full depth (speculative decoding) -> logits [b, q, vocab]
 
 Every attention layer reads and extends a cache with one slot per (loop, layer) — looptrace's own
 :class:`~looptrace.models.kv.LoopKVCache`, or the model's own cache class for the ``native`` policy — so a
@@ -107,6 +108,37 @@ class LoopDecoder(ABC):
         """Move to the next position (:meth:`start` points the cache at it)."""
         self.pos += 1
 
+    #: Whether :meth:`verify` continues the drafted states from loop k over the whole chunk in one pass (True),
+    #: or re-runs each position at full depth through the decode path (the generic form: exact for every kind,
+    #: no saving).
+    chunk_verify: bool = False
+
+    def verify(self, ids: torch.Tensor, inj: torch.Tensor | None, h: torch.Tensor | None, k: int) -> torch.Tensor:
+        """Full-depth logits of positions ``pos..pos+q−1`` (speculative decoding's verification,
+        :mod:`looptrace.online.speculative`); every slot of those positions is (re)written and ``pos`` advances by q.
+
+        Args:
+            ids: [batch, q] the positions' token ids.
+            inj, h: [batch, q, d_model] the injection and the state after loop ``k`` of each position, as the
+                draft left them (their loops 1..k and prelude keys/values are in the cache); used only where
+                :attr:`chunk_verify`.
+            k: the draft's loops.
+
+        Returns:
+            [batch, q, vocab] float32: the readout after loop T of each position.
+
+        The generic form runs each position like :meth:`prefill` does (the calls of full-depth decoding, so the
+        same numbers on every kind).
+        """
+        out = []
+        for i in range(ids.shape[1]):
+            inj_i, h_i = self.start(ids[:, i])
+            for t in range(self.n_loops):
+                h_i = self.step(t, h_i, inj_i, None)
+            out.append(self.readout(h_i, self.n_loops - 1, None))
+            self.advance()
+        return torch.cat(out, dim=1)
+
     # -- shared ------------------------------------------------------------------------------
     def prefill(self, ids: torch.Tensor) -> None:
         """Run prompt positions [batch, S] at full depth (every loop's KV, the coda's at loop T), one position at
@@ -148,6 +180,8 @@ class LoopedTransformerDecoder(LoopDecoder):
         # own entries of its group's earlier loops (a row exited early and recomputed later finds them there).
         self.memory: torch.Tensor | None = None
         self.group_start = [cfg.loop_group.index(g) for g in cfg.loop_group]
+        # loop memory is kept per position (self.memory): such a model verifies position by position
+        self.chunk_verify = not cfg.loop_memory
 
     def reset(self, prompts, max_len):
         cfg = self.model.cfg
@@ -205,6 +239,20 @@ class LoopedTransformerDecoder(LoopDecoder):
     def readout(self, h, t, rows):
         self.cache.rows = rows
         return self.model.readout(h, self.cache).float()
+
+    def verify(self, ids, inj, h, k):
+        if not self.chunk_verify or inj is None or h is None:
+            return super().verify(ids, inj, h, k)
+        # Loops k+1..T of the q drafted positions in one chunk: their loops 1..k (and prelude) keys/values are the
+        # draft's, which are full depth's (loop t of a position reads only loop-t keys/values of positions up to it,
+        # all exact), and each query sees the cached prefix through the causal offset mask.
+        c, m = self.cache, self.model
+        c.rows, c.pos = None, self.pos
+        for t in range(k, self.n_loops):
+            h = m.step(h, inj, self.groups[t], c, t)
+        z = m.readout(h, c).float()
+        self.pos += ids.shape[1]
+        return z
 
     def gate_logit(self, h):
         if self.model.gate is None:

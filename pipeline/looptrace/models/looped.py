@@ -211,9 +211,16 @@ class SelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [B, H, S, D/H]
         else:  # decoding: the cache stores this call's keys/values and returns every visible one
             k, v = kv(k, v)  # [B, H, S_k, D/H]
-            if S > 1 and k.shape[2] != S:
-                raise ValueError("a multi-token chunk is only decoded into an empty cache")
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and S > 1)
+            S_k = k.shape[2]
+            if S > 1 and S_k != S and self.causal:
+                # a chunk of S positions after S_k − S cached ones (speculative verification): query i sits at
+                # position S_k − S + i and sees the keys up to it (torch's is_causal aligns top-left, so the
+                # offset needs an explicit mask; the batch-invariant attention gives each query the result it
+                # has when decoded alone)
+                mask = torch.ones(S, S_k, dtype=torch.bool, device=q.device).tril(diagonal=S_k - S)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and S > 1)
         y = y.transpose(1, 2).contiguous().view(B, S, D)  # [B, S, D]
         return self.proj(y)
 

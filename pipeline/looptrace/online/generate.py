@@ -62,6 +62,7 @@ from looptrace.online.engine import OnlineRule, RegistryRule
 from looptrace.online.genrun import GenRun
 from looptrace.online.latency import GATE, RuleSpec, load_gate_rule, load_test_data, readout_rule_specs
 from looptrace.online.lookahead import decode_tokens_lookahead
+from looptrace.online.speculative_predict import SpeculativeConfig
 from looptrace.rules.registry import ExitRule, get_rule, resolve_rules
 from looptrace.tasks.text import text_splits
 
@@ -236,6 +237,9 @@ class GenerateConfig:
             late: :mod:`looptrace.online.lookahead`; for an accelerator). Same tokens and exit depths; off by
             default (on a CPU its speculative loop is pure cost). Policies whose native mode is not ``compact``
             keep the per-loop path.
+        speculative: loop self-speculative decoding (the stage runs :class:`looptrace.online.speculative.
+            SpeculativeStage`): draft loops ``k`` and draft lengths ``d``, realised against predicted in
+            ``speculative.parquet``; null = off.
     """
 
     rules: tuple[str, ...] = ("top1", "entropy", "kl_prev", "q_exit", "gate")
@@ -249,6 +253,7 @@ class GenerateConfig:
     huginn_lookup_strategy: str = "full"
     seeds: tuple[int, ...] | None = None
     lookahead: bool = False
+    speculative: SpeculativeConfig | None = SpeculativeConfig()
 
     def pick(self, names: list[str]) -> list[str]:
         """The models of ``names`` (default-matrix names) that :attr:`seeds` selects."""
@@ -545,7 +550,8 @@ def model_decoders(model, cfg: GenerateConfig, seed: int = 0) -> tuple[dict[str,
 def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path | str, readouts_root: Path | str,
                     gates_root: Path | str, train_root: Path | str | None = None, adapter=None, device: str = "cpu",
                     seed: int = 0, regime_meta: Callable | None = None, progress: bool = True,
-                    text_windows: Callable[[], np.ndarray] | None = None) -> tuple[pl.DataFrame, dict]:
+                    text_windows: Callable[[], np.ndarray] | None = None, after_model: Callable | None = None
+                    ) -> tuple[pl.DataFrame, dict]:
     """The ``generate`` stage: every model's decoders × rules × batch sizes -> rows and metrics.
 
     Args:
@@ -558,6 +564,8 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         seed: ``base.seed`` (Huginn's random initial states).
         regime_meta: model name -> dict(model, task, regime, regime_kind).
         text_windows: () -> the corpus's test windows (a text store's prompts; :func:`dump_text_windows`).
+        after_model: (name, model, test store, prompts, meta) -> {what: reason skipped}, called after each model's
+            rules (the speculative section: :class:`looptrace.online.speculative.SpeculativeStage`).
 
     Returns:
         (generate frame, metrics dict).
@@ -593,6 +601,8 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         skip.update(skip_p)
         meta = regime_meta(name) if regime_meta is not None else {"model": name}
         all_rows += generate_model(decoders, prompts, specs, cfg, meta, device, progress)
+        if after_model is not None:
+            skip.update(after_model(name, model, st, prompts, meta))
         skipped[name] = skip
         info[name] = {"n_loops": next(iter(decoders.values())).n_loops if decoders else None,
                       "hidden_dtype": hidden_dtype, "policies": list(decoders),
@@ -623,11 +633,14 @@ def generate_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:
     return {"n_runs": df.height, "summary": summary, "models": models}
 
 
-def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict) -> None:
-    """Write ``generate.parquet`` and ``metrics.json`` atomically."""
+def write_generate(out_dir: Path | str, df: pl.DataFrame, metrics: dict, spec: pl.DataFrame | None = None) -> None:
+    """Write ``generate.parquet``, ``metrics.json`` and (``generate.speculative`` on) ``speculative.parquet``
+    atomically."""
 
     with atomic_dir(out_dir) as tmp:
         write_parquet(df, tmp / "generate.parquet")  # page checksums
+        if spec is not None:
+            write_parquet(spec, tmp / "speculative.parquet")
         (tmp / "metrics.json").write_text(json.dumps(jsonable(metrics), indent=2) + "\n")
 
 

@@ -92,6 +92,16 @@ class HFDecoder(LoopDecoder):
             self.kv.pos = self.pos
             self.kv.share(rows, t)
 
+    def _chunk(self, h: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Position ids [1, q] and the additive causal mask [1, 1, q, pos+q] of a chunk of q positions after the
+        ``pos`` cached ones (speculative verification: query i sees keys ≤ pos + i; the model's attention slices it
+        to the keys it holds)."""
+        p = self.pos
+        pid = torch.arange(p, p + q, device=self.device)[None]
+        allowed = torch.ones(q, p + q, dtype=torch.bool, device=self.device).tril(diagonal=p)
+        mask = torch.zeros(1, 1, q, p + q, dtype=h.dtype, device=self.device)
+        return pid, mask.masked_fill(~allowed, torch.finfo(h.dtype).min)
+
 
 class LayerListDecoder(HFDecoder):
     """Decoders that call a transformers decoder-layer list (Dory, retrofit): prelude / loop / coda ranges."""

@@ -153,6 +153,11 @@ class OuroDecoder(HFDecoder):
     def __init__(self, adapter: OuroAdapter, policy: str, **options):
         super().__init__(adapter, policy, **options)
         self.L = int(self.model.config.num_hidden_layers)
+        base = self.model.model
+        sliding = bool(base.config.sliding_window) and any(
+            getattr(layer, "attention_type", "") == "sliding_attention" for layer in base.layers[: self.L])
+        # a sliding-window layer's cache read keeps only the last W keys of the chunk's last position
+        self.chunk_verify = policy != "native" and not sliding
 
     def reset(self, prompts, max_len):
         B = prompts.shape[0]
@@ -176,14 +181,27 @@ class OuroDecoder(HFDecoder):
         self.pe = base.rotary_emb(h, self.pid)
         return None, h
 
-    def step(self, t, h, inj, rows):
+    def step(self, t, h, inj, rows, mask: torch.Tensor | None = None):
         base = self.model.model
         self._point(rows)
         for layer in base.layers[: self.L]:
-            h = layer(h, attention_mask=None, position_ids=self.pid, past_key_value=self.cache, use_cache=True,
+            h = layer(h, attention_mask=mask, position_ids=self.pid, past_key_value=self.cache, use_cache=True,
                       cache_position=self.cp, position_embeddings=self.pe, current_ut=t)
             h = h[0] if isinstance(h, tuple) else h
         return base.norm(h)
+
+    def verify(self, ids, inj, h, k):
+        if not self.chunk_verify or h is None:
+            return super().verify(ids, inj, h, k)
+        # steps k+1..T over the chunk with an explicit causal mask (the model's attention aligns a multi-token query
+        # top-left without one); numbers equal decoding one position at a time where the BLAS is row-invariant
+        self.pid, mask = self._chunk(h, ids.shape[1])
+        self.cp = self.pid[0]
+        self.pe = self.model.model.rotary_emb(h, self.pid)
+        for t in range(k, self.n_loops):
+            h = self.step(t, h, inj, None, mask)
+        self.pos += ids.shape[1]
+        return self.readout(h, self.n_loops - 1, None)
 
     def readout(self, h, t, rows):
         return self.model.get_output_embeddings()(h).float()

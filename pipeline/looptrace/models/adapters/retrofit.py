@@ -98,9 +98,30 @@ class RetrofitDecoder(LayerListDecoder):
         L = len(self._base().layers)
         self.P, self.R, self.C = adapter.start, adapter.end - adapter.start, L - adapter.end
         self.softcap = adapter.softcap
+        self.mask: torch.Tensor | None = None  # a verification chunk's causal mask (None: one position)
+        # a sliding-window layer's cache read keeps only the last W keys of the chunk's last position
+        self.chunk_verify = not self._windows()
 
     def _layer_kwargs(self, layer):
-        return {"attention_mask": None, "position_ids": self.pid, "use_cache": True, "position_embeddings": self.pe}
+        return {"attention_mask": self.mask, "position_ids": self.pid, "use_cache": True,
+                "position_embeddings": self.pe}
+
+    def verify(self, ids, inj, h, k):
+        if not self.chunk_verify or h is None:
+            return super().verify(ids, inj, h, k)
+        # loops k+1..T and the coda over the chunk, the model's own layers with an explicit causal mask (its
+        # attention would align a multi-token query top-left without one); numbers equal decoding one position at
+        # a time where the BLAS is row-invariant
+        self.pid, self.mask = self._chunk(h, ids.shape[1])
+        self.pe = self._base().rotary_emb(h, self.pid)
+        try:
+            for t in range(k, self.n_loops):
+                h = self.step(t, h, inj, None)
+            z = self.readout(h, self.n_loops - 1, None)
+        finally:
+            self.mask = None
+        self.pos += ids.shape[1]
+        return z
 
     def start(self, ids):
         base = self._base()
