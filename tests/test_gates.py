@@ -225,6 +225,31 @@ def test_pca_and_scaler_fit_on_fit_split_only(tmp_path):
     assert np.allclose(mg.features.scaler.scale_[4:], np.nanstd(C[:, 4:], 0), atol=1e-8)
 
 
+def test_wide_states_take_the_covariance_solver_with_the_svds_components():
+    """Above PCA_FULL_MAX_WIDTH the PCA is the covariance's eigenvectors: the same leading components (up to sign)
+    and projections as numpy's SVD of the centred rows, deterministically (two fits, the same bytes)."""
+    from looptrace.gates.features import PCA_FULL_MAX_WIDTH, pca_solver
+
+    assert pca_solver(64) == pca_solver(PCA_FULL_MAX_WIDTH) == "full"
+    D = PCA_FULL_MAX_WIDTH + 8
+    assert pca_solver(D) == "covariance_eigh"
+    rng = np.random.default_rng(0)
+    # [token, L, d_model] states with a clear low-rank structure: 3 strong directions + noise
+    basis = np.linalg.qr(rng.standard_normal((D, 3)))[0]
+    z = rng.standard_normal((600, 2, 3)) * np.array([9.0, 5.0, 3.0])
+    h = (z @ basis.T + 0.1 * rng.standard_normal((600, 2, D))).astype(np.float32)
+    fp = FeaturePipeline(3, D, 3, (), True, "scalar").fit(h, None, np.array([0, 1]))
+    H = h.reshape(-1, D).astype(np.float64)
+    Hc = H - H.mean(0)
+    _, _, vt = np.linalg.svd(Hc, full_matrices=False)
+    comps = fp.pca.components_
+    assert np.allclose(np.abs(np.sum(comps * vt[:3], axis=1)), 1.0, atol=1e-9)  # same directions
+    sign = np.sign(np.sum(comps * vt[:3], axis=1))
+    assert np.allclose(fp.pca.transform(H), (Hc @ vt[:3].T) * sign, atol=1e-6)
+    again = FeaturePipeline(3, D, 3, (), True, "scalar").fit(h, None, np.array([0, 1]))
+    assert np.array_equal(again.pca.components_, comps)
+
+
 def test_feature_columns_stats_and_loop_encoding(tmp_path):
     from looptrace.signals.steps import step_metrics
 

@@ -29,6 +29,22 @@ def transform_stats(stats: np.ndarray, names: Sequence[str], log_stats: bool) ->
     return s
 
 
+#: Widest d_model whose PCA takes the full SVD of the fit rows; wider states take the covariance's eigenvectors.
+PCA_FULL_MAX_WIDTH = 1024
+
+
+def pca_solver(d_model: int) -> str:
+    """sklearn's PCA solver for states of width ``d_model``: both are exact and deterministic (no random_state).
+
+    "full" (LAPACK SVD of the [rows, d_model] fit matrix) up to :data:`PCA_FULL_MAX_WIDTH`; above it
+    "covariance_eigh" (eigenvectors of the d_model × d_model covariance): the fit rows are tokens × loops, far more
+    than d_model, so the SVD's O(rows · d_model²) work with a rows × d_model workspace (5 GB at Huginn's
+    d_model 5280, 4096 tokens × 31 loops) becomes one Gram product and a d_model² eigensolve. The covariance squares
+    the condition number, which is harmless for the leading components a gate reads.
+    """
+    return "full" if d_model <= PCA_FULL_MAX_WIDTH else "covariance_eigh"
+
+
 class FeaturePipeline:
     """Per-(token, loop) gate features: [PCA(h_t) | stats_t | loop], standardised on the fit split.
 
@@ -81,8 +97,7 @@ class FeaturePipeline:
             if fit:
                 from sklearn.decomposition import PCA
 
-                # "full" SVD: exact and deterministic (no randomised solver, no random_state involved).
-                self.pca = PCA(n_components=self.pca_components, svd_solver="full").fit(H)
+                self.pca = PCA(n_components=self.pca_components, svd_solver=pca_solver(D)).fit(H)
             assert self.pca is not None  # fitted by the fit=True call
             H = self.pca.transform(H)
         parts = [H]
