@@ -194,6 +194,8 @@ def test_stopping_criterion_truncates_the_fixed_trajectory(tmp_path, tiny_base):
     long = train_model(tiny_base, never, "mano", "uniform", tmp_path / "long", progress=False)
     assert long["steps"] == 80 and long["stop"]["reason"] == "step_cap"
     assert [h["step"] for h in long["history"]] == list(range(5, 81, 5))
+    # its last evaluation ties its best: nothing to restore (the cap's restore: the test below)
+    assert long["stop"]["restored_step"] is None
     assert long["history"][-1]["acc_per_loop"] == long["val"]["acc_per_loop"]
     # the target the record reaches twice in a row latest before the cap (here past the schedule's 40 steps)
     accs = sorted({h["acc_per_loop"][-1] for h in long["history"]})
@@ -314,6 +316,34 @@ def test_retrain_replaces_the_whole_model_dir(tmp_path, tiny_base, monkeypatch):
     assert ck["step"] == 12 and not staging_dir(out).exists()
     train_model(tiny_base, third, "rp", "joint", tmp_path / "fresh", progress=False)
     assert file_sha256(out / "model.pt") == file_sha256(tmp_path / "fresh" / "model.pt")
+
+
+def test_step_cap_keeps_the_best_evaluated_weights(tmp_path, tiny_base):
+    """A run that reaches the cap below its best evaluation ends with the weights of that evaluation (the earliest
+    step of the highest full-depth val accuracy): the same bytes as a run stopped there by a target only that
+    evaluation reaches, and its recorded val accuracy is that evaluation's."""
+    import dataclasses
+
+    from looptrace.models.train import StopConfig
+
+    # a learning rate at which the tiny model peaks early and then falls back (measured: best at step 20 of 80)
+    base_cfg = tiny_train_config(steps=40, checkpoint_fractions=(), batch_size=32, lr=0.05, min_lr=0.005)
+    never = dataclasses.replace(base_cfg, stop=StopConfig(target=1.0, patience=99, every=5, cycles=2))
+    long = train_model(tiny_base, never, "mano", "uniform", tmp_path / "long", progress=False)
+    hist = long["history"]
+    best = max(range(len(hist)), key=lambda i: (hist[i]["acc_per_loop"][-1], -i))
+    assert long["stop"]["reason"] == "step_cap" and long["steps"] == 80
+    assert hist[best]["acc_per_loop"][-1] > hist[-1]["acc_per_loop"][-1]  # this run ends below its best
+    assert long["stop"]["restored_step"] == hist[best]["step"]
+    assert long["val"]["acc_per_loop"] == hist[best]["acc_per_loop"]
+    stop_there = dataclasses.replace(base_cfg, stop=StopConfig(target=hist[best]["acc_per_loop"][-1], patience=1,
+                                                               every=5, cycles=2))
+    ref = train_model(tiny_base, stop_there, "mano", "uniform", tmp_path / "ref", progress=False)
+    assert ref["steps"] == hist[best]["step"] and ref["stop"]["restored_step"] is None
+    a, _ = load_checkpoint(tmp_path / "long" / "model.pt")
+    b, _ = load_checkpoint(tmp_path / "ref" / "model.pt")
+    for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(p, q), n
 
 
 def test_killed_run_resumes_the_criterion_mid_streak(tmp_path, tiny_base, monkeypatch):

@@ -526,6 +526,9 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     history: list[dict] = []
     loss_ema: float | None = None
     start, spent, streak = 0, (0.0, 0.0), 0
+    # The best evaluation so far (full-depth val accuracy, its step, its weights): a run that reaches the cap
+    # without holding the target ends with these weights, not with wherever the last cycle left it.
+    best: dict[str, Any] = {"acc": -1.0, "step": None, "state": None}
     if resume is not None:
         model.load_state_dict(resume["model"])
         opt.load_state_dict(resume["opt"])
@@ -533,6 +536,7 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         torch.set_rng_state(resume["torch_rng"])
         history, loss_ema, start = json.loads(resume["history"]), resume["loss_ema"], int(resume["step"])
         spent, streak = (float(resume["seconds"]), float(resume["cpu_seconds"])), int(resume["streak"])
+        best = resume["best"]
         for stale in (stage / "checkpoints").glob("step_*.pt"):  # written after the resume state was saved
             if int(stale.stem.split("_")[1]) > start:
                 stale.unlink()
@@ -543,7 +547,7 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         _save_resume(stage, {"fingerprint": fingerprint, "step": done, "model": model.state_dict(),
                              "opt": opt.state_dict(), "rng": json.dumps(rng.bit_generator.state),
                              "torch_rng": torch.get_rng_state(), "loss_ema": loss_ema, "history": json.dumps(history),
-                             "streak": streak, "seconds": spent[0] + time.perf_counter() - t0,
+                             "streak": streak, "best": best, "seconds": spent[0] + time.perf_counter() - t0,
                              "cpu_seconds": spent[1] + time.process_time() - cpu0})
 
     def record(done: int) -> dict:
@@ -573,6 +577,9 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         if stop.target is not None and done % stop.every == 0:
             ev = record(done)
             streak = streak + 1 if ev["acc_per_loop"][-1] >= stop.target else 0
+            if ev["acc_per_loop"][-1] > best["acc"]:  # strictly better: the earliest step of a tie
+                best = {"acc": ev["acc_per_loop"][-1], "step": done,
+                        "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
             if streak >= stop.patience:
                 reason = "criterion"
                 break
@@ -592,6 +599,13 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     seconds, cpu_seconds = spent[0] + time.perf_counter() - t0, spent[1] + time.process_time() - cpu0
     if ev is None:
         ev = record(done)
+    restored = None
+    if reason == "step_cap" and best["step"] is not None and best["acc"] > ev["acc_per_loop"][-1]:
+        # The cap without the target: keep the best evaluated weights (early stopping's restore; the val set chose
+        # them, the test split never did). Their evaluation is the history's entry at that step.
+        model.load_state_dict(best["state"])
+        restored = int(best["step"])
+        ev = evaluate(model, val, base.device)
     acc = ev["acc_per_loop"]
     target_steps = [h["step"] for h in history if stop.target is not None and h["step"] % stop.every == 0
                     and h["acc_per_loop"][-1] >= stop.target]
@@ -599,7 +613,8 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
         "model": name, "task": task_name, "regime": regime_name, "seed": seed, "steps": done,
         "stop": {"reason": reason, "steps": done, "schedule_steps": steps, "cap": cap, "target": stop.target}
         | ({"patience": stop.patience, "every": stop.every, "hold": stop.hold, "cycles": stop.cycles,
-            "first_step_at_target": target_steps[0] if target_steps else None} if stop.target is not None else {}),
+            "first_step_at_target": target_steps[0] if target_steps else None, "restored_step": restored}
+           if stop.target is not None else {}),
         "n_params": model.num_params(), "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 2),
         "threads": threads, "final_train_loss": loss_ema,
         "val_acc_last_loop": acc[-1], "val_acc_best_loop": max(acc), "best_loop": int(np.argmax(acc)) + 1,
@@ -612,7 +627,8 @@ def train_model(base: BaseConfig, cfg: TrainConfig, task_name: str, regime_name:
     # Wall-clock figures go to metrics.json only: model.pt's sha256 is the checkpoint hash every store records, so
     # identical weights retrained must write identical bytes (the fingerprint, which hashes the code, likewise).
     timeless = {k: v for k, v in metrics.items() if not k.endswith("seconds")}
-    save_checkpoint(stage / "model.pt", model, **meta, step=done, fraction=done / steps, metrics=timeless)
+    at = done if restored is None else restored  # the step whose weights these are
+    save_checkpoint(stage / "model.pt", model, **meta, step=at, fraction=at / steps, metrics=timeless)
     (stage / "metrics.json").write_text(json.dumps(metrics | {"fingerprint": fingerprint}, indent=2))
     (stage / "resume.pt").unlink(missing_ok=True)
     swap_in(stage, out_dir)  # the whole model dir at once (a kill between its renames: stage_output tidies)
