@@ -334,7 +334,7 @@ def test_nanbeige_generation_equals_uncached_greedy(attn):
     path = _dir("nanbeige")
     a = _nanbeige(path, attn_implementation=attn)
     m, T, m_layers = a.model, a.info.n_loops, len(a.loop_layers(0))
-    p, N = _nb_ids(m, b=3, s=6), 5
+    p, N = _nb_ids(m, b=3, s=6), 6
     seq = p
     with torch.no_grad():
         for _ in range(N):
@@ -352,13 +352,13 @@ def test_nanbeige_generation_equals_uncached_greedy(attn):
         d[f"speculative k={k} tokens equal"] = float(np.array_equal(r.tokens, ref))
     ids = p[:1]
     with torch.no_grad():
-        gen = m.generate(ids, max_new_tokens=N, do_sample=False)
+        gen = m.generate(p, max_new_tokens=N, do_sample=False)  # a batch of 3 (equal lengths: no padding)
         cache = sys.modules[type(m).__module__].DynamicCache()
         m(input_ids=ids, past_key_values=cache, use_cache=True)
         nxt = m(input_ids=seq[:1, 6:7], past_key_values=cache, use_cache=True).logits
         full = m(input_ids=seq[:1, :7], use_cache=False).logits
         legacy = m(input_ids=ids).logits  # use_cache defaults to True: a cache of its own, returned as a tuple
-    d["generate tokens equal"] = float(torch.equal(gen, seq[:1]))
+    d["generate tokens equal"] = float(torch.equal(gen, seq))
     d["generate cache slots == T*L"] = float(len(cache.layers) == T * m_layers)
     diffs = {"cached next-token logits": diff(nxt[:, -1], full[:, -1]),
              "cached forward logits": diff(legacy, m(input_ids=ids, use_cache=False).logits)}

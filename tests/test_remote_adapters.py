@@ -450,7 +450,8 @@ def test_nanbeige_skip_loop_final_norm_and_loop_counts(nb_ckpt, tmp_path):
         close(a.readout(st.hidden[:, :, t], t), _own_at(m, t + 1, ids).logits, 0)
     with torch.no_grad():  # h_T is the raw output of the last loop: its norm is the model's last hidden state
         close(m.model.norm(st.hidden[:, :, 1]), m.model(input_ids=ids, use_cache=False).last_hidden_state, 0)
-    assert float((st.hidden[:, :, 0] - m.model.norm(st.hidden[:, :, 0])).abs().max()) > 1e-3  # not normed
+    with torch.no_grad():
+        assert float((st.hidden[:, :, 0] - m.model.norm(st.hidden[:, :, 0])).abs().max()) > 1e-3  # not normed
     # n_loops: the checkpoint saved with 3 loops, an override, and loop_loss_weights (which size the loop count)
     three = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb-T3", "T3", {"num_loops": 3}))
     assert three.info.n_loops == 3
@@ -536,16 +537,16 @@ def test_nanbeige_decoders_and_its_own_generate_equal_uncached_greedy(nb_ckpt):
     assert dec.chunk_verify
     r = decode_speculative(dec, p, N, 1, 3)
     assert np.array_equal(r.tokens, ref)
-    # the model's own cache: generate, and a cached forward continued by one token
+    with torch.no_grad():  # the model's own generate (batch of 3, equal lengths)
+        assert torch.equal(m.generate(p, max_new_tokens=N, do_sample=False), _greedy(m, p, N))
+    # its own cache: a cached forward continued by one token
     ids = p[:1]
     with torch.no_grad():
-        gen = m.generate(ids, max_new_tokens=N, do_sample=False, pad_token_id=0)
         cached = m(input_ids=ids).logits  # use_cache defaults to True (a legacy cache of its own)
         cache = sys.modules[type(m).__module__].DynamicCache()  # the class the model's own generate builds
         m(input_ids=ids, past_key_values=cache, use_cache=True)
         nxt = m(input_ids=torch.from_numpy(ref[:1, :1]), past_key_values=cache, use_cache=True).logits
         full = m(input_ids=torch.cat([ids, torch.from_numpy(ref[:1, :1])], 1), use_cache=False).logits
-    assert torch.equal(gen, _greedy(m, ids, N))
     close(cached, m(input_ids=ids, use_cache=False).logits)
     close(nxt[:, -1], full[:, -1])
     assert len(cache.layers) == T * L
@@ -563,5 +564,21 @@ def test_nanbeige_patches_reproduce_their_failures_without_them(nb_ckpt, tmp_pat
         a.model(input_ids=ids)  # use_cache defaults to True
     monkeypatch.setenv(compat.DISABLE_ENV, "nanbeige.generation_mixin")
     a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb3", "mixin"))
-    with pytest.raises(AttributeError, match="generate"), torch.no_grad():
+    with pytest.raises(AttributeError, match="'super' object has no attribute 'generate'"), torch.no_grad():
         a.model.generate(ids, max_new_tokens=2, do_sample=False)
+    monkeypatch.setenv(compat.DISABLE_ENV, "nanbeige.generation_inputs")
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb4", "inputs"))
+    with pytest.raises(ValueError, match=r"not used by the model: \['cache'\]"), torch.no_grad():
+        a.model.generate(ids, max_new_tokens=2, do_sample=False)
+    # with the patch: the prompt once, then one position per step (its own cache), as under 4.x
+    monkeypatch.delenv(compat.DISABLE_ENV)
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb5", "inputs-fixed"))
+    lens: list[int] = []
+    hook = a.model.register_forward_pre_hook(lambda mod, args, kw: lens.append(kw["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        with torch.no_grad():
+            a.model.generate(ids, max_new_tokens=3, do_sample=False)
+    finally:
+        hook.remove()
+    assert lens == [5, 1, 1]

@@ -47,12 +47,13 @@ patch does):
                                              to the class's bases, as the Auto class does.
 ``nanbeige.generation_inputs``               5.x ``generate`` passes the cache as ``cache=`` and, every step, the
                                              whole sequence's ``position_ids``; Nanbeige's
-                                             ``prepare_inputs_for_generation`` takes ``past_key_values`` (the
-                                             cache is dropped: every step re-runs the whole sequence) and derives
-                                             ``position_ids`` itself (given ones are not cut to the new tokens:
-                                             mismatched query / cache lengths). → ``cache`` is passed as
-                                             ``past_key_values`` and the given ``position_ids`` are dropped (the
-                                             code derives them from the attention mask, as under 4.x).
+                                             ``prepare_inputs_for_generation`` takes ``past_key_values`` (``The
+                                             following `model_kwargs` are not used by the model: ['cache']``) and
+                                             derives ``position_ids`` itself (given ones are not cut to the new
+                                             tokens: query and cache positions disagree). → it takes ``cache``
+                                             and passes it as ``past_key_values``, and the given
+                                             ``position_ids`` are dropped (the code derives them from the
+                                             attention mask, as under 4.x).
 ==========================================  ===================================================================
 """
 
@@ -398,6 +399,12 @@ def _prepare_inputs_4x(prepare):
         kwargs.pop("position_ids", None)  # 4.x generate never passed them: the code derives them per step
         return prepare(self, input_ids, *args, **kwargs)
 
+    # generate checks its keyword arguments against this signature: it takes ``cache``
+    sig = inspect.signature(prepare)
+    params = list(sig.parameters.values())
+    at = next((i for i, q in enumerate(params) if q.kind is q.VAR_KEYWORD), len(params))
+    params.insert(at, inspect.Parameter("cache", inspect.Parameter.KEYWORD_ONLY, default=None))
+    run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     return run
 
 
