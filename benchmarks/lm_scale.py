@@ -95,6 +95,7 @@ class Shape:
         d_model, heads, vocab, loops: published width, attention heads, vocabulary and loop count (kept).
         mlp: published MLP width (gated: three d × mlp matrices).
         kv_heads, head_dim: key/value heads and head width (0: ``heads`` and d / heads, no GQA).
+        params: sections of the LM profile this model runs with changed (``{section: {key: value}}``).
         published: published layers (prelude, loop block, coda): the FLOP count of the H100 estimate.
         layers: layers inside the loop block here (prelude and coda: ``min(published, 1)``).
         config: the builder's config.json keys at (shape, loop-block layers).
@@ -125,6 +126,7 @@ class Shape:
     exit_layers: int = 0
     kv_heads: int = 0
     head_dim: int = 0
+    params: dict = field(default_factory=dict)
     verify_exit: bool = True
     smoke: dict = field(default_factory=dict)
 
@@ -183,10 +185,16 @@ SHAPES: dict[str, Shape] = {
                     batch=32, chunk=8, injection=2 * 5280 * 5280, exit_layers=2, verify_exit=False,
                     smoke=dict(_TINY, d_model=32, heads=2, vocab=300, loops=4, mlp=64, injection=2 * 32 * 32,
                                tokens=(32,))),
-    # GQA 48 / 8 heads of width 128 (queries 6144 wide against d 3072); the final norm after every loop.
+    # GQA 48 / 8 heads of width 128 (queries 6144 wide against d 3072); the final norm after every loop. At T = 2
+    # the gates decide at loop 1 only, where kl_prev is undefined (the gates stage refuses a statistic with no
+    # finite value) and the 'utility' labels (I_t, t >= 2, ouro alignment) have no row: the LM profile's gates
+    # and statistics less those.
     "nanbeige": Shape("nanbeige", "nanbeige", "build_nanbeige", d_model=3072, heads=48, vocab=166144, loops=2,
                       mlp=10752, published=(0, 22, 0), layers=1, config=_nanbeige_config, tokens=(512, 2048, 8192),
                       seq_len=64, batch=8, chunk=128, kv_heads=8, head_dim=128,
+                      params={"gates": {"stats": ["entropy", "max_prob", "margin", "rel_step"],
+                                        "gates": ["logreg-oracle", "logreg-consistent", "mlp-oracle", "mlp-consistent",
+                                                  "ponder-linear", "ponder-mlp", "logreg-converged"]}},
                       smoke=dict(_TINY, d_model=32, heads=4, kv_heads=2, head_dim=16, vocab=300, loops=2, mlp=64,
                                  layers=3, tokens=(32,))),
 }
@@ -503,6 +511,8 @@ def write_params(path: Path, shape: Shape, ckpt: Path, corpus: Path, n_tokens: i
                                 trust_remote_code=True, verify_exit=shape.verify_exit)
     p["dump"]["text"].update(path=str(corpus), seq_len=shape.seq_len)
     p["dump"].update(sequences=sequences, batch_size=shape.batch, chunk_tokens=shape.chunk)
+    for section, keys in shape.params.items():
+        p[section].update(keys)
     path.write_text(yaml.safe_dump(p, sort_keys=False))
     return sequences
 
