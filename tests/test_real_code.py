@@ -275,7 +275,8 @@ def _nb_ids(m, b=3, s=12, seed=0):
 def test_nanbeige_states_and_exits_are_the_real_models_own(dtype, attn):
     """h_t and the exit at loop t equal the real model's last hidden state and logits run with num_loops = t
     (``output_hidden_states``' last entry: the normed output of the last loop); every rotary table is the one
-    ``NanbeigeRotaryEmbedding.__init__`` computes; with ``skip_loop_final_norm`` the exits equal it too."""
+    ``NanbeigeRotaryEmbedding.__init__`` computes; with ``skip_loop_final_norm`` and with ``pretraining_tp`` 2 (the
+    head in slices) the exits equal it too."""
     from looptrace.models.adapters.nanbeige import NanbeigeAdapter
 
     path = _dir("nanbeige")
@@ -303,6 +304,14 @@ def test_nanbeige_states_and_exits_are_the_real_models_own(dtype, attn):
             m, T, ids, output_hidden_states=True).hidden_states[-1])
     finally:
         m.config.skip_loop_final_norm = False
+    m.config.pretraining_tp = 2  # the forward then splits every projection and the head into 2 slices
+    try:
+        s = NanbeigeAdapter(m, a.cfg)
+        sk = s.states(ids)
+        d["pretraining_tp 2: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), _own_loops(m, t + 1, ids).logits)
+                                           for t in range(T))
+    finally:
+        m.config.pretraining_tp = 1
     report(f"nanbeige {dtype} {attn}", **d)
     assert max(d.values()) <= (TOL if dtype == "float32" else 0.0), d
 

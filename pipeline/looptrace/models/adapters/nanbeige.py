@@ -167,8 +167,9 @@ class NanbeigeAdapter(HFAdapter):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """``NanbeigeForCausalLM``'s head on a (final-normed) state: ``lm_head``, or with ``pretraining_tp > 1`` the
         concatenation of its row slices, as the model's forward computes it."""
-        lm: Any = self.model.get_output_embeddings()  # nn.Linear
-        tp = int(getattr(self.model.config, "pretraining_tp", 1) or 1)
+        model: Any = self.model  # the remote NanbeigeForCausalLM
+        lm = model.get_output_embeddings()  # nn.Linear
+        tp = int(getattr(model.config, "pretraining_tp", 1) or 1)
         if tp <= 1:
             return lm(h)
         slices = lm.weight.split(lm.out_features // tp, dim=0)
