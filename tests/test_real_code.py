@@ -368,7 +368,7 @@ def test_nanbeige_generation_equals_uncached_greedy(attn):
         full = m(input_ids=seq[:1, :7], use_cache=False).logits
         legacy = m(input_ids=ids).logits  # use_cache defaults to True: a cache of its own, returned as a tuple
     d["generate tokens equal"] = float(torch.equal(gen, seq))
-    d["generate cache slots == T*L"] = float(len(cache.layers) == T * m_layers)
+    d["own cache slots == T*L"] = float(len(cache.layers) == T * m_layers)
     diffs = {"cached next-token logits": diff(nxt[:, -1], full[:, -1]),
              "cached forward logits": diff(legacy, m(input_ids=ids, use_cache=False).logits)}
     report(f"nanbeige generation {attn}", **d, **diffs)
