@@ -1,13 +1,15 @@
-"""Every stage at the shapes looptrace's users run: random-init Ouro-1.4B- and Huginn-0125-shaped checkpoints (real
-width, heads, vocabulary and loop count; fewer layers) through dump -> geometry -> readouts -> gates -> diagnose ->
-report at three sizes growing 4x each, each stage against the physical limit measured in the same run.
+"""Every stage at the shapes looptrace's users run: random-init Ouro-1.4B-, Huginn-0125- and Nanbeige4.2-3B-shaped
+checkpoints (real width, heads, vocabulary and loop count; fewer layers) through dump -> geometry -> readouts ->
+gates -> diagnose -> report at three sizes growing 4x each, each stage against the physical limit measured in the
+same run.
 
 For each model of ``--model`` (a row of :data:`SHAPES`):
 
-1. **checkpoint**: the stand-in of the adapter tests (tests/hf_helpers.py ``build_ouro`` / ``build_huginn``: the
-   published code's interfaces) at the published width, heads, vocabulary and loop count, with ``Shape.layers``
-   layers inside the loop block (the published count is printed beside it) and bfloat16 weights, saved and loaded
-   through :func:`looptrace.models.adapters.loading.load_adapter` as the dump stage does (``dump.adapter``).
+1. **checkpoint**: the stand-in of the adapter tests (tests/hf_helpers.py ``build_ouro`` / ``build_huginn`` /
+   ``build_nanbeige``: the published code's interfaces) at the published width, heads, vocabulary and loop count,
+   with ``Shape.layers`` layers inside the loop block (the published count is printed beside it) and bfloat16
+   weights, saved and loaded through :func:`looptrace.models.adapters.loading.load_adapter` as the dump stage does
+   (``dump.adapter``).
 2. For each size N of ``--tokens`` (scored tokens, fit:val:test = 2:1:1, ``seq_len``-token windows of a generated
    JSONL corpus tokenised by the checkpoint's tokenizer): the LM profile (params.yaml + profiles/lm/params.yaml,
    merged into one file with this run's paths and sizes) run stage by stage:
@@ -33,16 +35,15 @@ For each model of ``--model`` (a row of :data:`SHAPES`):
    ≤ 1.15. ``--profile`` adds a cProfile run of each offline stage at the largest size (a separate, untimed run):
    where its time goes; ``--profile-dump`` one of the dump at the smallest size.
 
-Nanbeige4.2-3B (the whole 22-layer stack looped twice, d 3072, vocab 166,144) has no adapter yet: ``--model
-nanbeige`` fails with one line; ``--model all`` runs the rest and says so. Adding it is one :data:`SHAPES` row
-(its hf_helpers builder and config keys) once the adapter exists.
+A model without an adapter yet is a :data:`PENDING` line: ``--model`` naming it fails with that line; ``--model
+all`` runs the rest and says so.
 
     python benchmarks/lm_scale.py [--model ouro|huginn|nanbeige|all] [--tokens N1 N2 N3] [--layers L]
                                   [--threads 2] [--workdir DIR] [--profile] [--profile-dump] [--smoke]
 
-``--smoke``: the same code at the builders' tiny default shapes (d_model 32) and tiny sizes (Ouro at two, Huginn at
-one), about a minute on an idle 2-core machine — the stages' fixed costs (tests/test_benchmarks.py); targets are
-printed but not enforced. Exit status 1 when a target is missed.
+``--smoke``: the same code at the builders' tiny default shapes (d_model 32) and tiny sizes (Ouro at two, Huginn
+and Nanbeige at one), about a minute on an idle 2-core machine — the stages' fixed costs (tests/test_benchmarks.py);
+targets are printed but not enforced. Exit status 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class Shape:
         builder: function of tests/hf_helpers.py that saves the checkpoint (``builder(path, dtype=..., **config)``).
         d_model, heads, vocab, loops: published width, attention heads, vocabulary and loop count (kept).
         mlp: published MLP width (gated: three d × mlp matrices).
+        kv_heads, head_dim: key/value heads and head width (0: ``heads`` and d / heads, no GQA).
+        params: sections of the LM profile this model runs with changed (``{section: {key: value}}``).
         published: published layers (prelude, loop block, coda): the FLOP count of the H100 estimate.
         layers: layers inside the loop block here (prelude and coda: ``min(published, 1)``).
         config: the builder's config.json keys at (shape, loop-block layers).
@@ -121,19 +124,25 @@ class Shape:
     chunk: int
     injection: int = 0
     exit_layers: int = 0
+    kv_heads: int = 0
+    head_dim: int = 0
+    params: dict = field(default_factory=dict)
     verify_exit: bool = True
     smoke: dict = field(default_factory=dict)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Forward FLOPs per scored token of a dump of the *published* model (every loop read out):
-        2 · (P·N_layer + T·(L·N_layer + N_inj) + T·(C·N_layer + d·V)) + 4·d·S̄ per layer run (attention scores and
-        values over the mean causal context S̄ = (S + 1) / 2); N_layer = 4d² + 3·d·mlp (no GQA in either model)."""
+        2 · (P·N_layer + T·(L·N_layer + N_inj) + T·(C·N_layer + d·V)) + 4·H·h·S̄ per layer run (attention scores and
+        values over the mean causal context S̄ = (S + 1) / 2); N_layer = 2·d·H·h + 2·d·H_kv·h + 3·d·mlp (queries and
+        output over H heads of width h, keys and values over H_kv: 4d² without GQA and h = d / H)."""
         d, T = self.d_model, self.loops
         p, loop, _ = self.published
-        n_layer = 4 * d * d + 3 * d * self.mlp
+        h = self.head_dim or d // self.heads
+        q_width, kv_width = self.heads * h, (self.kv_heads or self.heads) * h
+        n_layer = 2 * d * q_width + 2 * d * kv_width + 3 * d * self.mlp
         runs = p + T * loop + T * self.exit_layers
         weights = p * n_layer + T * (loop * n_layer + self.injection) + T * (self.exit_layers * n_layer + d * self.vocab)
-        return 2.0 * weights + 4.0 * d * (seq_len + 1) / 2 * runs
+        return 2.0 * weights + 4.0 * q_width * (seq_len + 1) / 2 * runs
 
 
 def _ouro_config(s: Shape, layers: int) -> dict:
@@ -150,11 +159,19 @@ def _huginn_config(s: Shape, layers: int) -> dict:
             "torch_dtype": "bfloat16"}
 
 
+def _nanbeige_config(s: Shape, layers: int) -> dict:
+    return {"hidden_size": s.d_model, "intermediate_size": s.mlp, "num_hidden_layers": layers,
+            "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads, "head_dim": s.head_dim,
+            "vocab_size": s.vocab, "num_loops": s.loops, "max_position_embeddings": 4096, "rope_theta": 70000000.0,
+            "torch_dtype": "bfloat16"}
+
+
 #: ``--smoke``: the builders' own tiny defaults (d_model 32, vocab 300, 4 loops, 2 loop-block layers), tiny sizes
 #: (Huginn at one size: the same code path, half the time).
 _TINY = {"config": lambda s, n: {}, "layers": 2, "tokens": (32, 128), "seq_len": 8, "batch": 8, "chunk": 16}
 
-#: The models (published shapes: Ouro-1.4B config.json; Huginn-0125 config.json). A new model is one row here.
+#: The models (published shapes: Ouro-1.4B config.json; Huginn-0125 config.json; Nanbeige4.2-3B config.json). A new
+#: model is one row here.
 SHAPES: dict[str, Shape] = {
     "ouro": Shape("ouro", "ouro", "build_ouro", d_model=2048, heads=16, vocab=49152, loops=4, mlp=5632,
                   published=(0, 24, 0), layers=1, config=_ouro_config, tokens=(512, 2048, 8192), seq_len=64,
@@ -168,13 +185,22 @@ SHAPES: dict[str, Shape] = {
                     batch=32, chunk=8, injection=2 * 5280 * 5280, exit_layers=2, verify_exit=False,
                     smoke=dict(_TINY, d_model=32, heads=2, vocab=300, loops=4, mlp=64, injection=2 * 32 * 32,
                                tokens=(32,))),
+    # GQA 48 / 8 heads of width 128 (queries 6144 wide against d 3072); the final norm after every loop. At T = 2
+    # the gates decide at loop 1 only, where kl_prev is undefined (the gates stage refuses a statistic with no
+    # finite value) and the 'utility' labels (I_t, t >= 2, ouro alignment) have no row: the LM profile's gates
+    # and statistics less those.
+    "nanbeige": Shape("nanbeige", "nanbeige", "build_nanbeige", d_model=3072, heads=48, vocab=166144, loops=2,
+                      mlp=10752, published=(0, 22, 0), layers=1, config=_nanbeige_config, tokens=(512, 2048, 8192),
+                      seq_len=64, batch=8, chunk=128, kv_heads=8, head_dim=128,
+                      params={"gates": {"stats": ["entropy", "max_prob", "margin", "rel_step"],
+                                        "gates": ["logreg-oracle", "logreg-consistent", "mlp-oracle", "mlp-consistent",
+                                                  "ponder-linear", "ponder-mlp", "logreg-converged"]}},
+                      smoke=dict(_TINY, d_model=32, heads=4, kv_heads=2, head_dim=16, vocab=300, loops=2, mlp=64,
+                                 layers=3, tokens=(32,))),
 }
 
 #: Models named by ``--model`` that cannot run yet: one line each (say what is missing and what to add).
-PENDING = {
-    "nanbeige": "Nanbeige4.2-3B (22 layers x 2 loops, d 3072, vocab 166,144) has no adapter in "
-                "looptrace.models.adapters yet; its SHAPES row (tests/hf_helpers builder + config keys) comes with it",
-}
+PENDING: dict[str, str] = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,6 +511,8 @@ def write_params(path: Path, shape: Shape, ckpt: Path, corpus: Path, n_tokens: i
                                 trust_remote_code=True, verify_exit=shape.verify_exit)
     p["dump"]["text"].update(path=str(corpus), seq_len=shape.seq_len)
     p["dump"].update(sequences=sequences, batch_size=shape.batch, chunk_tokens=shape.chunk)
+    for section, keys in shape.params.items():
+        p[section].update(keys)
     path.write_text(yaml.safe_dump(p, sort_keys=False))
     return sequences
 

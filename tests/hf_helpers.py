@@ -112,15 +112,17 @@ def build_llama(path: Path, dtype=torch.float32, n_layers: int = 4) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Stand-ins for the remote-code models (Ouro, Huginn)
+# Stand-ins for the remote-code models (Ouro, Huginn, Nanbeige)
 #
 # The published code cannot be committed, so CI runs stand-ins written here that copy its *interfaces and
 # traits*, not its text: the same file, class and method names, signatures, return types, cache classes, norm
 # placement and random-number use (docs/adapters.md, "Stand-ins"), and the 4.x-era habits that break under
 # transformers 5 (a list-valued ``_tied_weights_keys``, ``past_key_values=`` in an output dataclass, a config
 # that passes ``tie_word_embeddings`` itself, ``ROPE_INIT_FUNCTIONS['default']``, ``create_causal_mask
-# (input_embeds=...)``, no ``pad_token_id`` default, a cache whose ``get_mask_sizes`` takes a tensor). Each trait
-# is there because a looptrace bug or a load failure hid behind its absence (tests/test_adapters.py says which).
+# (input_embeds=...)``, no ``pad_token_id`` default, a cache whose ``get_mask_sizes`` takes a tensor; Nanbeige's
+# ``rope_scaling["type"]``, a rotary buffer only its ``__init__`` computes, ``DynamicCache.from_legacy_cache``, a
+# ``prepare_inputs_for_generation`` of the 4.x contract, no ``GenerationMixin`` base). Each trait is there because
+# a looptrace bug or a load failure hid behind its absence (tests/test_adapters.py says which).
 # The maths is small and random-weight; tests/test_real_code.py checks the adapters against the real code.
 # ---------------------------------------------------------------------------------------------
 
@@ -762,11 +764,366 @@ class RavenForCausalLM(RavenPreTrainedModel, GenerationMixin):
         return input_embeds, block_idx
 '''
 
+_NANBEIGE_CONFIG = '''
+from transformers import PretrainedConfig
+
+
+class NanbeigeConfig(PretrainedConfig):
+    """Stand-in of Nanbeige's configuration_nanbeige.NanbeigeConfig (the names and defaults that matter)."""
+
+    model_type = "nanbeige"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(self, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                 max_position_embeddings=128, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
+                 pad_token_id=None, bos_token_id=1, eos_token_id=2, pretraining_tp=1, tie_word_embeddings=False,
+                 rope_theta=10000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
+                 qk_layernorm=False, emb_neighbor_num=None, insert_ngram_layer_idx=None,
+                 ngram_insert_all_layers=False, num_loops=1, loop_loss_weights=None, skip_loop_final_norm=False,
+                 enable_double_loop_split=False, enable_hyper_connection=False, enable_mhc=False,
+                 enable_depth_attention=False, **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        # head_dim need not be hidden_size / heads (the published 3B: 128 against 3072 / 48 = 64)
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act, self.max_position_embeddings = hidden_act, max_position_embeddings
+        self.initializer_range, self.rms_norm_eps, self.use_cache = initializer_range, rms_norm_eps, use_cache
+        self.pretraining_tp, self.attention_bias, self.mlp_bias = pretraining_tp, attention_bias, mlp_bias
+        self.attention_dropout, self.qk_layernorm = attention_dropout, qk_layernorm
+        # assigned before PretrainedConfig.__init__ (transformers 5 then standardises rope_scaling into a dict)
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.emb_neighbor_num, self.insert_ngram_layer_idx = emb_neighbor_num, insert_ngram_layer_idx or []
+        self.ngram_insert_all_layers = ngram_insert_all_layers
+        # the loop: the whole stack num_loops times (len(loop_loss_weights) + 1 when that list is not empty)
+        self.num_loops, self.loop_loss_weights = num_loops, loop_loss_weights or []
+        self.skip_loop_final_norm = skip_loop_final_norm
+        self.enable_double_loop_split, self.enable_hyper_connection = enable_double_loop_split, enable_hyper_connection
+        self.enable_mhc, self.enable_depth_attention = enable_mhc, enable_depth_attention
+        super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                         tie_word_embeddings=tie_word_embeddings, **kwargs)
+'''
+
+_NANBEIGE_MODEL = '''
+"""Stand-in of Nanbeige's modeling_nanbeige.py (interfaces of the published code; tests/hf_helpers.py)."""
+import math
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
+
+from .configuration_nanbeige import NanbeigeConfig
+
+
+class NanbeigeRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class NanbeigeRotaryEmbedding(nn.Module):
+    def __init__(self, dim, max_position_embeddings=2048, base=10000, device=None):
+        super().__init__()
+        self.dim, self.max_position_embeddings, self.base = dim, max_position_embeddings, base
+        # computed here into a buffer the checkpoint does not hold (transformers 5 leaves it to _init_weights)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float().to(device) / dim
+        self.register_buffer("inv_freq", 1.0 / (base ** exponent), persistent=False)
+
+    @torch.no_grad()
+    def forward(self, x, position_ids):
+        freqs = (self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+                 @ position_ids[:, None, :].float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+class NanbeigeLinearScalingRotaryEmbedding(NanbeigeRotaryEmbedding):
+    def __init__(self, dim, max_position_embeddings=2048, base=10000, device=None, scaling_factor=1.0):
+        super().__init__(dim, max_position_embeddings, base, device)
+        self.scaling_factor = scaling_factor
+
+    def forward(self, x, position_ids):
+        return super().forward(x, position_ids.float() / self.scaling_factor)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class NanbeigeMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, i, b = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj, self.up_proj = nn.Linear(d, i, bias=b), nn.Linear(d, i, bias=b)
+        self.down_proj = nn.Linear(i, d, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NanbeigeAttention(nn.Module):
+    def __init__(self, config, layer_idx=None):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.num_heads, self.num_key_value_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        d, b = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=b)
+        self.k_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=b)
+        self.v_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=b)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=b)
+        norm = config.qk_layernorm
+        self.q_layernorm = NanbeigeRMSNorm(self.head_dim, config.rms_norm_eps) if norm else None
+        self.k_layernorm = NanbeigeRMSNorm(self.head_dim, config.rms_norm_eps) if norm else None
+        self._init_rope()
+
+    def _init_rope(self):
+        # the transformers-4.x contract: rope_scaling is None or {"type": ..., "factor": ...}
+        scaling = self.config.rope_scaling
+        args = (self.head_dim, self.config.max_position_embeddings, self.config.rope_theta)
+        if scaling is None:
+            self.rotary_emb = NanbeigeRotaryEmbedding(*args)
+        elif scaling["type"] == "linear":
+            self.rotary_emb = NanbeigeLinearScalingRotaryEmbedding(*args, scaling_factor=scaling["factor"])
+        else:
+            raise ValueError(f"Unknown RoPE scaling type {scaling['type']}")
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+                output_attentions=False, use_cache=False, cache_position=None, **kwargs):
+        loop_idx = kwargs.pop("loop_idx", 0)
+        B, S, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(B, S, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(B, S, self.num_key_value_heads, self.head_dim).transpose(1, 2)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        cos, sin = self.rotary_emb(v, position_ids)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        if past_key_value is not None:  # one slot per (loop, layer)
+            slot = self.layer_idx + loop_idx * self.config.num_hidden_layers
+            k, v = past_key_value.update(k, v, slot, {"sin": sin, "cos": cos, "cache_position": cache_position})
+        rep = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim)
+        if attention_mask is not None:
+            scores = scores + attention_mask[:, :, :, : k.shape[-2]]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = (probs @ v).transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim)
+        return self.o_proj(out), (probs if output_attentions else None), past_key_value
+
+
+class NanbeigeDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.hidden_size, self.layer_idx = config.hidden_size, layer_idx
+        self.self_attn, self.mlp = NanbeigeAttention(config, layer_idx), NanbeigeMLP(config)
+        self.input_layernorm = NanbeigeRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = NanbeigeRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_value=None,
+                output_attentions=False, use_cache=False, cache_position=None, loop_idx=0, **kwargs):
+        # pre-norm; returns a tuple: (hidden, [attention weights], [cache])
+        h, weights, cache = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_ids,
+                                           past_key_value, output_attentions, use_cache, cache_position,
+                                           loop_idx=loop_idx)
+        hidden_states = hidden_states + h
+        hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        out = (hidden_states,)
+        if output_attentions:
+            out += (weights,)
+        if use_cache:
+            out += (cache,)
+        return out
+
+
+class NanbeigePreTrainedModel(PreTrainedModel):
+    config_class = NanbeigeConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["NanbeigeDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+
+    def _supports_default_dynamic_cache(self):
+        # a looped model caches one slot per (loop, layer): generate must not size a cache per layer
+        return self.config.num_loops == 1 and super()._supports_default_dynamic_cache()
+
+    def _init_weights(self, module):
+        # Linear and Embedding weights only: the rotary buffers keep what their __init__ computed
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight.data[module.padding_idx].zero_()
+
+
+class NanbeigeModel(NanbeigePreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self.padding_idx, self.vocab_size = config.pad_token_id, config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.ngram_embeddings = None
+        self.layers = nn.ModuleList([NanbeigeDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.ngram_layer_fusion = nn.ModuleDict()
+        self.norm = NanbeigeRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def _get_num_loops(self):
+        weights = self.config.loop_loss_weights or []
+        return len(weights) + 1 if weights else self.config.num_loops
+
+    def _get_cache_seq_length(self, cache):
+        # the longest of the loops' first slots
+        if cache is None:
+            return 0
+        L = self.config.num_hidden_layers
+        return max(cache.get_seq_length(t * L) for t in range(self._get_num_loops()))
+
+    def _causal_mask(self, attention_mask, inputs_embeds, cache_position):
+        # additive [batch, 1, query, key]: key j is visible to query i when j <= cache_position[i] (and not padding)
+        B, S = inputs_embeds.shape[:2]
+        width = int(cache_position[-1]) + 1
+        if attention_mask is not None:
+            width = max(width, attention_mask.shape[-1])
+        low = torch.finfo(inputs_embeds.dtype).min
+        keys = torch.arange(width, device=inputs_embeds.device)
+        mask = torch.zeros(S, width, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
+        mask = mask.masked_fill(keys[None, :] > cache_position[:, None], low)[None, None].expand(B, 1, S, width)
+        if attention_mask is not None:
+            pad = torch.zeros(B, width, dtype=torch.bool, device=mask.device)
+            pad[:, : attention_mask.shape[-1]] = attention_mask == 0
+            mask = mask.masked_fill(pad[:, None, None, :], low)
+        return mask
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, cache_position=None):
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        legacy = False
+        if use_cache and not isinstance(past_key_values, Cache):  # the transformers-4.x conversion
+            legacy = True
+            past_key_values = DynamicCache.from_legacy_cache(past_key_values)
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if cache_position is None:
+            seen = self._get_cache_seq_length(past_key_values)
+            cache_position = torch.arange(seen, seen + inputs_embeds.shape[1], device=inputs_embeds.device)
+        if position_ids is None:
+            position_ids = cache_position.unsqueeze(0)
+        mask = self._causal_mask(attention_mask, inputs_embeds, cache_position)
+        hidden_states, per_layer = inputs_embeds, None
+        for loop_idx in range(self._get_num_loops()):
+            per_layer = () if output_hidden_states else None  # the last loop's (as the published forward)
+            for layer in self.layers:
+                if per_layer is not None:
+                    per_layer += (hidden_states,)
+                hidden_states = layer(hidden_states, attention_mask=mask, position_ids=position_ids,
+                                      past_key_value=past_key_values, output_attentions=bool(output_attentions),
+                                      use_cache=use_cache, cache_position=cache_position, loop_idx=loop_idx)[0]
+            if not self.config.skip_loop_final_norm:
+                hidden_states = self.norm(hidden_states)  # the normed state feeds the next loop
+            if per_layer is not None:
+                per_layer += (hidden_states,)
+        if self.config.skip_loop_final_norm:
+            hidden_states = self.norm(hidden_states)
+            if per_layer is not None:  # the last entry becomes the normed output
+                per_layer = per_layer[:-1] + (hidden_states,)
+        cache = past_key_values if use_cache else None
+        if legacy and cache is not None:
+            cache = cache.to_legacy_cache()
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=cache, hidden_states=per_layer)
+
+
+class NanbeigeForCausalLM(NanbeigePreTrainedModel):
+    # transformers-4.x habits: a list _tied_weights_keys; no GenerationMixin base (4.x PreTrainedModel had it)
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = NanbeigeModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def get_decoder(self):
+        return self.model
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, cache_position=None):
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+                         cache_position=cache_position)
+        logits = self.lm_head(out.last_hidden_state).float()
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states)
+
+    def generate(self, *args, **kwargs):
+        # a looped model gets a cache of its own (num_loops x L slots), not one sized by transformers
+        if kwargs.get("use_cache", True) and self.config.num_loops > 1 and kwargs.get("past_key_values") is None:
+            kwargs["past_key_values"] = DynamicCache()
+        return super().generate(*args, **kwargs)
+
+    def _get_cache_seq_length(self, cache):
+        return self.model._get_cache_seq_length(cache)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, cache_position=None, use_cache=True, **kwargs):
+        # the transformers-4.x contract: the cache arrives as past_key_values, get_max_length() is None when unbounded,
+        # position_ids come from the attention mask (a given position_ids is used as it is)
+        past = 0
+        if past_key_values is not None:
+            past = int(cache_position[0]) if cache_position is not None else self._get_cache_seq_length(past_key_values)
+            limit = past_key_values.get_max_length()
+            if past < input_ids.shape[1]:
+                input_ids = input_ids[:, past:]
+            if limit is not None and attention_mask is not None and past + input_ids.shape[1] > limit:
+                attention_mask = attention_mask[:, -limit:]
+        position_ids = kwargs.get("position_ids")
+        if attention_mask is not None and position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)
+            position_ids = position_ids[:, -input_ids.shape[1]:]
+        n = position_ids.shape[-1] if position_ids is not None else input_ids.shape[-1]
+        if cache_position is None:
+            cache_position = torch.arange(past, past + n, device=input_ids.device)
+        return {"input_ids": input_ids.contiguous(), "position_ids": position_ids, "cache_position": cache_position,
+                "past_key_values": past_key_values, "use_cache": use_cache, "attention_mask": attention_mask}
+'''
+
 #: Names of the stand-ins' files (those of the published code) and their auto_map.
 OURO_AUTO_MAP = {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModel": "modeling_ouro.OuroModel",
                  "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
 HUGINN_AUTO_MAP = {"AutoConfig": "raven_config_minimal.RavenConfig",
                    "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"}
+NANBEIGE_AUTO_MAP = {"AutoConfig": "configuration_nanbeige.NanbeigeConfig",
+                     "AutoModel": "modeling_nanbeige.NanbeigeModel", "AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM"}
 
 
 def _write_remote(path: Path, files: dict[str, str], config: dict, variant: str) -> None:
@@ -849,6 +1206,27 @@ def build_huginn(path: Path, variant: str = "", dtype=torch.float32, **config) -
     _write_remote(path, {"raven_config_minimal.py": _HUGINN_CONFIG, "raven_modeling_minimal.py": _HUGINN_MODEL},
                   huginn_config(**config), variant)
     return _build_remote(path, "huginn", 0.1, None, dtype)
+
+
+def nanbeige_config(**over) -> dict:
+    """config.json of the Nanbeige stand-in (the published 3B's keys at a tiny shape: GQA, head_dim 16 against
+    d_model 32 / 4 heads = 8, the whole stack looped twice, the final norm after every loop)."""
+    cfg = {"architectures": ["NanbeigeForCausalLM"], "auto_map": NANBEIGE_AUTO_MAP, "model_type": "nanbeige",
+           "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+           "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+           "attention_bias": False, "attention_dropout": 0.0, "num_loops": 2, "loop_loss_weights": [],
+           "skip_loop_final_norm": False, "pretraining_tp": 1, "tie_word_embeddings": False, "pad_token_id": 0,
+           "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "transformers_version": "4.55.4"}
+    cfg.update(over)
+    return cfg
+
+
+def build_nanbeige(path: Path, variant: str = "", dtype=torch.float32, **config) -> Path:
+    """The Nanbeige stand-in: the whole 3-layer stack × num_loops 2 (GQA 4/2 heads, head_dim 16), d_model 32."""
+    _write_remote(path, {"configuration_nanbeige.py": _NANBEIGE_CONFIG, "modeling_nanbeige.py": _NANBEIGE_MODEL},
+                  nanbeige_config(**config), variant)
+    return _build_remote(path, "nanbeige", 0.05, None, dtype)
 
 
 def copy_checkpoint(src: Path, dst: Path, variant: str, config: dict | None = None) -> Path:

@@ -1,13 +1,13 @@
 """The HF adapters' loop step and loop-block layers on tiny random-weight checkpoints.
 
-Huginn and Ouro run the stand-ins of their published code (tests/hf_helpers.py; the same checks against the real
-code: tests/test_real_code.py), Dory and retrofit (Llama) transformers' own classes. Independent references:
+Huginn, Ouro and Nanbeige run the stand-ins of their published code (tests/hf_helpers.py; the same checks against
+the real code: tests/test_real_code.py), Dory and retrofit (Llama) transformers' own classes. Independent references:
 
 - the states the adapter's :meth:`states` records (the model's own forward) — the step iterated from h_0 must
   reproduce them bit for bit, with and without autograd recording;
 - the outputs of the loop block's layers hooked during the model's own forward (Huginn ``forward(num_steps=T)``
-  on each sequence alone in its stream, Ouro ``OuroModel.forward``, Dory ``DoryModel.forward``, retrofit the plain
-  Llama = pass 1);
+  on each sequence alone in its stream, Ouro ``OuroModel.forward``, Nanbeige ``NanbeigeModel.forward``, Dory
+  ``DoryModel.forward``, retrofit the plain Llama = pass 1);
 - the full Jacobian of the step by reverse mode (``torch.autograd.functional.jacobian``, float64): its diagonal
   blocks' largest singular values for ρ, and Benettin's recursion on the full matrices for the FTLE.
 """
@@ -28,18 +28,20 @@ from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from tests import hf_helpers as H
 
 torch.set_num_threads(1)
-KINDS = ("huginn", "ouro", "dory", "retrofit")
+KINDS = ("huginn", "ouro", "nanbeige", "dory", "retrofit")
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("loopstep")
     return {"huginn": H.build_huginn(root / "huginn"), "ouro": H.build_ouro(root / "ouro"),
+            "nanbeige": H.build_nanbeige(root / "nanbeige"),
             "dory": H.build_dory(root / "dory"), "retrofit": H.build_llama(root / "llama")}
 
 
 def _adapter(ckpts, kind, **kw):
-    extra = {"huginn": {"trust_remote_code": True}, "ouro": {"trust_remote_code": True}, "dory": {},
+    extra = {"huginn": {"trust_remote_code": True}, "ouro": {"trust_remote_code": True},
+             "nanbeige": {"trust_remote_code": True}, "dory": {},
              "retrofit": {"block": (1, 3), "n_loops": 3}}[kind]
     return load_adapter(AdapterConfig(kind=kind, path=str(ckpts[kind]), **extra, **kw))
 
@@ -72,7 +74,7 @@ def _own_layer_outputs(a, kind, ids):
                         m(input_ids=ids[i:i + 1], num_steps=a.info.n_loops)
                     per_seq.append(list(seen))
                 flat = [torch.cat([p[k] for p in per_seq]) for k in range(len(per_seq[0]))]
-            elif kind == "ouro":
+            elif kind in ("ouro", "nanbeige"):
                 m.model(input_ids=ids, use_cache=False)
                 flat = list(seen)
             else:  # dory: its forward loops the recurrent layers; retrofit: the plain Llama is pass 1
@@ -109,7 +111,7 @@ def test_iterated_step_is_the_models_own_forward_bit_for_bit_with_its_layers(ckp
     assert got.shape == (2, 7, T, 2, a.info.d_model)
     for t in range(len(own)):
         assert torch.equal(got[:, :, t, 0], own[t][1]) and torch.equal(got[:, :, t, 1], own[t][0])
-    if kind != "ouro":  # the last layer's output is the loop state (Ouro norms it after the layers)
+    if kind not in ("ouro", "nanbeige"):  # layer 1, the last, gives the loop state (Ouro, Nanbeige: norm after)
         assert torch.equal(got[:, :, :, 0], st.hidden)
 
 

@@ -1,14 +1,16 @@
-"""The ``huginn`` and ``ouro`` adapters against the *published* remote code (skipped unless it is given).
+"""The ``huginn``, ``ouro`` and ``nanbeige`` adapters against the *published* remote code (skipped unless it is
+given).
 
-Set ``LOOPTRACE_REAL_CODE=/dir`` where ``/dir/huginn`` and ``/dir/ouro`` are tiny random-weight checkpoints saved
-with the published modeling code (``/dir/ouro_confident``, the Ouro one with confident gates, is used when
-present). How to build them: docs/adapters.md, "Re-verifying against the real code". Nothing of that code is
-in this repository; CI runs the same checks on stand-ins (tests/test_remote_adapters.py).
+Set ``LOOPTRACE_REAL_CODE=/dir`` where ``/dir/huginn``, ``/dir/ouro`` and ``/dir/nanbeige`` are tiny random-weight
+checkpoints saved with the published modeling code (``/dir/ouro_confident``, the Ouro one with confident gates, is
+used when present; a model whose directory is missing is skipped). How to build them: docs/adapters.md,
+"Re-verifying against the real code". Nothing of that code is in this repository; CI runs the same checks on stand-ins (tests/test_remote_adapters.py).
 
 Every reference is the real model's own computation under the installed transformers (through looptrace's
 compatibility shim, which adapts interfaces, never maths): per-loop states, gate logits and every exit equal it
 to 1e-5 in float32; Ouro's Q-exit step equals its own ``forward(exit_threshold=q)``; cached generation equals
-uncached greedy decoding. ``pytest -s`` prints the measured max |diff| per model and quantity.
+uncached greedy decoding (Nanbeige: its own generate and looptrace's decoders under every KV policy).
+``pytest -s`` prints the measured max |diff| per model and quantity.
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ def test_ouro_cached_generate_equals_uncached_greedy():
 
 # ----------------------------------------------------------------------------------------------- loop step
 
-@pytest.mark.parametrize("name", ["huginn", "ouro"])
+@pytest.mark.parametrize("name", ["huginn", "ouro", "nanbeige"])
 def test_loop_step_and_layers_are_the_real_models_own(name):
     """The adapters' differentiable loop step, iterated from h_0, reproduces the states bit for bit; its per-layer
     outputs are the layer outputs hooked in the real model's own forward; ρ (power method through the step) equals
@@ -244,3 +246,131 @@ def test_loop_step_and_layers_are_the_real_models_own(name):
     report(f"{name} loop step", **d)
     assert d["step states"] == 0.0 and d["step layers vs own forward"] == 0.0, d
     assert d["rho vs exact block SVD (rel)"] <= 1e-5, d
+
+
+# ----------------------------------------------------------------------------------------------- Nanbeige
+
+def _nanbeige(path, **kw):
+    return load_adapter(AdapterConfig(kind="nanbeige", path=str(path), trust_remote_code=True, **kw))
+
+
+def _own_loops(m, loops: int, ids, **kw):
+    """The real model's own forward with ``config.num_loops = loops`` (read at every forward; restored after)."""
+    T = m.config.num_loops
+    m.config.num_loops = loops
+    try:
+        with torch.no_grad():
+            return m(input_ids=ids, use_cache=False, **kw)
+    finally:
+        m.config.num_loops = T
+
+
+def _nb_ids(m, b=3, s=12, seed=0):
+    # ids >= 3: clear of pad (0), bos and eos, so generate's attention mask keeps every prompt token
+    return torch.randint(3, m.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nanbeige_states_and_exits_are_the_real_models_own(dtype, attn):
+    """h_t and the exit at loop t equal the real model's last hidden state and logits run with num_loops = t
+    (``output_hidden_states``' last entry: the normed output of the last loop); every rotary table is the one
+    ``NanbeigeRotaryEmbedding.__init__`` computes; with ``skip_loop_final_norm`` and with ``pretraining_tp`` 2 (the
+    head in slices) the exits equal it too."""
+    from looptrace.models.adapters.nanbeige import NanbeigeAdapter
+
+    path = _dir("nanbeige")
+    a = _nanbeige(path, dtype=dtype, attn_implementation=attn)  # verify_exit on
+    m = a.model
+    ids = _nb_ids(m)
+    st = a.states(ids)
+    T = a.info.n_loops
+    d = {"inv_freq vs its __init__": max(diff(lay.self_attn.rotary_emb.inv_freq, type(lay.self_attn.rotary_emb)(
+            lay.self_attn.rotary_emb.dim, base=lay.self_attn.rotary_emb.base).inv_freq) for lay in m.model.layers),
+         "h0": diff(st.hidden_init, m.model.embed_tokens(ids)), "states": 0.0, "exits vs forward(num_loops=t)": 0.0}
+    for t in range(T):
+        own = _own_loops(m, t + 1, ids, output_hidden_states=True)
+        d["states"] = max(d["states"], diff(st.hidden[:, :, t], own.hidden_states[-1]))
+        d["exits vs forward(num_loops=t)"] = max(d["exits vs forward(num_loops=t)"],
+                                                 diff(a.readout(st.hidden[:, :, t], t), own.logits))
+    d["batch of 1 vs 3"] = diff(a.states(ids[1:2]).hidden, st.hidden[1:2])
+    m.config.skip_loop_final_norm = True
+    try:
+        s = NanbeigeAdapter(m, a.cfg)  # verify_exit on: lm_head(norm(h_T)) against the forward
+        sk = s.states(ids)
+        d["skip norm: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), _own_loops(m, t + 1, ids).logits)
+                                    for t in range(T))
+        d["skip norm: norm(h_T)"] = diff(m.model.norm(sk.hidden[:, :, T - 1]), _own_loops(
+            m, T, ids, output_hidden_states=True).hidden_states[-1])
+    finally:
+        m.config.skip_loop_final_norm = False
+    m.config.pretraining_tp = 2  # the forward then splits every projection and the head into 2 slices
+    try:
+        s = NanbeigeAdapter(m, a.cfg)
+        sk = s.states(ids)
+        d["pretraining_tp 2: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), _own_loops(m, t + 1, ids).logits)
+                                           for t in range(T))
+    finally:
+        m.config.pretraining_tp = 1
+    report(f"nanbeige {dtype} {attn}", **d)
+    assert max(d.values()) <= (TOL if dtype == "float32" else 0.0), d
+
+
+def test_nanbeige_n_loops_is_the_models_num_loops():
+    path = _dir("nanbeige")
+    a = _nanbeige(path, n_loops=3)
+    m = a.model
+    ids = _nb_ids(m)
+    st = a.states(ids)
+    d = {"states (n_loops 3 vs forward(num_loops=t))": max(
+        diff(st.hidden[:, :, t], _own_loops(m, t + 1, ids, output_hidden_states=True).hidden_states[-1])
+        for t in range(3))}
+    report("nanbeige n_loops 3", **d)
+    assert st.hidden.shape[2] == 3 and max(d.values()) <= TOL
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_nanbeige_generation_equals_uncached_greedy(attn):
+    """Looptrace's decoders (share, recompute, native = the model's own DynamicCache: one slot per loop x layer;
+    speculative drafts at every k < T) and the model's own cached generate equal uncached greedy decoding; its
+    cached forward continued by one token equals the uncached forward."""
+    import sys
+
+    from looptrace.models.decoders import decoder_for
+    from looptrace.online.generate import decode_tokens
+    from looptrace.online.speculative import decode_speculative
+
+    path = _dir("nanbeige")
+    a = _nanbeige(path, attn_implementation=attn)
+    m, T, m_layers = a.model, a.info.n_loops, len(a.loop_layers(0))
+    p, N = _nb_ids(m, b=3, s=6), 6
+    seq = p
+    with torch.no_grad():
+        for _ in range(N):
+            seq = torch.cat([seq, m(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    ref = seq[:, p.shape[1]:].numpy()
+    d: dict[str, float] = {}
+    for policy in ("share", "recompute", "native"):
+        dec = decoder_for(a, policy)
+        r = decode_tokens(dec, p, N)
+        d[f"{policy} tokens equal"] = float(np.array_equal(r.tokens, ref))
+        if policy == "native":
+            d["native cache slots == T*L"] = float(len(dec.cache.layers) == T * m_layers)
+    for k in range(1, T):
+        r = decode_speculative(decoder_for(a, "recompute"), p, N, k, 3)
+        d[f"speculative k={k} tokens equal"] = float(np.array_equal(r.tokens, ref))
+    ids = p[:1]
+    with torch.no_grad():
+        gen = m.generate(p, max_new_tokens=N, do_sample=False)  # a batch of 3 (equal lengths: no padding)
+        cache = sys.modules[type(m).__module__].DynamicCache()
+        m(input_ids=ids, past_key_values=cache, use_cache=True)
+        nxt = m(input_ids=seq[:1, 6:7], past_key_values=cache, use_cache=True).logits
+        full = m(input_ids=seq[:1, :7], use_cache=False).logits
+        legacy = m(input_ids=ids).logits  # use_cache defaults to True: a cache of its own, returned as a tuple
+    d["generate tokens equal"] = float(torch.equal(gen, seq))
+    d["own cache slots == T*L"] = float(len(cache.layers) == T * m_layers)
+    diffs = {"cached next-token logits": diff(nxt[:, -1], full[:, -1]),
+             "cached forward logits": diff(legacy, m(input_ids=ids, use_cache=False).logits)}
+    report(f"nanbeige generation {attn}", **d, **diffs)
+    assert all(v == 1.0 for v in d.values()), d
+    assert max(diffs.values()) <= TOL, diffs

@@ -1,8 +1,10 @@
-"""The ``ouro`` and ``huginn`` adapters on the stand-ins of their published remote code (tests/hf_helpers.py).
+"""The ``ouro``, ``huginn`` and ``nanbeige`` adapters on the stand-ins of their published remote code
+(tests/hf_helpers.py).
 
 Every reference is the model's own computation: Ouro's ``OuroModel`` per-step states and gates and
 ``forward(exit_at_step=t)`` / ``forward(exit_threshold=q)``; Huginn's ``forward(num_steps=t)`` on a sequence
-alone in its own random stream. The stand-ins carry the traits of the real code that exposed looptrace's
+alone in its own random stream; Nanbeige's forward with ``num_loops = t``, its own cached ``generate`` and
+uncached greedy decoding. The stand-ins carry the traits of the real code that exposed looptrace's
 adapter bugs ((1) Ouro n_loops, (2) Ouro's exit reference, (3) Huginn's test-time noise, (4) Huginn's
 batch-dependent h_0, (5) Ouro's Q-exit in the model dtype, (6) the tokenizer prompt) and the transformers-4.x
 habits that break loading under transformers 5 (one test per compatibility patch, each switched off in turn).
@@ -12,6 +14,7 @@ The same checks against the real code: tests/test_real_code.py.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -35,7 +38,7 @@ QS = (0.3, 0.5, 0.7, 0.9, 0.95, 0.99, 1.0)
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("remote")
     return {"ouro": H.build_ouro(root / "ouro"), "ouro_confident": H.build_ouro(root / "ouro_confident", gate_bias=7.0),
-            "huginn": H.build_huginn(root / "huginn")}
+            "huginn": H.build_huginn(root / "huginn"), "nanbeige": H.build_nanbeige(root / "nanbeige")}
 
 
 def _ids(b=3, s=9, seed=0):
@@ -259,7 +262,7 @@ def test_tokenizer_of_a_remote_code_directory_loads_without_a_prompt(ckpts, monk
 
     prompts = []  # transformers swallows an exception raised here: record the calls instead
     monkeypatch.setattr(builtins, "input", lambda *a, **k: prompts.append(a) or "n")
-    for key in ("ouro", "huginn"):
+    for key in ("ouro", "huginn", "nanbeige"):
         tok = load_tokenizer(ckpts[key], trust_remote_code=True)
         assert tok("the cat")["input_ids"]
     assert not prompts, prompts
@@ -278,6 +281,9 @@ BREAKAGES = {
     "ouro.rope_init_weights": ("ouro", {}, "'NoneType' object is not callable"),
     "ouro.mask_kwargs": ("ouro", {}, "unexpected keyword argument 'input_embeds'"),
     "ouro.tied_weights_mapping": ("ouro", {"tie_word_embeddings": True}, "'list' object has no attribute 'keys'"),
+    "nanbeige.rope_scaling_type": ("nanbeige", {}, "KeyError"),
+    "nanbeige.tied_weights_mapping": ("nanbeige", {"tie_word_embeddings": True},
+                                      "'list' object has no attribute 'keys'"),
 }
 
 
@@ -379,3 +385,200 @@ def test_patches_are_recorded_once_and_scoped_to_the_remote_module(ckpts):
     assert "default" in rc.module.ROPE_INIT_FUNCTIONS
     cfg = json.loads((ckpts["ouro"] / "config.json").read_text())
     assert compat.family_of(compat.read_auto_map(ckpts["ouro"])) == "ouro" and "auto_map" in cfg
+
+
+# ----------------------------------------------------------------------------------------------- Nanbeige
+
+@pytest.fixture(scope="module")
+def nb_ckpt(ckpts):
+    return ckpts["nanbeige"]
+
+
+def nanbeige(path, **kw):
+    return load_adapter(AdapterConfig(kind="nanbeige", path=str(path), trust_remote_code=True, **kw))
+
+
+def _own_at(m, loops, ids, **kw):
+    """The model's own forward run with ``config.num_loops = loops`` (restored afterwards)."""
+    T = m.config.num_loops
+    m.config.num_loops = loops
+    try:
+        with torch.no_grad():
+            return m(input_ids=ids, use_cache=False, **kw)
+    finally:
+        m.config.num_loops = T
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_nanbeige_states_and_every_exit_are_the_models_own(nb_ckpt, dtype):
+    """h_t = the model's own last hidden state run with num_loops = t (its norm after every loop: h_t feeds loop
+    t + 1), h_0 the embedding; exit at loop t = that run's logits; the loaded rotary frequencies are the formula's."""
+    a = nanbeige(nb_ckpt, dtype=dtype)  # verify_exit on
+    assert (a.info.n_loops, a.info.d_model, a.info.vocab_size) == (2, 32, H.VOCAB)
+    assert {"nanbeige.rope_scaling_type", "nanbeige.rope_inv_freq"} <= set(a.info.extra["compat_patches"])
+    m = a.model
+    for layer in m.model.layers:
+        rot = layer.self_attn.rotary_emb
+        want = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+        assert torch.equal(rot.inv_freq.float(), want)
+    ids = _ids()
+    st = a.states(ids)
+    assert a._verified
+    close(st.hidden_init, m.model.embed_tokens(ids), 0)
+    for t in range(2):
+        own = _own_at(m, t + 1, ids, output_hidden_states=True)
+        close(st.hidden[:, :, t], own.hidden_states[-1], 0)
+        close(a.readout(st.hidden[:, :, t], t), own.logits, 0)
+    # loop 2 starts from h_1: the stack applied to h_1 with loop_idx 1, then the norm
+    h = st.hidden[:, :, 0]
+    with torch.no_grad():
+        mask = m.model._causal_mask(None, h, torch.arange(ids.shape[1]))
+        for layer in m.model.layers:
+            h = layer(h, attention_mask=mask, position_ids=torch.arange(ids.shape[1])[None], loop_idx=1)[0]
+        close(st.hidden[:, :, 1], m.model.norm(h), 0)
+
+
+def test_nanbeige_skip_loop_final_norm_and_loop_counts(nb_ckpt, tmp_path):
+    """With skip_loop_final_norm h_t is the raw output of loop t and the exit lm_head(norm(h_t)); n_loops equals a
+    checkpoint saved with that many loops, also over loop_loss_weights (which size the count) and on a built model."""
+    ids = _ids()
+    skip = H.copy_checkpoint(nb_ckpt, tmp_path / "nb-skip", "skip", {"skip_loop_final_norm": True})
+    a = nanbeige(skip)  # verify_exit on: lm_head(norm(h_T))
+    st = a.states(ids)
+    m = a.model
+    for t in range(2):
+        close(a.readout(st.hidden[:, :, t], t), _own_at(m, t + 1, ids).logits, 0)
+    with torch.no_grad():  # h_T is the raw output of the last loop: its norm is the model's last hidden state
+        close(m.model.norm(st.hidden[:, :, 1]), m.model(input_ids=ids, use_cache=False).last_hidden_state, 0)
+    with torch.no_grad():
+        assert float((st.hidden[:, :, 0] - m.model.norm(st.hidden[:, :, 0])).abs().max()) > 1e-3  # not normed
+    # n_loops: the checkpoint saved with 3 loops, an override, and loop_loss_weights (which size the loop count)
+    three = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb-T3", "T3", {"num_loops": 3}))
+    assert three.info.n_loops == 3
+    ref = three.states(ids)
+    weights = H.copy_checkpoint(nb_ckpt, tmp_path / "nb-w", "weights", {"loop_loss_weights": [0.3, 0.3]})
+    assert nanbeige(weights).info.n_loops == 3
+    for path in (nb_ckpt, weights):
+        got = nanbeige(path, n_loops=3)
+        assert got.info.n_loops == 3 and got.model.model._get_num_loops() == 3
+        close(got.states(ids).hidden, ref.hidden, 0)
+    built = nanbeige(nb_ckpt).model  # on an already-built model
+    from looptrace.models.adapters.nanbeige import NanbeigeAdapter
+
+    a4 = NanbeigeAdapter(built, AdapterConfig(kind="nanbeige", path=str(nb_ckpt), trust_remote_code=True, n_loops=4))
+    st4 = a4.states(ids)
+    assert st4.hidden.shape[2] == 4
+    close(st4.hidden[:, :, :3], ref.hidden, 0)
+
+
+def test_nanbeige_loop_step_reproduces_the_states_and_hooks_its_layers(nb_ckpt):
+    """The differentiable loop step (recorded layer calls + norm), iterated from h_0, gives the states bit for bit,
+    and its per-layer outputs are the ones hooked in the model's own forward."""
+    a = nanbeige(nb_ckpt)
+    ids = _ids(b=2, s=7)
+    st = a.states(ids)
+    seen: list[torch.Tensor] = []
+    handles = [lay.register_forward_hook(lambda mod, i, o: seen.append(o[0])) for lay in a.loop_layers(0)]
+    try:
+        with torch.no_grad():
+            a.model.model(input_ids=ids, use_cache=False)
+    finally:
+        for hk in handles:
+            hk.remove()
+    h, L = st.hidden_init, len(a.loop_layers(0))
+    for t in range(2):
+        with torch.enable_grad():
+            h, outs = a.loop_step_layers(h, st.hidden_init, t)
+        close(h, st.hidden[:, :, t], 0)
+        for x, y in zip(outs, seen[t * L:(t + 1) * L], strict=True):
+            close(x, y, 0)
+        h = h.detach()
+
+
+def test_nanbeige_refuses_what_changes_a_loop(nb_ckpt, tmp_path):
+    from looptrace.config import InputError
+
+    d = H.copy_checkpoint(nb_ckpt, tmp_path / "nb-split", "split", {"enable_double_loop_split": True})
+    with pytest.raises(InputError, match="enable_double_loop_split") as info:
+        nanbeige(d)
+    assert "\n" not in str(info.value)
+
+
+def _greedy(m, ids, n):
+    seq = ids
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = m(input_ids=seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+def test_nanbeige_decoders_and_its_own_generate_equal_uncached_greedy(nb_ckpt):
+    """Looptrace's decoders (share, recompute; native = the model's own DynamicCache, one slot per loop x layer)
+    and the model's own cached generate and cached forward equal the uncached model, token for token."""
+    from looptrace.models.decoders import decoder_for
+    from looptrace.online.generate import decode_tokens
+    from looptrace.online.speculative import decode_speculative
+    from tests.test_generate import Never, prompts_of
+
+    a = nanbeige(nb_ckpt)
+    m, T, L = a.model, a.info.n_loops, 3
+    p, N = prompts_of(B=3, S=4, lo=3, hi=250), 5
+    ref = _greedy(m, p, N)[:, 4:].numpy()
+    for policy in ("share", "recompute", "native"):
+        dec = decoder_for(a, policy)
+        for rule in (None, Never("never", 0.0, "ge")):
+            r = decode_tokens(dec, p, N, rule)
+            assert np.array_equal(r.tokens, ref), (policy, rule)
+            assert (r.exit_depth == T).all()
+        if policy == "native":
+            assert len(dec.cache.layers) == T * L  # its own cache: one slot per (loop, layer)
+    dec = decoder_for(a, "recompute")
+    assert dec.chunk_verify
+    r = decode_speculative(dec, p, N, 1, 3)
+    assert np.array_equal(r.tokens, ref)
+    with torch.no_grad():  # the model's own generate (batch of 3, equal lengths)
+        assert torch.equal(m.generate(p, max_new_tokens=N, do_sample=False), _greedy(m, p, N))
+    # its own cache: a cached forward continued by one token
+    ids = p[:1]
+    with torch.no_grad():
+        cached = m(input_ids=ids).logits  # use_cache defaults to True (a legacy cache of its own)
+        cache = sys.modules[type(m).__module__].DynamicCache()  # the class the model's own generate builds
+        m(input_ids=ids, past_key_values=cache, use_cache=True)
+        nxt = m(input_ids=torch.from_numpy(ref[:1, :1]), past_key_values=cache, use_cache=True).logits
+        full = m(input_ids=torch.cat([ids, torch.from_numpy(ref[:1, :1])], 1), use_cache=False).logits
+    close(cached, m(input_ids=ids, use_cache=False).logits)
+    close(nxt[:, -1], full[:, -1])
+    assert len(cache.layers) == T * L
+
+
+def test_nanbeige_patches_reproduce_their_failures_without_them(nb_ckpt, tmp_path, monkeypatch):
+    ids = _ids(b=1, s=5)
+    monkeypatch.setenv(compat.DISABLE_ENV, "nanbeige.rope_inv_freq")
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb1", "inv-freq"), verify_exit=False)
+    want = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.int64).float() / 16))
+    assert not torch.equal(a.model.model.layers[0].self_attn.rotary_emb.inv_freq, want)  # not the formula's
+    monkeypatch.setenv(compat.DISABLE_ENV, "nanbeige.dynamic_cache")
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb2", "legacy-cache"))
+    with pytest.raises(AttributeError, match="from_legacy_cache"), torch.no_grad():
+        a.model(input_ids=ids)  # use_cache defaults to True
+    monkeypatch.setenv(compat.DISABLE_ENV, "nanbeige.generation_mixin")
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb3", "mixin"))
+    with pytest.raises(AttributeError, match="'super' object has no attribute 'generate'"), torch.no_grad():
+        a.model.generate(ids, max_new_tokens=2, do_sample=False)
+    monkeypatch.setenv(compat.DISABLE_ENV, "nanbeige.generation_inputs")
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb4", "inputs"))
+    with pytest.raises(ValueError, match=r"not used by the model: \['cache'\]"), torch.no_grad():
+        a.model.generate(ids, max_new_tokens=2, do_sample=False)
+    # with the patch: the prompt once, then one position per step (its own cache), as under 4.x
+    monkeypatch.delenv(compat.DISABLE_ENV)
+    a = nanbeige(H.copy_checkpoint(nb_ckpt, tmp_path / "nb5", "inputs-fixed"))
+    lens: list[int] = []
+    hook = a.model.register_forward_pre_hook(lambda mod, args, kw: lens.append(kw["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    try:
+        with torch.no_grad():
+            a.model.generate(ids, max_new_tokens=3, do_sample=False)
+    finally:
+        hook.remove()
+    assert lens == [5, 1, 1]

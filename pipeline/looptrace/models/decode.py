@@ -19,8 +19,8 @@ leave it and pay nothing more for that position. ``h_init`` is the state enterin
 prelude output; None for Ouro).
 
 Decoders exist for looptrace's own :class:`~looptrace.models.looped.LoopedTransformer` (here) and for the
-``dory``, ``retrofit``, ``ouro`` and ``huginn`` adapters (each in its kind's module, beside the adapter, on
-:mod:`looptrace.models.adapters.decoding`); :func:`looptrace.models.decoders.decoder_for` picks one.
+``dory``, ``retrofit``, ``ouro``, ``huginn`` and ``nanbeige`` adapters (each in its kind's module, beside the
+adapter, on :mod:`looptrace.models.adapters.decoding`); :func:`looptrace.models.decoders.decoder_for` picks one.
 
 KV policies (``policy``) for the loops a position skipped after exiting at loop d:
 

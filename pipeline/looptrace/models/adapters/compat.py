@@ -1,10 +1,11 @@
-"""Running published remote code (Huginn's, Ouro's) under the installed transformers: the shim's machinery.
+"""Running published remote code (Huginn's, Ouro's, Nanbeige's) under the installed transformers: the shim's
+machinery.
 
-Both models ship their modeling code inside the checkpoint directory (``trust_remote_code``), written for
-transformers 4.4x–4.57: Huginn's ``raven_modeling_minimal.py`` / ``raven_config_minimal.py``
-(seal-rg/recurrent-pretraining) and Ouro's ``modeling_ouro.py`` / ``configuration_ouro.py`` (as published with
-the ByteDance checkpoints). transformers 5 changed several interfaces that code relies on, so neither loads
-unmodified under the version looptrace pins. This module makes it run **without touching the checkpoint**:
+These models ship their modeling code inside the checkpoint directory (``trust_remote_code``), written for
+transformers 4.x: Huginn's ``raven_modeling_minimal.py`` / ``raven_config_minimal.py``
+(seal-rg/recurrent-pretraining), Ouro's ``modeling_ouro.py`` / ``configuration_ouro.py`` (as published with the
+ByteDance checkpoints) and Nanbeige4.2's ``modeling_nanbeige.py`` / ``configuration_nanbeige.py``. transformers 5
+changed several interfaces that code relies on, so none loads unmodified under the version looptrace pins. This module makes it run **without touching the checkpoint**:
 
 - it imports the checkpoint's own modules through transformers' dynamic-module loader
   (``get_class_from_dynamic_module``, local files only) — the very module objects ``AutoModelForCausalLM``
@@ -21,7 +22,7 @@ unmodified under the version looptrace pins. This module makes it run **without 
 
 The patches of a family are its adapter class's ``patches`` (:class:`Patch`), in its kind's module, each listed
 there with the transformers 5 change it answers (:mod:`~looptrace.models.adapters.huginn`,
-:mod:`~looptrace.models.adapters.ouro`); :func:`patches` collects them. The ones both families use are here:
+:mod:`~looptrace.models.adapters.ouro`, :mod:`~looptrace.models.adapters.nanbeige`); :func:`patches` collects them. The ones both families use are here:
 :func:`tied_weights_mapping` (5.x wants ``_tied_weights_keys`` as a mapping target → source: ``'list' object has no
 attribute 'keys'`` → the mapping to the kind's ``tied_source``) and :func:`output_past_key_values` (5.0–5.24 rename
 ``past_key_values=`` to ``cache=`` in every ``ModelOutput.__init__`` → an output class that declares
@@ -105,7 +106,8 @@ def family_classes() -> dict[str, str]:
 
 
 def family_of(auto_map: dict[str, str]) -> str | None:
-    """``huginn`` | ``ouro`` when ``auto_map`` names one of :func:`family_classes`, else None."""
+    """The kind (``huginn`` | ``ouro`` | ``nanbeige``...) whose remote class ``auto_map`` names (one of
+    :func:`family_classes`), else None."""
     ref = auto_map.get("AutoModelForCausalLM", "")
     return next((f for f, cls in family_classes().items() if ref == cls), None)
 
@@ -300,7 +302,7 @@ def remote_code(path: Path | str, kind: str, auto_map: dict[str, str] | None = N
 
 def load_remote_model(path: Path | str, kind: str, dtype: torch.dtype | str, attn_implementation: str | None = None,
                       config_overrides: dict[str, Any] | None = None):
-    """(model in eval mode, patches in force) of a Huginn / Ouro checkpoint carrying its remote code.
+    """(model in eval mode, patches in force) of a remote-code checkpoint (Huginn, Ouro, Nanbeige) carrying its code.
 
     ``config_overrides`` are set on the config before the model is built (Ouro's ``total_ut_steps``, which
     ``OuroModel`` copies at construction).

@@ -1,5 +1,5 @@
 """What the adapters' loop-by-loop decoders share (each kind's decoder is in its own module: ``dory``, ``retrofit``,
-``ouro``, ``huginn``), and :func:`hf_decoder`, which picks an adapter's.
+``ouro``, ``huginn``, ``nanbeige``), and :func:`hf_decoder`, which picks an adapter's.
 
 Each runs the model's **own** modules — its embedding, decoder layers / ``iterate_one_step``, norms, coda and head
 — in the order its forward does, one position at a time (:class:`looptrace.models.decode.LoopDecoder`), with a
@@ -8,11 +8,12 @@ cache object passed where the model's attention expects its cache: the layers ca
 
 - looptrace's :class:`~looptrace.models.kv.LoopKVCache` (policies ``share`` and ``recompute``; one slot per
   (loop, layer), batch compaction), addressed through the model's own index layout — Huginn: ``block_idx``
-  (prelude 0..P−1, core P + Lc·step + layer, coda −1, −2); Ouro: ``current_ut·L + layer_idx``; Dory and
-  retrofit: the layer index, with the loop set by the decoder; or
+  (prelude 0..P−1, core P + Lc·step + layer, coda −1, −2); Ouro: ``current_ut·L + layer_idx``; Nanbeige:
+  ``layer_idx + loop_idx·L``; Dory and retrofit: the layer index, with the loop set by the decoder; or
 - the model's own cache for ``native``: Huginn's ``HuginnDynamicCache(lookup_strategy=...)`` (rows in lockstep:
   it keeps the batch inside each entry), Ouro's ``UniversalTransformerCache`` (all T steps run, as its
-  ``generate``), Dory's ``last_loop`` mode (one slot per recurrent layer: the last loop a position ran).
+  ``generate``), Nanbeige's ``DynamicCache`` (one slot per loop × layer, all T loops run), Dory's
+  ``last_loop`` mode (one slot per recurrent layer: the last loop a position ran).
 
 Exactness: with every token at full depth, each decoder's greedy tokens equal greedy decoding with the model's
 own uncached forward (tests/test_generate.py, on the stand-ins that follow the real interfaces). Attention

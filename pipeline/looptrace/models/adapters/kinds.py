@@ -39,6 +39,7 @@ KINDS: Registry[Any] = Registry("adapter kind", {
     "inkling2loop": "looptrace.models.adapters.inkling2loop:Inkling2LoopAdapter",
     "ouro": "looptrace.models.adapters.ouro:OuroAdapter",
     "huginn": "looptrace.models.adapters.huginn:HuginnAdapter",
+    "nanbeige": "looptrace.models.adapters.nanbeige:NanbeigeAdapter",
 }, group=ENTRY_POINT_GROUP, check=_not_an_adapter)
 
 

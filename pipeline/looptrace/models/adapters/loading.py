@@ -31,17 +31,18 @@ class AdapterConfig:
     """``dump.adapter`` section: which checkpoint to run and how to loop it.
 
     Attributes:
-        kind: ``dory`` | ``inkling2loop`` | ``retrofit`` | ``ouro`` | ``huginn`` (:data:`~looptrace.models.adapters.
+        kind: ``dory`` | ``inkling2loop`` | ``retrofit`` | ``ouro`` | ``huginn`` | ``nanbeige`` (:data:`~looptrace.models.adapters.
             kinds.KINDS`, with any installed ``looptrace.adapters`` entry point).
         path: local checkpoint directory (config.json + weights; the tokenizer for text dumps).
         name: run name ``<model>`` of the artifacts (default: the directory name).
         dtype: weights/compute dtype: ``float32`` | ``bfloat16`` | ``float16`` | ``auto`` (the checkpoint's).
         n_loops: T. Native kinds: overrides the checkpoint's loop count (dory ``n_recurrent_loops``,
-            inkling2loop ``loop_num_passes``, ouro ``total_ut_steps``, huginn ``mean_recurrence``); null keeps
+            inkling2loop ``loop_num_passes``, ouro ``total_ut_steps``, huginn ``mean_recurrence``, nanbeige
+            ``num_loops``); null keeps
             it. ``retrofit``: passes through the block (required).
         block: ``retrofit`` only: ``[start, end)`` layer indices of the looped block (0 < start < end ≤ L
             is not required: start may be 0, end may be L).
-        trust_remote_code: run the checkpoint directory's own modeling code (required for ouro / huginn;
+        trust_remote_code: run the checkpoint directory's own modeling code (required for ouro / huginn / nanbeige;
             the code is read from the local directory only).
         attn_implementation: transformers attention backend (``eager``, ``sdpa``...); null = the default.
         verify_exit: check the exit path against the model's own forward logits on the first batch.
@@ -100,7 +101,7 @@ def checkpoint_hash(path: Path | str) -> str:
 def load_hf_model(cfg: AdapterConfig, device: str = "cpu") -> nn.Module:
     """Load the causal LM of ``cfg.path`` (local files only) in ``cfg.dtype``, in eval mode on ``device``.
 
-    Checkpoints of a remote-code kind (``ouro`` / ``huginn``) carrying their code load through the compatibility
+    Checkpoints of a remote-code kind (``ouro`` / ``huginn`` / ``nanbeige``) carrying their code load through the compatibility
     shim (:mod:`looptrace.models.adapters.compat`); the patches in force are kept in
     ``model._looptrace_compat_patches``.
 
