@@ -39,12 +39,15 @@ def test_entropy_and_js_on_hand_made_distributions():
     # p = (1/2, 1/2), q = (1, 0): m = (3/4, 1/4); ½ KL(p‖m) + ½ KL(q‖m) = ½ · ½ log(4/3) + ½ log(4/3) = ¾ log(4/3)
     assert float(js_divergence(t(0.5, 0.5), t(1.0, 0.0))) == pytest.approx(0.75 * math.log(4 / 3), abs=1e-15)
     assert float(js_divergence(t(1.0, 0.0), t(0.5, 0.5))) == pytest.approx(0.75 * math.log(4 / 3), abs=1e-15)
-    # the other form of the definition on random rows: JS = H(m) − ½ H(p) − ½ H(q)
+    # the KL form of the definition on random rows (the code computes H(m) − ½ H(p) − ½ H(q)), near-equal rows too
     rng = np.random.default_rng(0)
     p, q = rng.dirichlet(np.ones(7), size=5), rng.dirichlet(np.ones(7), size=5)
-    h = lambda a: -(a * np.log(a)).sum(-1)  # noqa: E731
-    want = h((p + q) / 2) - h(p) / 2 - h(q) / 2
-    np.testing.assert_allclose(js_divergence(torch.from_numpy(p), torch.from_numpy(q)).numpy(), want, rtol=1e-12)
+    q[0] = p[0] * (1 + 1e-6 * rng.standard_normal(7))
+    q[0] /= q[0].sum()
+    want = 0.5 * _kl(p, (p + q) / 2) + 0.5 * _kl(q, (p + q) / 2)
+    got = js_divergence(torch.from_numpy(p), torch.from_numpy(q)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-15)
+    assert 0 < got[0] < 1e-11
 
 
 # ---------------------------------------------------------------------------------------------- attention weights
@@ -86,6 +89,12 @@ def test_attention_weights_equal_a_second_implementation_and_reproduce_the_modul
 # ---------------------------------------------------------------------------------------------- during the dump
 
 
+def _kl(u: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """KL(u ‖ w) over the last axis, 0 log 0 = 0 (w > 0 wherever u > 0)."""
+    pos = u > 0
+    return np.where(pos, u * np.log(np.where(pos, u, 1) / np.where(pos, w, 1)), 0).sum(-1)
+
+
 def _reference(model: LoopedTransformer, ids: torch.Tensor, layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Entropy and JS [B, S, T, L, H] written out from the model's modules (form ``add`` with reinjection): every
     block layer's attention input by hand, its weights in numpy (:func:`_np_weights`)."""
@@ -107,8 +116,7 @@ def _reference(model: LoopedTransformer, ids: torch.Tensor, layers: list[int]) -
                         else:
                             p, q = a, prev[(g, j)]
                             m = (p + q) / 2
-                            kl = lambda u, w: np.where(u > 0, u * np.log(np.where(u > 0, u, 1) / w), 0).sum(-1)  # noqa: E731
-                            j_t.append(0.5 * kl(p, m) + 0.5 * kl(q, m))
+                            j_t.append(0.5 * _kl(p, m) + 0.5 * _kl(q, m))
                         prev[(g, j)] = a
                     x = layer(x)
                 h = x

@@ -94,9 +94,13 @@ def attention_weights(attn: SelfAttention, x: torch.Tensor) -> torch.Tensor:
     """
     B, S, D = x.shape
     H = attn.n_head
-    q, k, _ = attn.qkv(x).split(D, dim=2)  # [B, S, D] each, the module's own projection
-    q = q.double().view(B, S, H, D // H).transpose(1, 2)  # [B, H, S, D/H]
-    k = k.double().view(B, S, H, D // H).transpose(1, 2)
+    # the module's own q and k projections (its first 2·D output rows), in float64 by torch.matmul: outside the
+    # batch-invariant mode's row-by-row F.linear (the model's own pass uses that; these numbers feed no state)
+    w = attn.qkv.weight[:2 * D].double()  # [2D, D]
+    b = attn.qkv.bias[:2 * D].double()
+    q, k = (x.double() @ w.t() + b).split(D, dim=2)  # [B, S, D] each
+    q = q.view(B, S, H, D // H).transpose(1, 2)  # [B, H, S, D/H]
+    k = k.view(B, S, H, D // H).transpose(1, 2)
     scores = q @ k.transpose(-2, -1) / math.sqrt(D // H)  # [B, H, S, S]
     if attn.causal:
         allowed = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
@@ -109,19 +113,17 @@ def entropy(p: torch.Tensor) -> torch.Tensor:
     return -torch.special.xlogy(p, p).sum(-1)
 
 
-def js_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """JS(p ‖ q) = ½ Σ p log(2p / (p + q)) + ½ Σ q log(2q / (p + q)) over the last axis (nats, in [0, log 2]).
+def js_divergence(p: torch.Tensor, q: torch.Tensor, h_p: torch.Tensor | None = None,
+                  h_q: torch.Tensor | None = None) -> torch.Tensor:
+    """JS(p ‖ q) = ½ KL(p ‖ m) + ½ KL(q ‖ m), m = ½ (p + q), over the last axis (nats, in [0, log 2]).
 
-    Written term by term (not H(m) − ½ H(p) − ½ H(q)), so nearly equal rows give a small non-negative value instead
-    of a difference of two large entropies."""
-    m = p + q
-    return 0.5 * (_kl_term(p, m) + _kl_term(q, m)).sum(-1)
-
-
-def _kl_term(p: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    # p log(2p / m), 0 where p = 0 (m ≥ p, so m > 0 wherever p > 0)
-    safe_m = torch.where(p > 0, m, torch.ones_like(m))
-    return torch.where(p > 0, p * (torch.log(2.0 * p) - torch.log(safe_m)), torch.zeros_like(p))
+    Computed as H(m) − ½ H(p) − ½ H(q) (the same quantity; the entropies of the rows are known already when the
+    recorder calls it: ``h_p``, ``h_q`` [...]). Give float64 rows: the difference then loses ~1e-15 nats, far
+    below the float32 the store keeps; equal rows give exactly 0, and rounding never makes it negative (clamped).
+    """
+    h_p = entropy(p) if h_p is None else h_p
+    h_q = entropy(q) if h_q is None else h_q
+    return (entropy(0.5 * (p + q)) - 0.5 * (h_p + h_q)).clamp_min(0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +142,8 @@ class HeadRecorder:
         self.layers = [int(j) for j in layers]
         self.entropy: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.js: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._last: dict[tuple[int, int], torch.Tensor] = {}  # the previous iteration's weights, per (group, layer)
+        # the previous iteration's weights and their entropies, per (group, layer)
+        self._last: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def hook(self, key: tuple[int, int]) -> Callable:
         def record(module: SelfAttention, inputs: tuple, _output) -> None:
@@ -148,12 +151,12 @@ class HeadRecorder:
             if kv is not None:
                 raise ValueError("dump.heads records full-sequence forwards only (no decoding cache)")
             a = attention_weights(module, x)  # [B, H, S, S]
-            self.entropy.setdefault(key, []).append(entropy(a).transpose(1, 2).float())  # [B, S, H]
+            h = entropy(a)  # [B, H, S]
+            self.entropy.setdefault(key, []).append(h.transpose(1, 2).float())  # [B, S, H]
             prev = self._last.get(key)
-            js = (torch.full(a.shape[:-1], float("nan"), dtype=torch.float64, device=a.device) if prev is None
-                  else js_divergence(a, prev))
+            js = (torch.full_like(h, float("nan")) if prev is None else js_divergence(a, prev[0], h, prev[1]))
             self.js.setdefault(key, []).append(js.transpose(1, 2).float())
-            self._last[key] = a
+            self._last[key] = (a, h)
         return record
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:

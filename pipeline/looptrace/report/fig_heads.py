@@ -12,7 +12,15 @@ import polars as pl
 
 from looptrace.report import plotting
 from looptrace.report.inputs import Inputs
-from looptrace.report.plotting import FIG_W, band, groups_of, legend_below, pyplot, regime_colours, seeds_label
+from looptrace.report.plotting import (
+    FIG_W,
+    band,
+    groups_of,
+    legend_below,
+    pyplot,
+    regime_colours,
+    seeds_label,
+)
 
 
 def _per_loop(frame: pl.DataFrame, names: list[str], T: int, **where) -> np.ndarray:
@@ -82,8 +90,8 @@ def fig_layers(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False) -> Pa
 
 def fig_heads(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False) -> Path | None:
     """Each head's median JS divergence from the previous loop (top, log scale) and median attention entropy
-    (bottom) by loop: columns = tasks, colours = regimes, one line per (layer, head); mean over seeds with the
-    across-seed 95 % band."""
+    (bottom) by loop: columns = tasks, colours = regimes, one line per (layer, head), a line style per layer; mean
+    over seeds with the across-seed 95 % band."""
     hd = inp.heads
     if hd is None or not hd.height:
         return None
@@ -91,25 +99,32 @@ def fig_heads(inp: Inputs, out: Path, dpi: int, seed_lines: bool = False) -> Pat
     if not tasks:
         return None
     plt = pyplot()
+    from matplotlib.lines import Line2D
+
     colours = regime_colours(inp.meta)
     fig, axes = plt.subplots(2, len(tasks), figsize=(FIG_W, 7.0), squeeze=False, layout="constrained")
     handles: dict[str, object] = {}
+    styles = ("-", "--", ":", "-.")
+    layer_handles: dict[str, object] = {}
     for c, (task, groups) in enumerate(tasks):
         for regime, names, T in groups:
             x = np.arange(1, T + 1)
             sub = hd.filter(pl.col("model").is_in(names))
+            layers = sorted(sub["layer"].unique().to_list())
             for layer, head in sorted(set(sub.select("layer", "head").iter_rows())):
+                ls = styles[layers.index(layer) % len(styles)]
                 js = _per_loop(sub, names, T, layer=layer, head=head, metric="js")
                 h = band(axes[0, c], x, np.where(js > 0, js, np.nan), colours[regime], regime, log=True,
-                         seed_lines=seed_lines, marker=None, lw=1.0)
+                         seed_lines=seed_lines, marker=None, lw=1.0, ls=ls)
                 band(axes[1, c], x, _per_loop(sub, names, T, layer=layer, head=head, metric="entropy"),
-                     colours[regime], regime, seed_lines=seed_lines, marker=None, lw=1.0)
+                     colours[regime], regime, seed_lines=seed_lines, marker=None, lw=1.0, ls=ls)
                 handles.setdefault(f"{regime} ({seeds_label(len(names))}; a line per head)", h)
+                layer_handles.setdefault(f"layer {layer}", Line2D([], [], color="grey", ls=ls))
         axes[0, c].set(title=task, ylabel="median JS(a_t ‖ a_{t−1}) (nats)", yscale="log")
         axes[1, c].set(xlabel="loop t", ylabel="median attention entropy (nats)")
         for r in range(2):
             axes[r, c].xaxis.get_major_locator().set_params(integer=True)
-    legend_below(fig, handles)
+    legend_below(fig, {**handles, **(layer_handles if len(layer_handles) > 1 else {})})
     fig.suptitle("Attention heads across loops (seeds: mean, 95 % band)")
     return plotting.save(fig, out / "heads.png", dpi)
 

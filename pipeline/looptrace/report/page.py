@@ -122,7 +122,7 @@ _CAPTIONS = {
               "artifacts/geometry/<model>/layers.parquet.",
     "heads": "Attention heads across loops (SPEC §2c, models dumped with dump.heads): each head's median Jensen–Shannon "
              "divergence between its attention at loop t and t − 1 (top; nats, log scale) and its median attention "
-             "entropy (bottom), one line per head; mean over seeds with the 95 % band.",
+             "entropy (bottom), one line per head (a line style per layer); mean over seeds with the 95 % band.",
     "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
                "dashed line is 0.8 × ideal.",
 }
