@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
-import numpy as np
 import torch
 
 from looptrace.config import ConfigError
@@ -202,8 +202,9 @@ def head_stats(adapter: LoopedModelAdapter, input_ids: torch.Tensor, layers: Seq
 
 
 def capture_head_arrays(rec: HeadRecorder, select: Callable[[torch.Tensor], torch.Tensor],
-                        host: Callable[[torch.Tensor], np.ndarray]) -> dict[str, np.ndarray]:
-    """The dump's hook: ``head_entropy`` and ``head_js`` of one batch's scored rows ([n_scored, loop, layer, head])."""
+                        host: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    """The dump's hook: ``head_entropy`` and ``head_js`` of one batch's scored rows ([n_scored, loop, layer, head]),
+    through ``host`` (the dump's :meth:`~looptrace.capture.transfer.Transfer.copy`: numpy, or a pending copy)."""
     ent, js = rec.result()
     return {HEAD_ARRAYS[0]: host(select(ent)), HEAD_ARRAYS[1]: host(select(js))}
 
