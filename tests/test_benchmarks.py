@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # subprocesses that import torch: in `make test`,
 BENCH = REPO / "benchmarks"
 
 #: benchmark -> its smoke arguments (latency's are added by its test: it reads an artifacts tree).
-SMOKE = {"contraction.py": ["--smoke"], "contraction_hf.py": ["--smoke"], "dump.py": ["--smoke"], "dump_hf.py": ["--smoke"], "generate.py": ["--smoke"],
+SMOKE = {"contraction.py": ["--smoke"], "contraction_hf.py": ["--smoke"], "dump.py": ["--smoke"], "dump_hf.py": ["--smoke"], "heads.py": ["--smoke"], "generate.py": ["--smoke"],
          "gpu.py": ["--smoke"], "lm_scale.py": ["--smoke"],
          "geometry.py": ["--smoke"], "latency.py": [], "scale.py": ["--smoke"], "seeds.py": ["--smoke"],
          "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"],

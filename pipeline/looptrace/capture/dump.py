@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from looptrace.capture import heads as _heads
 from looptrace.capture import layers as _layers
 from looptrace.capture.chunks import (
     NONFINITE,
@@ -121,6 +122,10 @@ class DumpConfig:
         layers: also store the outputs of these layers of the looped block at every loop, ``layer_hidden``
             [token, loop, layer, d_model] in the states' dtype (:mod:`looptrace.capture.layers`; its size is
             printed before writing); empty (default) = none.
+        heads: also store, for these layers of the looped block, every attention head's entropy and its
+            Jensen–Shannon divergence from the previous loop per (token, loop), ``head_entropy`` / ``head_js``
+            [token, loop, layer, head] float32 (SPEC §2c, :mod:`looptrace.capture.heads`; computed during the forward
+            pass, never storing the attention maps; looptrace's own models); empty (default) = none.
     """
 
     sequences: dict[str, int] = field(default_factory=lambda: {"fit": 1024, "val": 512, "test": 512})
@@ -138,6 +143,7 @@ class DumpConfig:
     allow_prefix_overlap: bool = False
     contraction: ContractionConfig | None = None
     layers: tuple[int, ...] = ()
+    heads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.sequences) - set(SPLITS))
@@ -161,13 +167,15 @@ class DumpConfig:
 
 
 def _params_attr(cfg: DumpConfig) -> dict[str, Any]:
-    """The ``params`` store attribute: the resolved section, without the opt-in ``contraction`` / ``layers`` while
-    they are off (so a default store's attributes are those it had before the options existed)."""
+    """The ``params`` store attribute: the resolved section, without the opt-in ``contraction`` / ``layers`` /
+    ``heads`` while they are off (so a default store's attributes are those it had before the options existed)."""
     params = to_dict(cfg)
     if cfg.contraction is None:
         params.pop("contraction")
     if not cfg.layers:
         params.pop("layers")
+    if not cfg.heads:
+        params.pop("heads")
     return params
 
 def bare_forward(adapter: LoopedModelAdapter, batches: Sequence[torch.Tensor]) -> None:
@@ -212,6 +220,10 @@ def _layout(adapter: LoopedModelAdapter, n_tokens: int, cfg: DumpConfig) -> tupl
         _layers.check_layers(adapter, cfg.layers)
         specs[_layers.LAYER_ARRAY] = ArraySpec((n_tokens, T, len(cfg.layers), D), sdt)
         _say(_layers.size_line(info.name, n_tokens, T, cfg.layers, D, sdt))
+    if cfg.heads:  # opt-in: per-head statistics, measured during the forward pass
+        n_head = _heads.check_heads(adapter, cfg.heads)
+        specs.update({a: ArraySpec((n_tokens, T, len(cfg.heads), n_head), DTYPES[a]) for a in _heads.HEAD_ARRAYS})
+        _say(_heads.size_line(info.name, n_tokens, T, cfg.heads, n_head))
     return specs, k
 
 
@@ -223,7 +235,8 @@ def state_dtype(adapter: LoopedModelAdapter, cfg: DumpConfig) -> str:
 @torch.inference_mode()
 def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
              k: int | None, hidden_dtype: str, contraction: ContractionConfig | None = None,
-             layers: tuple[int, ...] = (), tx: Transfer | None = None) -> dict[str, Any]:
+             layers: tuple[int, ...] = (), tx: Transfer | None = None, heads: tuple[int, ...] = ()
+             ) -> dict[str, Any]:
     """Every token-axis array of one batch of sequences: name -> [n_scored, ...] numpy (``tx``: the device's
     arrays come back through it, possibly still being copied: :func:`looptrace.capture.transfer.resolve`)."""
     tx = tx or Transfer("cpu")  # (synchronous: tensor.cpu().numpy())
@@ -233,7 +246,11 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     ids = torch.from_numpy(np.ascontiguousarray(data.tokens[rows], dtype=np.int64)).to(dev)
     keep = mask[rows]  # [B, S] scored positions
     all_scored = bool(keep.all())
-    st = adapter.states(ids)
+    if heads:  # the same forward pass, its attention heads recorded by hooks that leave its outputs alone
+        with _heads.recording(adapter, heads) as head_rec:
+            st = adapter.states(ids)
+    else:
+        st = adapter.states(ids)
     if all_scored:  # a reshape instead of a gather
         sel = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731 - [B, S, ...] -> [B*S, ...] row-major
     else:
@@ -254,6 +271,8 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
         if bad is not None:
             nonfinite += bad
     out[NONFINITE] = nonfinite
+    if heads:
+        out.update(_heads.capture_head_arrays(head_rec, sel, tx.copy))
     if info.has_gate:
         if st.gate_logits is None:
             raise InputError(f"adapter '{info.name}' declares a gate but returned no gate logits")
@@ -472,7 +491,7 @@ def _write_range(adapter, data: TaskBatch, cfg: DumpConfig, writer: StoreWriter,
                     asm.pos = hi
                 else:
                     pending.append(_capture(adapter, data, mask, rows, k_top, hidden_dtype, cfg.contraction,
-                                            cfg.layers, tx))
+                                            cfg.layers, tx, cfg.heads))
                     while len(pending) > int(tx.asynchronous):
                         asm.add(resolve(pending.pop(0)))
                 bar.update(hi - lo)

@@ -53,7 +53,7 @@ VALUE_MODULES = ("looptrace.capture.dump", "looptrace.capture.chunks", "looptrac
                  "looptrace.signals.logits", "looptrace.signals.names", "looptrace.io.precision",
                  "looptrace.io.store.schema", "looptrace.io.store.writer", "looptrace.io.store.chunk_io",
                  "looptrace.models.interface", "looptrace.models.looped", "looptrace.loopmap.contraction",
-                 "looptrace.capture.layers")
+                 "looptrace.capture.layers", "looptrace.capture.heads")
 
 
 def code_hash(*extra_modules: str) -> str:

@@ -38,6 +38,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError, to_dict
+from looptrace.geometry import inside
 from looptrace.geometry.blocks import (
     OPT_IN_COLUMNS,
     STORE_STATS,
@@ -48,6 +49,7 @@ from looptrace.geometry.blocks import (
     read_block,
     release_large_buffers,
 )
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.artifacts import atomic_dir, jsonable
 from looptrace.io.bounds import check_block_tokens
 from looptrace.io.parallel import DaskRunner, map_chunks
@@ -304,13 +306,16 @@ def _median_int(x: np.ndarray) -> float:
 
 def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | str,
                    meta: dict | None = None, extra_tables: dict[str, pl.DataFrame] | None = None,
-                   progress: bool = True, runner: DaskRunner | None = None) -> dict:
+                   progress: bool = True, runner: DaskRunner | None = None,
+                   intervals: IntervalsConfig | None = None) -> dict:
     """Run the geometry of one model's dump: stream each split's store and write the artifacts.
 
     Writes, atomically (a temporary directory next to ``out_dir`` that replaces it at the end):
     ``token_loop.parquet``, ``loop_summary.parquet``, ``convergence.parquet``, ``dlr.parquet`` (rows
-    only when the model has several looped groups) and ``metrics.json``. Memory is bounded by one block of
-    ``hidden`` plus per-(split, loop) scalar columns for the summary quantiles.
+    only when the model has several looped groups) and ``metrics.json``; ``layers.parquet`` / ``heads.parquet``
+    (SPEC §2c, :mod:`looptrace.geometry.inside`) only when every split's store holds ``layer_hidden`` / the head
+    arrays (opt-in ``dump.layers`` / ``dump.heads``). Memory is bounded by one block of ``hidden`` plus per-(split,
+    loop) scalar columns for the summary quantiles (and the per-token scalars of the opt-in tables).
 
     Args:
         stores: split -> open :class:`looptrace.io.store.reader.TrajectoryStore` (one model; same T and groups).
@@ -322,13 +327,18 @@ def geometry_model(stores: dict[str, Any], cfg: GeometryConfig, out_dir: Path | 
         progress: show progress bars (silent anyway when not a terminal).
         runner: run the per-chunk work (:func:`geometry_chunk`) as Dask tasks (:mod:`looptrace.io.parallel`);
             None = in this process. The outputs are the same bytes either way.
+        intervals: the bootstrap of the opt-in tables' intervals (seeded by ``meta``'s ``seed`` and ``model``);
+            None = no intervals.
 
     Returns:
         The metrics dict written to ``metrics.json``.
     """
     with atomic_dir(out_dir) as tmp:
         metrics = _geometry_into(stores, cfg, tmp, dict(meta or {}), progress, runner)
-        for name, df in (extra_tables or {}).items():
+        m = dict(meta or {})
+        tables = inside.inside_tables(stores, cfg.eps.get("rel_step", ()), intervals, str(m.get("model", "")),
+                                      int(m.get("seed") or 0), cfg.block_tokens)
+        for name, df in {**tables, **(extra_tables or {})}.items():
             write_parquet(df, tmp / name)
     return metrics
 

@@ -1,6 +1,6 @@
 """The report's figures (``figures/<name>.png``): :func:`make_figures` draws every figure whose inputs
 exist, one module per figure family (``fig_loops``, ``fig_pareto``, ``fig_failures``, ``fig_cross_regime``,
-``fig_latency``, ``fig_loopmap``), each drawn from :class:`~looptrace.report.inputs.Inputs` only through
+``fig_latency``, ``fig_loopmap``, ``fig_heads``), each drawn from :class:`~looptrace.report.inputs.Inputs` only through
 :mod:`looptrace.report.plotting`; a figure whose inputs are missing is not drawn (its function returns None)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from looptrace.report.fig_cross_regime import fig_cross_regime
 from looptrace.report.fig_failures import fig_failures
+from looptrace.report.fig_heads import fig_heads, fig_layers
 from looptrace.report.fig_latency import fig_latency
 from looptrace.report.fig_loopmap import fig_loopmap
 from looptrace.report.fig_loops import fig_accuracy_per_loop, fig_convergence, fig_step_geometry
@@ -33,4 +34,6 @@ def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Pat
     made["cross_regime"] = fig_cross_regime(inp, cfg, fig_dir, cfg.dpi)
     made["latency"] = fig_latency(inp, fig_dir, cfg.dpi)
     made["loopmap"] = fig_loopmap(inp, inp.loopmap, fig_dir, cfg.dpi, cfg.seed_lines)
+    made["layers"] = fig_layers(inp, fig_dir, cfg.dpi, cfg.seed_lines)  # opt-in dump.layers / dump.heads only
+    made["heads"] = fig_heads(inp, fig_dir, cfg.dpi, cfg.seed_lines)
     return {k: v for k, v in made.items() if v is not None}

@@ -70,6 +70,8 @@ class Inputs:
         halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``), collapse_tol: the
             diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
         loopmap: the loopmap stage's tables (:data:`looptrace.loopmap.tabulate.TABLES`), table -> rows.
+        layers, heads: the geometry stage's opt-in ``layers.parquet`` / ``heads.parquet`` rows of ``split`` (models
+            dumped with ``dump.layers`` / ``dump.heads`` only; SPEC §2c).
         missing: input -> what to run.
     """
 
@@ -95,6 +97,8 @@ class Inputs:
     collapse_tol: float | None = None
     faithfulness: pl.DataFrame | None = None
     loopmap: dict[str, pl.DataFrame] | None = None
+    layers: pl.DataFrame | None = None
+    heads: pl.DataFrame | None = None
     missing: dict[str, str] = field(default_factory=dict)
 
 
@@ -125,6 +129,7 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
     chosen: list[pl.DataFrame]
     dx: list[pl.DataFrame]
     meta_rows, acc_rows, ls, conv, pareto, chosen, dx, full = [], [], [], [], [], [], [], []
+    inside: dict[str, list[pl.DataFrame]] = {"layers": [], "heads": []}
     missing: dict[str, str] = {}
     for model in models:
         rdir = root / "readouts" / model
@@ -186,12 +191,17 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
                     "check report.convergence_* against geometry.eps")
         else:
             missing[f"geometry/{model}/convergence.parquet"] = "run the geometry stage"
+        for name, frames in inside.items():  # opt-in (dump.layers / dump.heads): no "missing" note
+            p = gdir / f"{name}.parquet"
+            if p.is_file():
+                frames.append(read_parquet(p).filter(pl.col("split") == cfg.split).with_columns(model=pl.lit(model)))
     meta = pl.DataFrame(meta_rows, schema={"model": pl.String, "task": pl.String, "regime": pl.String,
                                            "regime_kind": pl.String, "n_loops": pl.Int64,
                                            "full_depth_accuracy": pl.Float64, "has_gate": pl.Boolean})
     inp = Inputs(meta=meta, acc_per_loop=pl.DataFrame(acc_rows) if acc_rows else None, loop_summary=_concat(ls),
                  convergence=_concat(conv), pareto=_concat(pareto), chosen=_concat(chosen), dx=_concat(dx),
-                 full_depth=_concat(full), missing=missing)
+                 full_depth=_concat(full), layers=_concat(inside["layers"]), heads=_concat(inside["heads"]),
+                 missing=missing)
     ddir = root / "diagnose"
     for name in ("failure_classes", "verdicts", "verdict_groups"):
         p = ddir / f"{name}.parquet"

@@ -116,6 +116,13 @@ _CAPTIONS = {
     "loopmap": "The loop map by loop (loopmap stage, SPEC §2b): median local contraction ρ_t (top), median "
                "finite-time Lyapunov exponent λ_t (middle), and the median relative effect of a noise intervention "
                "j loops after it with its linearised prediction dashed (bottom); mean over seeds with the 95 % band.",
+    "layers": "Per-layer convergence inside the loop (SPEC §2c, models dumped with dump.layers): median relative "
+              "step of each stored layer of the looped block by loop (markers) beside the block output h_t (dashed); "
+              "mean over seeds with the 95 % band. The settled depths per layer, with bootstrap intervals, are in "
+              "artifacts/geometry/<model>/layers.parquet.",
+    "heads": "Attention heads across loops (SPEC §2c, models dumped with dump.heads): each head's median Jensen–Shannon "
+             "divergence between its attention at loop t and t − 1 (top; nats, log scale) and its median attention "
+             "entropy (bottom), one line per head (a line style per layer); mean over seeds with the 95 % band.",
     "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
                "dashed line is 0.8 × ideal.",
 }

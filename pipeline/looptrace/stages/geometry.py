@@ -9,6 +9,7 @@ import typer
 from looptrace.config import PARAMS_HELP, load_base, load_section
 from looptrace.errors import user_errors
 from looptrace.geometry.stage import GeometryConfig, geometry_model
+from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.parallel import dask_runner
 from looptrace.io.store.format import check_split_formats
@@ -24,10 +25,12 @@ def main(
     dump_root: Path = typer.Option(Path("artifacts/dump"), help="root of the dump stage's stores"),
     out: Path = typer.Option(Path("artifacts/geometry"), help="output root"),
 ) -> None:
-    """Step norms, step cosines, acceleration, convergence depth and DLR of a model's trajectories."""
+    """Step norms, step cosines, acceleration, convergence depth and DLR of a model's trajectories (and, for a dump
+    with ``dump.layers`` / ``dump.heads``, per-layer convergence and per-head attention statistics)."""
     with user_errors():
         base = load_base(params)
         cfg = load_section(GeometryConfig, "geometry", params, required=True)
+        intervals = load_section(IntervalsConfig, "intervals", params)  # the opt-in per-layer / per-head tables
         # One writer per output (a live run is named; a killed run's claim and staging debris are taken over).
         with stage_output(out / model, stage="geometry", inputs={"--dump-root": dump_root}, out_root=out):
             check_split_formats(dump_root, model, cfg.splits)  # a wrong zarr.json field: one line naming it
@@ -35,7 +38,7 @@ def main(
             meta = {"model": model, "seed": base.seed,
                     "store_seeds": {s: st.attrs.get("seeds") for s, st in stores.items()}, "versions": versions()}
             with dask_runner(base.dask) as runner:
-                metrics = geometry_model(stores, cfg, out / model, meta=meta, runner=runner)
+                metrics = geometry_model(stores, cfg, out / model, meta=meta, runner=runner, intervals=intervals)
     split = "test" if "test" in metrics["splits"] else next(iter(metrics["splits"]))
     m = metrics["splits"][split]
     norms = " ".join(f"{v:.3g}" for v in m["step_norm_mean_per_loop"])

@@ -31,6 +31,7 @@ from looptrace.io.store.schema import (
     _MARKER,
     _RERUN,
     DIMS,
+    HEAD_NAMES,
     HIDDEN_NAMES,
     REQUIRED,
     REQUIRED_ATTRS,
@@ -360,6 +361,11 @@ def _validate_arrays(st: TrajectoryStore) -> None:
     k = arrays["topk_ids"].shape[-1] if "topk_ids" in arrays else None
     size = {"token": n, "loop": T, "d_model": D, "vocab": V, "k": k,
             "layer": arrays["layer_hidden"].shape[2] if "layer_hidden" in arrays else None}
+    heads = [h for h in HEAD_NAMES if h in arrays]
+    if heads and len(heads) != len(HEAD_NAMES):
+        raise StoreError(f"store {label}: {' and '.join(repr(h) for h in HEAD_NAMES)} must come together; {_RERUN}")
+    # the head arrays' layer axis lists params.heads (its own layers), not layer_hidden's
+    head_size = {**size, "layer": arrays[heads[0]].shape[2], "head": arrays[heads[0]].shape[3]} if heads else size
     for name, arr in arrays.items():
         dims = DIMS.get(name)
         if dims is None:
@@ -372,7 +378,7 @@ def _validate_arrays(st: TrajectoryStore) -> None:
                              f"of {arr.nchunks} chunks (deleted or never written); {_RERUN}")
         if name in _INTERNAL:
             continue
-        want = tuple(size[d] for d in dims)
+        want = tuple((head_size if name in HEAD_NAMES else size)[d] for d in dims)
         if tuple(arr.shape) != want:
             expl = ", ".join(f"{d}={s}" for d, s in zip(dims, want, strict=True))
             raise StoreError(f"store {label}: array '{name}' has shape {tuple(arr.shape)}, inconsistent with "

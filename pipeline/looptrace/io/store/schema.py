@@ -26,6 +26,11 @@ TOKEN_FIELDS = ("target", "token_id", "sequence", "position", "difficulty", "tok
 #: ``dump.contraction.exact_width``), the sequence's FTLE and its share.
 CONTRACTION_NAMES = ("contraction", "contraction_bound", "ftle", "ftle_share")
 
+#: Optional per-(token, loop, layer, head) attention statistics (SPEC §2c), written only with ``dump.heads``
+#: (:mod:`looptrace.capture.heads`): each head's attention entropy and its Jensen–Shannon divergence from the previous
+#: loop (nats). ``layer`` indexes ``params.heads`` (the block layers measured), not ``params.layers``.
+HEAD_NAMES = ("head_entropy", "head_js")
+
 #: Dimension names of every array the store may hold.
 DIMS: dict[str, tuple[str, ...]] = {
     "hidden": ("token", "loop", "d_model"),
@@ -37,6 +42,7 @@ DIMS: dict[str, tuple[str, ...]] = {
     **{s: ("token", "loop") for s in STAT_NAMES},
     "gate_logit": ("token", "loop"),
     **{c: ("token", "loop") for c in CONTRACTION_NAMES},
+    **{h: ("token", "loop", "layer", "head") for h in HEAD_NAMES},  # opt-in dump.heads (looptrace.capture.heads)
     **{f: ("token",) for f in TOKEN_FIELDS},
     "loop_group": ("loop",),
     "chunk_nan_count": ("chunk",),
@@ -47,7 +53,7 @@ DIMS: dict[str, tuple[str, ...]] = {
 DTYPES: dict[str, str] = {
     "logits": "float32", "topk_ids": "int32", "topk_logits": "float32",
     **{s: "float32" for s in STAT_NAMES}, "argmax": "int32", "gate_logit": "float32",
-    **{c: "float32" for c in CONTRACTION_NAMES},
+    **{c: "float32" for c in CONTRACTION_NAMES}, **{h: "float32" for h in HEAD_NAMES},
     **{f: "int64" for f in TOKEN_FIELDS}, "loop_group": "int32", "chunk_nan_count": "int64",
     "chunk_digest": "uint32",
 }
