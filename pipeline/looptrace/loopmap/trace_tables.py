@@ -252,7 +252,7 @@ def exit_rule_depths(raw: Mapping[str, Any], cfg: LoopmapConfig, regime: Mapping
     correct = raw["correct"]
     n, T = correct.shape
     out = [("fixed", float(d), np.full(n, d, dtype=np.int64)) for d in range(1, T + 1)]
-    rule, rho = fixed_point_rule(raw)
+    rule, rho = fixed_point_rule(dict(raw))
     bound = certified_bound(rho, raw["rel_step"])
     out += [(rule, float(e), certified_exit(bound, e)) for e in cfg.eps]
     out += [("rel_step", float(e), certified_exit(raw["rel_step"], e)) for e in cfg.eps]

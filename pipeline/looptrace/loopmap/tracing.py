@@ -196,9 +196,10 @@ def gate_fn(adapter: LoopedModelAdapter) -> LoopFn | None:
     """The native gate's logit as a function of the state, (h_t, t) -> [batch, seq] (looptrace's own models with a
     gate: ``gate(ln_f(h_t))``); None for a model without one."""
     model = getattr(adapter, "model", None)
-    if not adapter.info.has_gate or getattr(model, "gate", None) is None:
+    logit = getattr(model, "gate_logit", None)
+    if not adapter.info.has_gate or getattr(model, "gate", None) is None or logit is None:
         return None
-    return lambda h, t: model.gate_logit(h)
+    return lambda h, t: logit(h)
 
 
 def is_causal(adapter: LoopedModelAdapter) -> bool:

@@ -110,6 +110,7 @@ def fig_loopmap_trace(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path
             with np.errstate(all="ignore"):
                 mean = np.nanmean(grid, axis=0)
             im = ax.imshow(mean, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.grid(False)  # the report style's grid would cross the cells
             ax.set_yticks(range(len(TRACE_ROLES)), TRACE_ROLES)
             ax.set_xticks(range(T + 1))
             ax.set(title=f"{task} · {regime} ({seeds_label(len(names))})", xlabel="patched loop k (0 = h_0)")
