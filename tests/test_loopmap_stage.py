@@ -248,13 +248,18 @@ def test_stage_on_a_tiny_checkpoint_writes_every_output_and_the_same_bytes_twice
     names = sorted(p.name for p in a.iterdir())
     assert names == sorted(["auc.parquet", "frontier.parquet", "manifest.json", "metrics.json", "per_loop.parquet",
                             "regime.parquet", "rho_ftle.png", "summary.md", "window_length.parquet",
-                            "windows.parquet", "windows.png"])
+                            "windows.parquet", "windows.png", "trace.parquet", "gate_patch.parquet",
+                            "flip_depth.parquet", "tracing.md", "trace.png"])
     for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     m = json.loads((a / "metrics.json").read_text())
     assert m["n_loops"] == 4 and m["skipped_loops"] == [5] and m["not_measured"] is None
     assert m["regime"]["regime"] in ("contracting", "marginal", "expanding")
-    for png in ("rho_ftle.png", "windows.png"):
+    assert "params" in m and "trace" not in m["params"] and "gate_q" not in m["params"]  # at defaults: left out
+    fd = pl.read_parquet(a / "flip_depth.parquet")
+    assert fd["rule"][0] == "flip_depth" and "q_exit" in set(fd["rule"])  # the tiny checkpoint has a linear gate
+    assert "Answer flips (" in (a / "tracing.md").read_text()
+    for png in ("rho_ftle.png", "windows.png", "trace.png"):
         assert Image.open(a / png).size[0] <= MAX_PX
     wl = pl.read_parquet(a / "window_length.parquet")
     assert set(wl["loop"]) == {1} and set(wl["kind"]) == {"noise", "patch"}  # k = 5 ≥ T = 4 skipped

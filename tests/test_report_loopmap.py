@@ -96,3 +96,63 @@ def test_figure_and_page_section(two_seeds, tmp_path):
     png = fig_loopmap(Inputs(meta=meta), lm, tmp_path / "fig", dpi=120)
     assert png is not None and Image.open(png).size[0] <= 1400
     assert fig_loopmap(Inputs(meta=meta), None, tmp_path / "fig", dpi=120) is None
+
+
+def _trace_tables(root, model, restored_answer, flip_mean, gated):
+    """trace / flip_depth / gate_patch tables of the stage's schemas: the answer row restores ``restored_answer[k]``
+    at loop k = 0..T; flip depth mean ``flip_mean``; fixed depth d exits before F on 0.5/d of the tokens."""
+    from looptrace.loopmap.trace_tables import FLIP_SCHEMA, GATE_PATCH_SCHEMA, TRACE_SCHEMA
+
+    rows = []
+    for pos, vals in (("answer", restored_answer), ("flipped", [0.9, 0.2, 0.1, 0.0]),
+                      ("between", [0.0, 0.3, 0.2, 0.0])):
+        rows += [{"model": model, "loop": k, "position": pos, "restored": v, "lo": v - 0.1, "hi": v + 0.1,
+                  "n_sequences": 4} for k, v in enumerate(vals)]
+    flips = [{"model": model, "rule": "flip_depth", "threshold": None, "mean_depth": flip_mean,
+              "depth_lo": flip_mean - 0.2, "depth_hi": flip_mean + 0.2, "share_before_flip": 0.0, "before_lo": 0.0,
+              "before_hi": 0.0, "mean_gap": 0.0, "gap_lo": 0.0, "gap_hi": 0.0, "accuracy": 1.0, "n_tokens": 10}]
+    flips += [{"model": model, "rule": "fixed", "threshold": float(d), "mean_depth": float(d), "depth_lo": d,
+               "depth_hi": d, "share_before_flip": 0.5 / d, "before_lo": 0.4 / d, "before_hi": 0.6 / d,
+               "mean_gap": d - flip_mean, "gap_lo": 0.0, "gap_hi": 0.0, "accuracy": 1.0, "n_tokens": 10}
+              for d in range(1, T + 1)]
+    gate = []
+    if gated:
+        gate = [{"model": model, "patch": "gate_input", "loop": k, "position": "answer", "measure": "exit_depth",
+                 "rule": "q_exit", "clean": 1.0, "corrupt": 2.5, "patched": 2.5 - 0.5 * (k == 2),
+                 "shift": -0.5 * (k == 2), "shift_lo": -0.7 * (k == 2), "shift_hi": -0.3 * (k == 2),
+                 "restored": 0.33 * (k == 2), "restored_lo": 0.0, "restored_hi": 0.5, "n_sequences": 4}
+                for k in range(1, T + 1)]
+    from looptrace.io.parquet import write_parquet
+
+    for name, df in {"trace": pl.DataFrame(rows, schema=TRACE_SCHEMA),
+                     "flip_depth": pl.DataFrame(flips, schema=FLIP_SCHEMA),
+                     "gate_patch": pl.DataFrame(gate, schema=GATE_PATCH_SCHEMA)}.items():
+        write_parquet(df, root / "loopmap" / model / f"{name}.parquet")  # beside the fixture's other tables
+
+
+def test_trace_section_rows_and_figure(two_seeds, tmp_path):
+    from looptrace.report.fig_loopmap import fig_loopmap_trace
+    from looptrace.report.inputs import Inputs
+    from looptrace.report.loopmap_section import flip_curve, trace_map, trace_rows
+
+    _trace_tables(two_seeds, "t-geometric-s0", [0.0, 0.4, 0.6, 1.0], 1.5, gated=False)
+    _trace_tables(two_seeds, "t-geometric-s1", [0.0, 0.2, 0.4, 1.0], 2.5, gated=True)
+    names = ["t-geometric-s0", "t-geometric-s1"]
+    lm = load_loopmap(two_seeds, names)
+    rows = trace_rows(lm)
+    r0, r1 = rows.row(0, named=True), rows.row(1, named=True)
+    assert r0["flip_text"] == "1.50 [1.30, 1.70]" and r0["late_text"] == "50 [40, 60]"
+    assert r0["answer_text"] == "0.40 [0.30, 0.50]; loop 2" and r1["answer_text"] == "0.20 [0.10, 0.30]; loop 3"
+    assert r0["flipped_text"] == "0.20 [0.10, 0.30]" and r0["gate_text"] == "—"
+    assert r1["gate_text"] == "1.00 → 2.50; loop 2: -0.50 [-0.70, -0.30]"  # the largest shift toward clean
+    grid = trace_map(lm, names, ("flipped", "answer"), T + 1)
+    np.testing.assert_allclose(grid[1, 1], [0.0, 0.2, 0.4, 1.0])
+    share, flip = flip_curve(lm, names, T)
+    np.testing.assert_allclose(share[0], [0.5, 0.25, 0.5 / 3])
+    np.testing.assert_allclose(flip, [1.5, 2.5])
+    meta = pl.DataFrame({"model": names, "task": ["t", "t"], "regime": ["geometric"] * 2,
+                         "regime_kind": ["geometric"] * 2, "n_loops": [T, T]})
+    png = fig_loopmap_trace(Inputs(meta=meta), lm, tmp_path / "fig", dpi=120)
+    assert png is not None and Image.open(png).size[0] <= 1400
+    assert fig_loopmap_trace(Inputs(meta=meta), None, tmp_path / "fig", dpi=120) is None
+    assert trace_rows({"regime": lm["regime"]}) is None

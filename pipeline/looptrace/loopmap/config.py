@@ -3,9 +3,9 @@ and the diagnoses' thresholds and bootstrap) and one intervention (:class:`Inter
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from looptrace.config import ConfigError
+from looptrace.config import OMIT_DEFAULT, ConfigError
 from looptrace.tasks import SPLITS
 
 #: Intervention kinds.
@@ -68,6 +68,13 @@ class LoopmapConfig:
         min_class: fewest failures (and non-failures) on the sample for a failure AUC (else NaN; one failure
             gives a falsely narrow interval).
         dpi: figure resolution (figures are ≤ 1400 px wide at any dpi).
+        trace: cross-loop causal tracing on the sample (SPEC §2b "causal tracing across loops"): per sequence one
+            answer-changing token substitution (the task's), the clean run's state patched into the corrupted run
+            at every (loop, position), and, on a model with a native gate, exit-gate patching. Off: no
+            ``trace.parquet`` / ``gate_patch.parquet`` rows (the answer-flip table is computed either way).
+        gate_q: the Q-exit threshold q at which a ``joint`` (Ouro / PonderNet) gate's exit depth is read in
+            exit-gate patching and the answer-flip table (0.5: the halting distribution's median); the other
+            gated regimes exit at their heads' own thresholds (SPEC §4).
     """
 
     split: str = "test"
@@ -89,6 +96,9 @@ class LoopmapConfig:
     level: float = 0.95
     min_class: int = 5
     dpi: int = 100
+    # added after the stage's first outputs: left out of metrics.json while at their defaults (same bytes)
+    trace: bool = field(default=True, metadata=OMIT_DEFAULT)
+    gate_q: float = field(default=0.5, metadata=OMIT_DEFAULT)
 
     def __post_init__(self) -> None:
         if self.split not in SPLITS:
@@ -116,6 +126,8 @@ class LoopmapConfig:
             raise ConfigError(f"loopmap.eps: give thresholds > 0, got {list(self.eps)}")
         if self.delta < 0:
             raise ConfigError(f"loopmap.delta must be >= 0, got {self.delta}")
+        if not 0 < self.gate_q < 1:
+            raise ConfigError(f"loopmap.gate_q must be in (0, 1), got {self.gate_q}")
 
     def interventions(self, n_loops: int, seed: int) -> list[InterventionConfig]:
         """The interventions run on a model with T = ``n_loops`` (loops k ≥ T skipped), in table order."""

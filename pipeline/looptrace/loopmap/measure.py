@@ -21,7 +21,7 @@ from looptrace.loopmap.tabulate import (
 from looptrace.models.interface import LoopedModelAdapter, LoopedTransformerAdapter
 from looptrace.signals.steps import step_metrics
 from looptrace.tasks import make_task
-from looptrace.tasks.base import IGNORE
+from looptrace.tasks.base import IGNORE, Task
 
 
 def no_loop_step(adapter: LoopedModelAdapter) -> str | None:
@@ -55,7 +55,8 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
 
     Returns:
         ``rho`` (ρ_t: exact up to ``cfg.exact_width``, else the power-method estimate), ``rho_bound`` (its upper
-        bound ρ̄_t; NaN beyond ``exact_width``), ``ftle``, ``rel_step``, ``entropy``, ``correct`` [token, loop];
+        bound ρ̄_t; NaN beyond ``exact_width``), ``ftle``, ``rel_step``, ``entropy``, ``argmax``, ``correct`` and,
+        for a model with a native gate, ``gate_logit`` [token, loop];
         ``sequence`` [token]; ``exact`` (bool: d_model ≤ ``exact_width``); ``interventions``: list of
         (:class:`InterventionConfig`, measure -> [token, T − k], and ``delta_norm`` [token] ‖δ‖) in
         :meth:`LoopmapConfig.interventions` order. Tokens are the scored positions, sequence-major.
@@ -98,7 +99,10 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
             ent.append(-(logp.exp() * logp).sum(-1).cpu().numpy())
             arg.append(logp.argmax(-1).cpu().numpy())
         parts["entropy"].append(np.stack(ent, 1))
+        parts["argmax"].append(np.stack(arg, 1))
         parts["correct"].append(np.stack(arg, 1) == tgt[mask][:, None])
+        if st.gate_logits is not None:  # the native gate's logits (exit-gate patching, the flip table's native exit)
+            parts["gate_logit"].append(st.gate_logits[:B][sel].double().cpu().numpy())
         parts["sequence"].append(np.broadcast_to(rows[:, None], mask.shape)[mask])
         for i, (icfg, acc) in enumerate(zip(icfgs, effects, strict=True)):
             donor = None
@@ -114,6 +118,12 @@ def measure(adapter: LoopedModelAdapter, tokens: np.ndarray, targets: np.ndarray
     res["interventions"] = [(icfg, {m: np.concatenate(acc[m]).astype(np.float64) for m in (*MEASURES, "delta_norm")})
                             for icfg, acc in zip(icfgs, effects, strict=True)]
     return res
+
+
+def checkpoint_task(adapter: LoopedModelAdapter) -> Task:
+    """The task a checkpoint records (``info.extra["task"]``, as the train stage saves it)."""
+    spec = dict(adapter.info.extra["task"])
+    return make_task(spec.pop("name"), spec)
 
 
 def load_sample(train_dir: Path | str, cfg: LoopmapConfig, device: str, name: str
@@ -133,7 +143,5 @@ def load_sample(train_dir: Path | str, cfg: LoopmapConfig, device: str, name: st
     if "task" not in extra or cfg.split not in seeds:
         raise InputError(f"checkpoint '{ckpt}' records no task or data seed for split '{cfg.split}'; retrain with "
                          "the current train stage")
-    spec = dict(extra["task"])
-    task = make_task(spec.pop("name"), spec)
-    data = task.dataset(cfg.split, cfg.sequences, int(seeds[cfg.split]))
+    data = checkpoint_task(adapter).dataset(cfg.split, cfg.sequences, int(seeds[cfg.split]))
     return adapter, np.asarray(data.tokens, dtype=np.int64), np.asarray(data.targets)

@@ -5,7 +5,10 @@
   and expanding);
 - ``windows.png``: each intervention's state effect e_j against the loops j after it (median, interval band) with
   its linearised prediction ê_j dashed beside it, the readout KL and the share of flipped argmaxes, each with its
-  window threshold.
+  window threshold;
+- ``trace.png``: the causal-tracing map — the restored fraction of the answer's logit difference per loop k ×
+  position role (flipped, between, answer) — and the answer-flip depth beside the exit rules: each rule's mean exit
+  depth against the share of tokens that exit before their flip depth (fixed depth d gives P(F > d)).
 """
 
 from __future__ import annotations
@@ -118,4 +121,48 @@ def plot_windows(windows: pl.DataFrame, lengths: pl.DataFrame, model: str, path:
     return _save(fig, path, dpi)
 
 
-__all__ = ["MAX_PX", "plot_rho_ftle", "plot_windows"]
+#: The trace map's rows, top to bottom (the table's other roles are in ``trace.parquet``).
+TRACE_ROWS = ("flipped", "between", "answer", "other")
+
+
+@_isolated
+def plot_trace(trace: pl.DataFrame, flips: pl.DataFrame, model: str, path: Path, dpi: int) -> Path:
+    """The causal-tracing map and the flip depth beside the exits (module docstring); the map's panel says so when
+    nothing was traced."""
+    import numpy as np
+
+    fig, (a, b) = _figure(2, dpi)
+    rows = [r for r in TRACE_ROWS if trace.height and r in set(trace["position"])]
+    if rows:
+        K = int(trace["loop"].max()) + 1  # type: ignore[arg-type]
+        grid = np.full((len(rows), K), np.nan)
+        for i, r in enumerate(rows):
+            d = trace.filter(pl.col("position") == r)
+            grid[i, d["loop"].to_numpy()] = d["restored"].to_numpy()
+        seen = grid[np.isfinite(grid)]
+        im = a.imshow(grid, aspect="auto", cmap="viridis", vmin=min(0.0, float(seen.min(initial=0.0))),
+                      vmax=max(1.0, float(seen.max(initial=1.0))))
+        a.set_yticks(range(len(rows)), rows)
+        a.set_xticks(range(K))
+        fig.colorbar(im, ax=a, label="restored fraction of LD")
+        a.set(xlabel="patched loop k (0 = h_0, the injection)", title=f"{model}: causal tracing")
+    else:
+        a.text(0.5, 0.5, "not traced", ha="center", va="center", transform=a.transAxes)
+        a.set_axis_off()
+    flip = flips.filter(pl.col("rule") == "flip_depth").row(0, named=True)
+    if np.isfinite(flip["depth_lo"]):
+        b.axvspan(flip["depth_lo"], flip["depth_hi"], color="grey", alpha=0.2)
+    b.axvline(flip["mean_depth"], color="k", lw=1, ls=":", label=f"mean flip depth {flip['mean_depth']:.2f}")
+    for rule in flips["rule"].unique(maintain_order=True).to_list():
+        if rule == "flip_depth":
+            continue
+        d = flips.filter(pl.col("rule") == rule).sort("mean_depth")
+        x, y = d["mean_depth"].to_numpy(), d["share_before_flip"].to_numpy()
+        b.plot(x, y, "*" if d.height == 1 else "o-", ms=10 if d.height == 1 else 4, label=rule)
+    b.set(xlabel="mean exit depth", ylabel="share of tokens exiting before their flip depth",
+          title="answer-flip depth vs exit depth")
+    b.legend(fontsize=7)
+    return _save(fig, path, dpi)
+
+
+__all__ = ["MAX_PX", "TRACE_ROWS", "plot_rho_ftle", "plot_trace", "plot_windows"]

@@ -22,8 +22,9 @@ from looptrace.rules.certified import CERTIFIED, ESTIMATED
 from looptrace.rules.scoring import pareto_mask
 from looptrace.signals.fixed_point import certified_bound
 
-#: The stage's tables the report reads (``artifacts/loopmap/<model>/<name>.parquet``).
-TABLES = ("regime", "per_loop", "windows", "window_length", "frontier")
+#: The stage's tables the report reads (``artifacts/loopmap/<model>/<name>.parquet``; the last three are
+#: :mod:`looptrace.loopmap.trace_tables`').
+TABLES = ("regime", "per_loop", "windows", "window_length", "frontier", "trace", "gate_patch", "flip_depth")
 #: Measures of an intervention, per loop j after it (SPEC §2b "intervention window").
 MEASURES = ("state", "linear", "kl", "flip")
 

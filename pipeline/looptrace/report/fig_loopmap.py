@@ -1,5 +1,6 @@
-"""The report's loop-map figure: ρ_t, λ_t and the decay of an intervention by loop, from the loopmap stage's
-tables (:mod:`looptrace.report.loopmap_section`)."""
+"""The report's loop-map figures, from the loopmap stage's tables (:mod:`looptrace.report.loopmap_section`): ρ_t,
+λ_t and the decay of an intervention by loop (``loopmap.png``); the causal-tracing map and the answer-flip depth
+(``loopmap_trace.png``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import polars as pl
 
 from looptrace.report import plotting
 from looptrace.report.inputs import Inputs
-from looptrace.report.loopmap_section import decay_values, per_loop_values
+from looptrace.report.loopmap_section import decay_values, flip_curve, per_loop_values, trace_map
 from looptrace.report.plotting import (
     FIG_W,
     band,
@@ -69,3 +70,65 @@ def fig_loopmap(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi:
     fig.suptitle("Loop map: ρ_t, λ_t and the decay of " + (what or "an intervention").replace(
         "noise of relative scale", "noise") + " (seeds: mean, 95 % band)")
     return plotting.save(fig, out / "loopmap.png", dpi)
+
+
+#: The causal-tracing map's rows in the report (position roles of ``trace.parquet``), top to bottom.
+TRACE_ROLES = ("flipped", "between", "answer")
+
+
+def fig_loopmap_trace(inp: Inputs, lm: dict[str, pl.DataFrame] | None, out: Path, dpi: int) -> Path | None:
+    """The causal-tracing figure: per task (columns) and regime (rows) the restored fraction of the answer's logit
+    difference by patched loop k × position role (mean over seeds), and below them the share of tokens whose
+    argmax still changes after loop d (P(F > d), F the flip depth) per regime with the across-seed band and the
+    mean flip depth dotted. None without the stage's flip tables."""
+    if lm is None or "flip_depth" not in lm or not lm["flip_depth"].height:
+        return None
+    plt = pyplot()
+    colours = regime_colours(inp.meta)
+    tasks = tasks_of(inp.meta)
+    regimes = list(dict.fromkeys(r for t in tasks for r, _ in groups_of(inp.meta, t)))
+    n_rows = len(regimes) + 1
+    fig, axes = plt.subplots(n_rows, len(tasks), figsize=(FIG_W, 2.3 * n_rows + 0.8), squeeze=False,
+                             layout="constrained")
+    handles: dict[str, object] = {}
+    im = None
+    for c, task in enumerate(tasks):
+        groups = dict(groups_of(inp.meta, task))
+        for r, regime in enumerate(regimes):
+            ax = axes[r, c]
+            metas = groups.get(regime)
+            if not metas:
+                ax.set_axis_off()
+                continue
+            names = [m["model"] for m in metas]
+            T = max(int(m["n_loops"]) for m in metas)
+            grid = trace_map(lm, names, TRACE_ROLES, T + 1)
+            if not np.isfinite(grid).any():
+                ax.text(0.5, 0.5, "not traced", ha="center", va="center", transform=ax.transAxes)
+                ax.set_axis_off()
+                continue
+            with np.errstate(all="ignore"):
+                mean = np.nanmean(grid, axis=0)
+            im = ax.imshow(mean, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.grid(False)  # the report style's grid would cross the cells
+            ax.set_yticks(range(len(TRACE_ROLES)), TRACE_ROLES)
+            ax.set_xticks(range(T + 1))
+            ax.set(title=f"{task} · {regime} ({seeds_label(len(names))})", xlabel="patched loop k (0 = h_0)")
+        ax = axes[-1, c]
+        for regime, metas in groups.items():
+            names = [m["model"] for m in metas]
+            T = max(int(m["n_loops"]) for m in metas)
+            share, flip = flip_curve(lm, names, T)
+            if not np.isfinite(share).any():
+                continue
+            h = band(ax, np.arange(1, T + 1), 100 * share, colours[regime], regime, bounds=(0.0, 100.0))
+            if np.isfinite(flip).any():
+                ax.axvline(float(np.nanmean(flip)), color=colours[regime], lw=1, ls=":")
+            handles.setdefault(f"{regime} ({seeds_label(len(names))})", h)
+        ax.set(xlabel="loop d (dotted: mean flip depth)", ylabel="tokens flipping after d (%)")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    if im is not None:
+        fig.colorbar(im, ax=axes[:-1, :].ravel().tolist(), label="restored fraction of LD", extend="both")
+    legend_below(fig, handles)
+    fig.suptitle("Causal tracing across loops and the answer-flip depth (seeds: mean, 95 % band)")
+    return plotting.save(fig, out / "loopmap_trace.png", dpi)

@@ -11,7 +11,7 @@ from looptrace.report.fig_cross_regime import fig_cross_regime
 from looptrace.report.fig_failures import fig_failures
 from looptrace.report.fig_heads import fig_heads, fig_layers
 from looptrace.report.fig_latency import fig_latency
-from looptrace.report.fig_loopmap import fig_loopmap
+from looptrace.report.fig_loopmap import fig_loopmap, fig_loopmap_trace
 from looptrace.report.fig_loops import fig_accuracy_per_loop, fig_convergence, fig_step_geometry
 from looptrace.report.fig_pareto import fig_pareto
 from looptrace.report.inputs import Inputs, ReportConfig
@@ -36,4 +36,5 @@ def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Pat
     made["loopmap"] = fig_loopmap(inp, inp.loopmap, fig_dir, cfg.dpi, cfg.seed_lines)
     made["layers"] = fig_layers(inp, fig_dir, cfg.dpi, cfg.seed_lines)  # opt-in dump.layers / dump.heads only
     made["heads"] = fig_heads(inp, fig_dir, cfg.dpi, cfg.seed_lines)
+    made["loopmap_trace"] = fig_loopmap_trace(inp, inp.loopmap, fig_dir, cfg.dpi)
     return {k: v for k, v in made.items() if v is not None}

@@ -123,5 +123,92 @@ def decay_values(lm: dict[str, pl.DataFrame], models: list[str], measure: str, T
     return out, f"noise of relative scale {scale:g} at loop k = {k}"
 
 
-__all__ = ["COLUMNS", "INTRO", "decay_values", "load_loopmap", "loopmap_rows",
-           "per_loop_values"]
+TRACE_INTRO = ("Where the answer forms across loops (the loopmap stage's causal tracing, SPEC §2b [ROME]): per test "
+               "sequence one token substituted so that the answer at its last scored position changes; the clean "
+               "run's state copied into the corrupted run at one loop and position, the loops after it re-run, and "
+               "the share of the answer's logit difference that comes back (1 = all); mean over the sequences the "
+               "model answers both ways, 95 % bootstrap interval over sequences. Flip depth: the loop from which a "
+               "token's argmax never changes again, and how many tokens the native gate's exit leaves before it.")
+
+TRACE_COLUMNS = (("model", "model"), ("flip_text", "flip depth F (mean)"),
+                 ("late_text", "tokens flipping after loop 1 (%)"),
+                 ("answer_text", "answer position: restored at loop 1; ≥ ½ from loop"),
+                 ("flipped_text", "substituted position: restored at loop 1"),
+                 ("gate_text", "native exit depth: clean → corrupt; gate input patched"))
+
+
+def _restored(tr: pl.DataFrame, model: str, position: str, loop: int) -> str:
+    d = tr.filter((pl.col("model") == model) & (pl.col("position") == position) & (pl.col("loop") == loop))
+    if not d.height:
+        return "—"
+    r = d.row(0, named=True)
+    return fmt_ci(r["restored"], r["lo"], r["hi"], 2)
+
+
+def trace_rows(lm: dict[str, pl.DataFrame]) -> pl.DataFrame | None:
+    """One row per model with the :data:`TRACE_COLUMNS` text columns; None when no model has a flip table."""
+    fd, tr, gp = lm.get("flip_depth"), lm.get("trace"), lm.get("gate_patch")
+    if fd is None or not fd.height:
+        return None
+    rows = []
+    for m in fd["model"].unique(maintain_order=True).to_list():
+        f = fd.filter((pl.col("model") == m) & (pl.col("rule") == "flip_depth")).row(0, named=True)
+        one = fd.filter((pl.col("model") == m) & (pl.col("rule") == "fixed") & (pl.col("threshold") == 1.0))
+        late = "—"
+        if one.height:
+            o = one.row(0, named=True)
+            late = fmt_ci(o["share_before_flip"], o["before_lo"], o["before_hi"], 0, 100.0)
+        answer = flipped = "—"
+        if tr is not None and tr.filter(pl.col("model") == m).height:
+            ans = tr.filter((pl.col("model") == m) & (pl.col("position") == "answer") & (pl.col("restored") >= 0.5))
+            first = f"loop {int(ans['loop'].min())}" if ans.height else "never"  # type: ignore[arg-type]
+            answer = f"{_restored(tr, m, 'answer', 1)}; {first}"
+            flipped = _restored(tr, m, "flipped", 1)
+        gate = "—"
+        if gp is not None:
+            g = gp.filter((pl.col("model") == m) & (pl.col("measure") == "exit_depth")
+                          & (pl.col("patch") == "gate_input"))
+            if g.height:
+                r0 = g.row(0, named=True)
+                best = g.sort("shift", descending=r0["clean"] > r0["corrupt"]).row(0, named=True)
+                gate = (f"{r0['clean']:.2f} → {r0['corrupt']:.2f}; loop {best['loop']}: "
+                        f"{fmt_ci(best['shift'], best['shift_lo'], best['shift_hi'], 2)}")
+        rows.append({"model": m, "flip_text": fmt_ci(f["mean_depth"], f["depth_lo"], f["depth_hi"], 2),
+                     "late_text": late, "answer_text": answer, "flipped_text": flipped, "gate_text": gate})
+    return pl.DataFrame(rows, schema={c: pl.String for c, _ in TRACE_COLUMNS})
+
+
+def trace_map(lm: dict[str, pl.DataFrame], models: list[str], roles: tuple[str, ...], K: int) -> np.ndarray:
+    """[seed, role, loop k = 0..K − 1] restored fraction of ``models`` (NaN where absent)."""
+    out = np.full((len(models), len(roles), K), np.nan)
+    tr = lm.get("trace")
+    if tr is None:
+        return out
+    for s, m in enumerate(models):
+        for i, r in enumerate(roles):
+            d = tr.filter((pl.col("model") == m) & (pl.col("position") == r))
+            k = d["loop"].to_numpy().astype(int)
+            keep = (k >= 0) & (k < K)
+            out[s, i, k[keep]] = d["restored"].to_numpy().astype(np.float64)[keep]
+    return out
+
+
+def flip_curve(lm: dict[str, pl.DataFrame], models: list[str], T: int) -> tuple[np.ndarray, np.ndarray]:
+    """([seed, d] share of tokens with flip depth F > d for fixed depth d = 1..T, [seed] mean flip depth)."""
+    share, mean = np.full((len(models), T), np.nan), np.full(len(models), np.nan)
+    fd = lm.get("flip_depth")
+    if fd is None:
+        return share, mean
+    for s, m in enumerate(models):
+        d = fd.filter((pl.col("model") == m) & (pl.col("rule") == "fixed"))
+        k = d["threshold"].to_numpy().astype(int)
+        keep = (k >= 1) & (k <= T)
+        share[s, k[keep] - 1] = d["share_before_flip"].to_numpy().astype(np.float64)[keep]
+        f = fd.filter((pl.col("model") == m) & (pl.col("rule") == "flip_depth"))
+        if f.height:
+            mean[s] = float(f["mean_depth"][0])
+    return share, mean
+
+
+__all__ = ["COLUMNS", "INTRO", "TRACE_COLUMNS", "TRACE_INTRO", "decay_values", "flip_curve", "load_loopmap",
+           "loopmap_rows", "per_loop_values", "trace_map", "trace_rows"]

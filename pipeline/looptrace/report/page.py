@@ -34,7 +34,7 @@ from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.report.interactive import PLOTLY_JS, interactive_html
 from looptrace.report.loopmap_section import COLUMNS as LOOPMAP_COLUMNS
 from looptrace.report.loopmap_section import INTRO as LOOPMAP_INTRO
-from looptrace.report.loopmap_section import loopmap_rows
+from looptrace.report.loopmap_section import TRACE_COLUMNS, TRACE_INTRO, loopmap_rows, trace_rows
 
 
 class _ShiftHeadings(Treeprocessor):
@@ -123,6 +123,11 @@ _CAPTIONS = {
     "heads": "Attention heads across loops (SPEC §2c, models dumped with dump.heads): each head's median Jensen–Shannon "
              "divergence between its attention at loop t and t − 1 (top; nats, log scale) and its median attention "
              "entropy (bottom), one line per head (a line style per layer); mean over seeds with the 95 % band.",
+    "loopmap_trace": "Causal tracing across loops (loopmap stage, SPEC §2b [ROME]): the share of the answer's logit "
+                     "difference restored when the clean run's state at patched loop k and a position role (the "
+                     "substituted token, the tokens between it and the answer, the answer's own position) is copied "
+                     "into the corrupted run, mean over seeds; bottom: the share of tokens whose argmax still "
+                     "changes after loop d, dotted the mean flip depth, across-seed 95 % band.",
     "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
                "dashed line is 0.8 × ideal.",
 }
@@ -200,6 +205,10 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
     if inp.loopmap is not None:  # the loopmap stage's regime, certified exit and windows per model
         parts += ["<h2>Loop map</h2>", f"<p>{html.escape(LOOPMAP_INTRO)}</p>",
                   _table(loopmap_rows(inp.loopmap), [(c, h, None) for c, h in LOOPMAP_COLUMNS])]
+        tr = trace_rows(inp.loopmap)
+        if tr is not None:
+            parts += ["<h3>Causal tracing across loops and answer flips</h3>", f"<p>{html.escape(TRACE_INTRO)}</p>",
+                      _table(tr, [(c, h, None) for c, h in TRACE_COLUMNS])]
     if inp.loop_summary is not None:
         inf = nonfinite_table(inp.loop_summary)
         parts += ["<h2>Non-finite values</h2>", f"<p>{html.escape(_nonfinite_text(inf))}</p>"]

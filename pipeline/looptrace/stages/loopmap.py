@@ -33,9 +33,10 @@ def main(
         with stage_output(out / model, stage="loopmap", inputs={"--train-root": train_root}, out_root=out):
             torch.set_num_threads(base.threads)
             start = time.perf_counter()
-            frames, words, meta = loopmap_model(train_root / model, cfg, base.seed, check_device(base.device), model)
+            frames, words, meta, tracing = loopmap_model(train_root / model, cfg, base.seed,
+                                                         check_device(base.device), model)
             metrics = {"model": model, "seed": base.seed, "params": to_dict(cfg), "versions": versions(), **meta}
-            write_loopmap(out / model, frames, words, metrics, model, cfg.dpi)
+            write_loopmap(out / model, frames, words, metrics, model, cfg.dpi, tracing)
     # wall time on stdout only (metrics.json stays byte-identical across runs)
     typer.echo(f"{model}: loop map on {meta['sequences']} sequences in {time.perf_counter() - start:.1f} s. "
-               + " ".join(words))
+               + " ".join(words + tracing))

@@ -183,6 +183,19 @@ class Task(ABC):
     def spec(self) -> dict:
         """The task's config as a plain dict (``make_task(spec)`` rebuilds it)."""
 
+    def answer_flips(self, tokens: np.ndarray, position: int) -> list[tuple[int, int, int]]:
+        """Every one-token substitution of a row that changes the answer at ``position`` (causal tracing's
+        corruption, SPEC §2b): (position f < ``position``, new token id, the new answer at ``position``).
+
+        Only substitutions that keep the row a well-formed input of the task, at positions before the answer's.
+        Default: none (the task cannot say which substitution changes its answer; it is then not traced).
+
+        Args:
+            tokens: [seq] one row's token ids.
+            position: the scored position whose answer must change.
+        """
+        return []
+
     # ---------------------------------------------------------------- contexts and splits
 
     def small_context_groups(self) -> list[np.ndarray]:

@@ -103,6 +103,41 @@ class ManoTask(Task):
             targets[i, -1], diff[i, -1], ttype[i, -1] = val, k, oi
         return TaskBatch(tokens, targets, diff, ttype)
 
+    def evaluate(self, tokens: np.ndarray) -> int | None:
+        """The value mod ``modulus`` of a row's prefix expression (the tokens between the padding and ``=``);
+        None when they are not one well-formed expression."""
+        pad, eq = self.modulus + len(self.ops), self.modulus + len(self.ops) + 1
+        expr = [int(t) for t in np.asarray(tokens) if int(t) not in (pad, eq)]
+        stack: list[int] = []
+        for t in reversed(expr):  # prefix notation: right to left, an operator takes the two values after it
+            if t < self.modulus:
+                stack.append(t)
+            elif len(stack) < 2:
+                return None
+            else:
+                a, b = stack.pop(), stack.pop()
+                stack.append(_OPS[self.ops[t - self.modulus]](a, b, self.modulus))
+        return stack[0] if len(stack) == 1 else None
+
+    def answer_flips(self, tokens: np.ndarray, position: int) -> list[tuple[int, int, int]]:
+        """Each operand before ``position`` replaced by another digit, where the expression's value changes (a
+        product with 0 may not)."""
+        x = np.asarray(tokens, dtype=np.int64)
+        y = self.evaluate(x[:position + 1])
+        out = []
+        for f in range(min(position, len(x))):
+            if int(x[f]) >= self.modulus:
+                continue  # an operator, the padding or ``=``
+            for v in range(self.modulus):
+                if v == int(x[f]):
+                    continue
+                z = x[:position + 1].copy()
+                z[f] = v
+                w = self.evaluate(z)
+                if y is not None and w is not None and w != y:
+                    out.append((f, v, w))
+        return out
+
     def spec(self) -> dict:
         return {"kind": "mano", "modulus": self.modulus, "max_ops": self.max_ops, "min_ops": self.min_ops,
                 "ops": list(self.ops), "causal": self.causal, "split_rule": self.split_rule}

@@ -73,6 +73,13 @@ class ParityTask(Task):
             out.append(rows)
         return out
 
+    def answer_flips(self, tokens: np.ndarray, position: int) -> list[tuple[int, int, int]]:
+        """Each bit before ``position`` flipped (0 ↔ 1; padding and ``=`` stay): the parity flips with it."""
+        x = np.asarray(tokens, dtype=np.int64)
+        bits = (x[:position] == 0) | (x[:position] == 1)
+        y = int(x[:position][bits].sum() % 2)
+        return [(int(f), 1 - int(x[f]), 1 - y) for f in np.flatnonzero(bits)]
+
     def spec(self) -> dict:
         return {"kind": "parity", "max_length": self.max_length, "min_length": self.min_length,
                 "causal": self.causal, "split_rule": self.split_rule}

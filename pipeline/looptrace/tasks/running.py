@@ -72,6 +72,14 @@ class RunningTask(Task):
             i += 1
         return out
 
+    def answer_flips(self, tokens: np.ndarray, position: int) -> list[tuple[int, int, int]]:
+        """Any other digit at any position f < ``position``: the running sum at ``position`` moves by v − x_f ≠ 0
+        (mod m), so every such substitution changes the answer."""
+        x = np.asarray(tokens, dtype=np.int64)
+        y = int(x[:position + 1].sum() % self.modulus)
+        return [(f, v, (y + v - int(x[f])) % self.modulus) for f in range(min(position, len(x)))
+                for v in range(self.modulus) if v != int(x[f])]
+
     def spec(self) -> dict:
         kind = "running_parity" if self.modulus == 2 else "running_sum"
         return {"kind": kind, "length": self.length, "modulus": self.modulus, "causal": self.causal,
