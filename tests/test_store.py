@@ -202,3 +202,57 @@ def test_refuses_to_replace_a_non_store_directory(tmp_path):
         write_store(tmp_path / "x.zarr", random_store_arrays(), {})
     assert (tmp_path / "x.zarr" / "precious.txt").read_text() == "keep"
     assert not (tmp_path / "x.zarr.tmp").exists()
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+@pytest.mark.parametrize("lands_before", [0, 1, 2, 3, 4])
+def test_a_store_a_peer_is_creating_is_never_refused(tmp_path, monkeypatch, where, lands_before):
+    """Shard processes of one dump check the target while a peer creates it: whichever read of the check the
+    peer's creation lands before, the target reads as absent or as a store (absent -> present is the only
+    change a peer makes), never as someone else's files."""
+    import pathlib
+
+    from looptrace.io.store import location
+
+    target = tmp_path / "s.zarr" if where == "local" else f"memory://peer-{lands_before}/s.zarr"
+    state = {"reads": 0, "created": False, "peer_writing": False}
+
+    def before_read() -> None:
+        if state["reads"] == lands_before and not state["created"]:
+            state["peer_writing"] = True  # the peer's own reads and writes are not the check's
+            write_store(target, random_store_arrays(), {"split": "val"}, chunk_tokens=8)
+            state["peer_writing"], state["created"] = False, True
+        state["reads"] += 1
+
+    def counted(real, on_target=lambda *a: True):
+        def read(*args, **kwargs):
+            if not state["peer_writing"] and on_target(*args):
+                before_read()
+            return real(*args, **kwargs)
+        return read
+
+    if where == "url":
+        monkeypatch.setattr(location, "_any_key", counted(location._any_key))
+        monkeypatch.setattr(location, "_exists", counted(location._exists))
+    else:
+        for name in ("exists", "is_dir", "iterdir", "is_file"):
+            monkeypatch.setattr(pathlib.Path, name, counted(getattr(pathlib.Path, name),
+                                                            lambda path, *a: str(path).startswith(str(target))))
+    location.assert_store_or_absent(target)  # no refusal, wherever the creation landed
+    assert state["created"] or state["reads"] <= lands_before  # it landed during the check, or after it
+
+
+def test_a_temp_file_of_an_atomic_write_is_not_foreign(tmp_path):
+    # zarr's local store writes zarr.json as `zarr.<uuid>.partial`, then renames it: the instant before the
+    # rename, a store being created is a directory holding only that temp file
+    from looptrace.io.store.location import assert_store_or_absent, remove_store
+
+    (tmp_path / "s.zarr").mkdir()
+    (tmp_path / "s.zarr" / "zarr.0123abcd.partial").write_bytes(b"{")
+    assert_store_or_absent(tmp_path / "s.zarr")
+    (tmp_path / "s.zarr" / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match=r"s\.zarr exists and is not a trajectory store"):
+        assert_store_or_absent(tmp_path / "s.zarr")
+    with pytest.raises(StoreError, match="not a trajectory store"):
+        remove_store(tmp_path / "s.zarr")
+    assert (tmp_path / "s.zarr" / "notes.txt").read_text() == "mine"

@@ -147,20 +147,35 @@ def remove_debris(target: StoreTarget) -> int:
     return n
 
 
-def assert_store_or_absent(target: StoreTarget) -> None:
-    """Refuse (one line) a target that holds something other than a Zarr store: never write over user files."""
-    if isinstance(target, zarr.storage.MemoryStore):
-        return
+def _foreign(target: StoreTarget) -> bool:
+    """Whether ``target`` holds something other than a Zarr store (files or keys, but no ``zarr.json``).
+
+    The keys are listed *before* ``zarr.json`` is looked up. A peer creating the store at the same moment (the
+    shard processes of one dump) writes the group's ``zarr.json`` before anything else, so in this order a
+    store being created reads as absent or as a store, never as foreign; looked up the other way round, keys
+    that appear between the two reads would. Temp files of atomic local writes (``*.partial``: a ``zarr.json``
+    being renamed into place) are not keys.
+    """
     loc = store_location(target)
     assert loc is not None  # only a MemoryStore has no location
     if _URL.match(loc):
         store = resolve_store(target, "r")
-        if not _exists(store, "zarr.json") and _any_key(store):
-            raise StoreError(f"{loc} exists and is not a trajectory store; remove it or choose another path")
-        return
+        return _any_key(store) and not _exists(store, "zarr.json")
     p = Path(loc)
-    if p.exists() and not (p.is_dir() and ((p / "zarr.json").is_file() or not any(p.iterdir()))):
-        raise StoreError(f"{p} exists and is not a trajectory store; remove it or choose another path")
+    if not p.exists():
+        return False
+    if not p.is_dir():
+        return True
+    return any(not e.name.endswith(".partial") for e in p.iterdir()) and not (p / "zarr.json").is_file()
+
+
+def assert_store_or_absent(target: StoreTarget) -> None:
+    """Refuse (one line) a target that holds something other than a Zarr store: never write over user files."""
+    if isinstance(target, zarr.storage.MemoryStore):
+        return
+    if _foreign(target):
+        raise StoreError(f"{store_location(target)} exists and is not a trajectory store; remove it or choose "
+                         "another path")
 
 
 def remove_store(target: StoreTarget) -> None:
@@ -168,23 +183,16 @@ def remove_store(target: StoreTarget) -> None:
     if isinstance(target, zarr.storage.MemoryStore):
         target._store_dict.clear()
         return
+    if _foreign(target):
+        raise StoreError(f"{store_location(target)} exists and is not a trajectory store; remove it or choose "
+                         "another path")
     loc = store_location(target)
     assert loc is not None  # only a MemoryStore has no location
     if _URL.match(loc):
-        store = resolve_store(target, "r")
-        if _exists(store, "zarr.json"):
-            fs, path = _sync_fs(loc)
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(path, recursive=True)
-        elif _any_key(store):
-            raise StoreError(f"{loc} exists and is not a trajectory store; remove it or choose another path")
+        fs, path = _sync_fs(loc)
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(path, recursive=True)
         return
     p = Path(loc)
-    if not p.exists():
-        return
-    if p.is_dir() and (p / "zarr.json").is_file():
-        shutil.rmtree(p)
-    elif p.is_dir() and not any(p.iterdir()):
-        p.rmdir()
-    else:
-        raise StoreError(f"{p} exists and is not a trajectory store; remove it or choose another path")
+    if p.is_dir():
+        shutil.rmtree(p, ignore_errors=False)
