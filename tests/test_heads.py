@@ -193,6 +193,24 @@ def test_resampled_median_is_the_median_of_the_resampled_multiset():
     assert got[0] == pytest.approx(np.nanmedian(v))
 
 
+def test_resampled_medians_equal_np_median_of_the_repeated_values_at_size():
+    # many blocks, ties across blocks, units of unequal length, a resample that keeps nothing: every median equals
+    # np.median of the multiset written out (exactly: the blocked sums are integer sums)
+    rng = np.random.default_rng(7)
+    unit = np.repeat(np.arange(40), rng.integers(1, 50, 40))
+    v = np.round(rng.standard_normal(unit.size), 1)
+    v[rng.integers(0, unit.size, 20)] = np.inf
+    counts = rng.multinomial(40, np.full(40, 1 / 40), size=50).astype(float)
+    counts[7] = 0.0
+    rs = Resampler(unit, 0, counts=counts)
+    got = resampled_medians(rs, v, batch=16)
+    keep = np.isfinite(v)
+    for b, c in enumerate(counts):
+        w = c[unit].astype(int)
+        want = np.median(np.repeat(v[keep], w[keep])) if w[keep].sum() else np.nan
+        np.testing.assert_array_equal(got[b], want)  # exact (NaN = NaN, -0.0 = 0.0)
+
+
 def _settled(signal: np.ndarray, eps: float) -> np.ndarray:
     """SPEC §2 settled depth by a plain loop: the first t from which signal < eps through T (T + 1 if none)."""
     n, T = signal.shape

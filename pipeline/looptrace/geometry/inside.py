@@ -60,13 +60,19 @@ def has_arrays(stores: Mapping[str, Any], names: Iterable[str]) -> bool:
 # Resampled statistics
 # ---------------------------------------------------------------------------------------------
 
-def resampled_medians(rs: Resampler, values: np.ndarray, batch: int = 64) -> np.ndarray:
+def resampled_medians(rs: Resampler, values: np.ndarray, batch: int = 256) -> np.ndarray:
     """The median of every bootstrap resample of per-token values: [token] -> [B] float64.
 
     A resample gives token i the weight w_i of its unit (its sequence's count); its median is the median of the
     multiset in which value i appears w_i times (the mean of the two middle elements when Σ w is even), so unit
     weights give ``np.median``. Non-finite values are left out (their weight with them); NaN where a resample keeps
     no value.
+
+    The values are sorted once; a middle element of resample b is the first sorted token whose cumulative weight
+    reaches its rank. Rather than the cumulative weight of all n tokens per resample (B × n), the sorted tokens are
+    cut into ~√n blocks: the block weights of every resample are one matrix product, counts [B, U] @ tokens of
+    unit u in block j [U, blocks], and only the block holding the rank is summed token by token. Weights are
+    integers, so every sum is exact in float64 whatever its order: the same medians as the direct sum.
     """
     v = np.asarray(values, dtype=np.float64)
     out = np.full(rs.n_boot, np.nan)
@@ -75,13 +81,26 @@ def resampled_medians(rs: Resampler, values: np.ndarray, batch: int = 64) -> np.
         return out
     order = keep[np.argsort(v[keep], kind="stable")]
     sv, units = v[order], rs.index[order]
+    n = sv.size
+    width = max(1, math.isqrt(n))  # tokens per block
+    n_blocks = -(-n // width)
+    in_block = np.zeros((rs.n_units, n_blocks))
+    np.add.at(in_block, (units, np.arange(n) // width), 1.0)  # [U, blocks] tokens of unit u in block j
+    offsets = np.arange(width)
     for b0 in range(0, rs.n_boot, batch):
-        c = np.cumsum(rs.counts[b0:b0 + batch][:, units], axis=1)  # [b, n] cumulative weight in sorted order
-        total = c[:, -1]
-        k1, k2 = np.floor((total + 1) / 2), np.floor(total / 2) + 1  # 1-based ranks of the two middle elements
-        i1 = np.minimum((c < k1[:, None]).sum(axis=1), sv.size - 1)
-        i2 = np.minimum((c < k2[:, None]).sum(axis=1), sv.size - 1)
-        out[b0:b0 + batch] = np.where(total > 0, 0.5 * (sv[i1] + sv[i2]), np.nan)
+        counts = rs.counts[b0:b0 + batch]  # [b, U]
+        rows = np.arange(counts.shape[0])[:, None]
+        cum = np.cumsum(counts @ in_block, axis=1)  # [b, blocks] cumulative weight at each block's end
+        total = cum[:, -1]
+        picked = []
+        for rank in (np.floor((total + 1) / 2), np.floor(total / 2) + 1):  # 1-based ranks of the two middle ones
+            j = np.minimum((cum < rank[:, None]).sum(axis=1), n_blocks - 1)  # the block holding the rank
+            before = np.where(j > 0, cum[rows[:, 0], j - 1], 0.0)  # weight of the blocks before it
+            tok = j[:, None] * width + offsets  # [b, width] its tokens (past n: weight 0)
+            w = np.where(tok < n, counts[rows, units[np.minimum(tok, n - 1)]], 0.0)
+            inside = (before[:, None] + np.cumsum(w, axis=1) < rank[:, None]).sum(axis=1)
+            picked.append(np.minimum(j * width + inside, n - 1))
+        out[b0:b0 + batch] = np.where(total > 0, 0.5 * (sv[picked[0]] + sv[picked[1]]), np.nan)
     return out
 
 
