@@ -96,7 +96,7 @@ def fig_speed(inp: Inputs, out: Path, dpi: int) -> Path | None:
     fig, axes = plt.subplots(nrow, ncol, figsize=(FIG_W, 3.6 * nrow + 1.4), squeeze=False, layout="constrained",
                              sharex=True, sharey=True)
     handles: dict[str, object] = {}
-    ticks = [t for t in (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0) if lo <= t <= hi]
+    ticks = [t for t in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0) if lo <= t <= hi]
     for i, p in enumerate(panels):
         ax = axes[i // ncol, i % ncol]
         ax.set_xscale("log")
@@ -151,5 +151,6 @@ def fig_speed(inp: Inputs, out: Path, dpi: int) -> Path | None:
     for k in range(n, nrow * ncol):
         axes[k // ncol, k % ncol].set_visible(False)
     legend_below(fig, handles, ncol=3)
-    fig.suptitle("Speed: loop self-speculative decoding (lossless, at 100 %) vs early exit (lossy)")
+    fig.suptitle("Speed: loop self-speculative decoding (lossless, at 100 %) vs early exit (lossy)" if settings else
+                 "Speed: early exit (lossy; no loop self-speculative decoding measured: generate.speculative)")
     return plotting.save(fig, out / "speed.png", dpi)
