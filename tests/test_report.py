@@ -141,7 +141,7 @@ def test_report_end_to_end(artifacts, tmp_path):
     page = (out / "index.html").read_text()
     srcs = _img_srcs(page)
     want = {"accuracy_per_loop", "step_geometry", "convergence", "pareto_ta", "pareto_tb", "failure_classes",
-            "cross_regime", "latency"}
+            "cross_regime", "latency", "speed"}  # speed: the early-exit runs alone (no speculative.parquet)
     assert {Path(s).stem for s in srcs} == want
     for s in srcs:  # relative, inside the report, existing PNGs
         assert not s.startswith(("/", "http", "file:")) and (out / s).is_file()
@@ -169,6 +169,8 @@ def test_report_end_to_end(artifacts, tmp_path):
     assert "<h2>Generation with early exit</h2>" in page and page.count("<td>top1</td><td>share</td>") == 1
     assert "<td>1.60×</td><td>" in page and "<td>160.0</td>" in page and "<td>0.80×</td>" in page
     assert "policy:native not run on ta-uniform" in page
+    # no speculative.parquet (generate.speculative is opt-in): no speed section, and no "Not shown" note for it
+    assert "Speed: lossless vs lossy" not in page and "speculative.parquet" not in page
     # this fixture has no loopmap stage outputs: the page says so (and has no loop-map section)
     assert metrics["missing_inputs"] == [*sorted(f"gates/{k}" for k in MODELS), "loopmap/"]
     assert "<h2>Loop map</h2>" not in page and "<code>loopmap/</code>: run the loopmap stage" in page

@@ -13,6 +13,7 @@ Everything shown is read from the other stages' artifacts (never recomputed from
 | cross-regime gate matrix | ``gates/cross_regime.parquet`` |
 | realised vs ideal speedup | ``latency/latency.parquet`` |
 | generation with early exit (table, findings) | ``generate/generate.parquet``, ``generate/metrics.json`` |
+| speed, lossless vs lossy: speculative decoding beside early exit (figure, table, findings) | ``generate/speculative.parquet`` (opt-in ``generate.speculative``), ``generate/generate.parquet`` |
 
 A figure whose inputs are missing is left out and the page says which stage to run, so the report
 works on partial pipelines (the tests build tiny constructed outputs). The page uses relative image
@@ -20,9 +21,9 @@ paths and no scripts or external resources, so it opens offline from the file sy
 
 The package, one concern per module: ``inputs`` (``ReportConfig``, what is read), ``figures`` (the PNGs: one
 module per figure family, ``fig_*``, on ``plotting``), ``headline`` (the tables' numbers and metrics.json),
-``findings`` (sentences and summary.md), ``halting_section`` and ``loopmap_section`` (those sections' tables),
-``interactive`` (the Plotly view), ``dvcplots`` (DVC plots), ``page`` (index.html); :func:`build_report` here runs
-them.
+``findings`` (sentences and summary.md), ``halting_section``, ``loopmap_section`` and ``speed_section`` (those
+sections' tables), ``interactive`` (the Plotly view), ``dvcplots`` (DVC plots), ``page`` (index.html);
+:func:`build_report` here runs them.
 """
 
 from __future__ import annotations

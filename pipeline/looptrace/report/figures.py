@@ -1,6 +1,6 @@
 """The report's figures (``figures/<name>.png``): :func:`make_figures` draws every figure whose inputs
 exist, one module per figure family (``fig_loops``, ``fig_pareto``, ``fig_failures``, ``fig_cross_regime``,
-``fig_latency``, ``fig_loopmap``, ``fig_heads``), each drawn from :class:`~looptrace.report.inputs.Inputs` only through
+``fig_latency``, ``fig_speed``, ``fig_loopmap``, ``fig_heads``), each drawn from :class:`~looptrace.report.inputs.Inputs` only through
 :mod:`looptrace.report.plotting`; a figure whose inputs are missing is not drawn (its function returns None)."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from looptrace.report.fig_latency import fig_latency
 from looptrace.report.fig_loopmap import fig_loopmap, fig_loopmap_trace
 from looptrace.report.fig_loops import fig_accuracy_per_loop, fig_convergence, fig_step_geometry
 from looptrace.report.fig_pareto import fig_pareto
+from looptrace.report.fig_speed import fig_speed
 from looptrace.report.inputs import Inputs, ReportConfig
 from looptrace.report.plotting import slug, tasks_of
 
 #: Figure file names (``figures/<name>.png``); Pareto fronts add one per task: ``pareto_<task>.png``.
-FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes", "cross_regime", "latency")
+FIGURES = ("accuracy_per_loop", "step_geometry", "convergence", "failure_classes", "cross_regime", "latency", "speed")
 
 
 def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Path]:
@@ -33,6 +34,7 @@ def make_figures(inp: Inputs, cfg: ReportConfig, fig_dir: Path) -> dict[str, Pat
     made["failure_classes"] = fig_failures(inp, fig_dir, cfg.dpi)
     made["cross_regime"] = fig_cross_regime(inp, cfg, fig_dir, cfg.dpi)
     made["latency"] = fig_latency(inp, fig_dir, cfg.dpi)
+    made["speed"] = fig_speed(inp, fig_dir, cfg.dpi)  # generate.parquet and/or speculative.parquet
     made["loopmap"] = fig_loopmap(inp, inp.loopmap, fig_dir, cfg.dpi, cfg.seed_lines)
     made["layers"] = fig_layers(inp, fig_dir, cfg.dpi, cfg.seed_lines)  # opt-in dump.layers / dump.heads only
     made["heads"] = fig_heads(inp, fig_dir, cfg.dpi, cfg.seed_lines)

@@ -1,5 +1,5 @@
-"""The report's prose: sentences about real early exit and generation, and ``summary.md`` (every number in them
-read from the artifacts, never hand-written)."""
+"""The report's prose: sentences about real early exit, generation and speed (lossless vs lossy), and ``summary.md``
+(every number in them read from the artifacts, never hand-written)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import polars as pl
 from looptrace.report.halting_section import HALTING_COLUMNS, collapse_tol_of, halting_intro, halting_rows
 from looptrace.report.headline import HEADLINE_FIGURES, nonfinite_table
 from looptrace.report.inputs import Inputs, ReportConfig
+from looptrace.report.speed_section import bar_text, exit_label, fastest_exit, speedup_text
 
 
 def _md_table(df: pl.DataFrame, cols: Sequence[tuple[str, str]]) -> list[str]:
@@ -161,4 +162,43 @@ def generate_findings(gen: pl.DataFrame | None, gen_metrics: dict | None) -> lis
             if what == "q_exit" and "no native halting gate" in reason:
                 continue
             out.append(f"generate: {what} not run on {model}: {reason}.")
+    return out
+
+
+def speed_findings(gen: pl.DataFrame | None, spec: pl.DataFrame | None, models: list[str], bar: float) -> list[str]:
+    """One sentence per model × batch size with speculative rows: its fastest (k, d) by realised speedup with the
+    interval and the prediction, against the fastest early exit at ≥ ``bar`` token agreement and the fastest early
+    exit overall (every number from the tables, never hand-written)."""
+    if spec is None or not spec.height:
+        return []
+    out = []
+    b = bar_text(bar)
+    for model in models:
+        m = spec.filter((pl.col("model") == model) & pl.col("realised_speedup").is_finite())
+        for bs in sorted(set(m["batch_size"].to_list())):
+            s = m.filter(pl.col("batch_size") == bs).sort(["realised_speedup", "k", "d"],
+                                                          descending=[True, False, False])
+            r = s.row(0, named=True)
+            of = f", the fastest of {s.height} settings" if s.height > 1 else ""
+            tokens = ("with every token full depth's" if r["exact"] else
+                      "with tokens that differ from full-depth greedy decoding's (exact = false: a bug, SPEC §8)")
+            txt = (f"{model}, batch {bs}: speculative decoding (k={r['k']}, d={r['d']}{of}) "
+                   f"{speedup_text(r['realised_speedup'], r.get('realised_speedup_lo'), r.get('realised_speedup_hi'))} "
+                   f"{tokens} (predicted "
+                   f"{speedup_text(r.get('predicted_speedup'), r.get('predicted_speedup_lo'), r.get('predicted_speedup_hi'))})")
+            best, fast = fastest_exit(gen, model, bs, bar), fastest_exit(gen, model, bs)
+            if fast is None:
+                out.append(txt + "; no early-exit run at this batch size to compare.")
+                continue
+            if best is None:
+                txt += f"; no early-exit run reaches {b} token agreement"
+            else:
+                txt += (f"; the fastest early exit at ≥ {b} token agreement is {exit_label(best)} at "
+                        f"{best['realised_speedup']:.2f}× ({100 * best['token_agreement']:.1f} % agreement)")
+            if best is not None and exit_label(best) == exit_label(fast):
+                txt += ", also the fastest early exit overall."
+            else:
+                txt += (f"; the fastest early exit overall is {exit_label(fast)} at {fast['realised_speedup']:.2f}× "
+                        f"with {100 * fast['token_agreement']:.1f} % agreement.")
+            out.append(txt)
     return out

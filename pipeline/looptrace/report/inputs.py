@@ -30,6 +30,9 @@ class ReportConfig:
         title: page title.
         seed_lines: also draw every training seed as a thin line beside the mean over seeds (per-loop accuracy,
             step geometry, the Pareto figures' highlighted curves).
+        speed_agreement: the "Speed: lossless vs lossy" section's agreement bar, a fraction in (0, 1]: beside loop
+            self-speculative decoding it names the fastest early-exit run whose token agreement with full-depth
+            greedy decoding is ≥ this (SPEC §8).
     """
 
     x: float = 95.0
@@ -40,6 +43,7 @@ class ReportConfig:
     dpi: int = 110
     title: str = "looptrace report"
     seed_lines: bool = False
+    speed_agreement: float = 0.99
 
     def __post_init__(self) -> None:
         if not 0.0 < self.x <= 100.0:
@@ -48,6 +52,9 @@ class ReportConfig:
             raise ConfigError(f"report.convergence_kind must be first or settled, got {self.convergence_kind!r}")
         if self.dpi < 50:
             raise ConfigError(f"report.dpi must be ≥ 50, got {self.dpi}")
+        if not 0.0 < self.speed_agreement <= 1.0:
+            raise ConfigError(f"report.speed_agreement is a token-agreement fraction in (0, 1], got "
+                              f"{self.speed_agreement}")
 
 
 @dataclass
@@ -67,6 +74,8 @@ class Inputs:
         cross_regime: gates' cross-regime table.
         latency: latency.parquet; latency_metrics: its metrics.json.
         generate: generate.parquet (generation-time early exit); generate_metrics: its metrics.json.
+        speculative: generate's speculative.parquet (loop self-speculative decoding, SPEC §8; opt-in
+            ``generate.speculative``, so no "missing" note when absent).
         halting_table: diagnose's halting_table.parquet (``diagnose.halting_table``), collapse_tol: the
             diagnose run's ``collapse_tol``; faithfulness: diagnose's faithfulness.parquet (SPEC §7a).
         loopmap: the loopmap stage's tables (:data:`looptrace.loopmap.tabulate.TABLES`), table -> rows.
@@ -93,6 +102,7 @@ class Inputs:
     claims: dict | None = None
     generate: pl.DataFrame | None = None
     generate_metrics: dict | None = None
+    speculative: pl.DataFrame | None = None
     halting_table: pl.DataFrame | None = None
     collapse_tol: float | None = None
     faithfulness: pl.DataFrame | None = None
@@ -242,6 +252,9 @@ def load_inputs(models: Sequence[str], root: Path | str, cfg: ReportConfig) -> I
         inp.generate_metrics = read_json(gm) if gm.is_file() else None
     else:
         missing["generate/generate.parquet"] = "run the generate stage"
+    spec = root / "generate" / "speculative.parquet"
+    if spec.is_file():  # opt-in (generate.speculative; the LM profile leaves it off): no "missing" note
+        inp.speculative = read_parquet(spec).filter(pl.col("model").is_in(list(models)))
     inp.loopmap = load_loopmap(root, list(models))
     if inp.loopmap is None:
         missing["loopmap/"] = "run the loopmap stage"

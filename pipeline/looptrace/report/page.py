@@ -12,7 +12,7 @@ import markdown
 import polars as pl
 from markdown.treeprocessors import Treeprocessor
 
-from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings
+from looptrace.report.findings import _nonfinite_text, generate_findings, latency_findings, speed_findings
 from looptrace.report.halting_section import (
     FAITH_COLUMNS,
     FAITH_INTRO,
@@ -35,6 +35,7 @@ from looptrace.report.interactive import PLOTLY_JS, interactive_html
 from looptrace.report.loopmap_section import COLUMNS as LOOPMAP_COLUMNS
 from looptrace.report.loopmap_section import INTRO as LOOPMAP_INTRO
 from looptrace.report.loopmap_section import TRACE_COLUMNS, TRACE_INTRO, loopmap_rows, trace_rows
+from looptrace.report.speed_section import speed_columns, speed_intro, speed_rows
 
 
 class _ShiftHeadings(Treeprocessor):
@@ -130,6 +131,12 @@ _CAPTIONS = {
                      "changes after loop d, dotted the mean flip depth, across-seed 95 % band.",
     "latency": "Real early exit (SPEC §8): realised wall-clock speedup against the ideal T / mean exit depth; the "
                "dashed line is 0.8 × ideal.",
+    "speed": "Speed, lossless vs lossy (SPEC §8), a panel per model: realised speedup over full-depth decoding (log "
+             "scale; dashed line at 1×) against token agreement with full-depth greedy decoding. Circles: early-exit "
+             "rules under one KV policy (share when run) at batch size 1 (lossy). Black markers at 100 %: loop "
+             "self-speculative decoding per (k, d) at batch size 1, filled = realised with its min–max over repeats, "
+             "hollow = predicted from the store with its 95 % interval (dashed); the two are drawn a few points "
+             "apart vertically, both are at 100 %.",
 }
 
 
@@ -145,6 +152,16 @@ def halting_html(inp: Inputs) -> list[str]:
         parts += ["<h2>Counterfactual faithfulness of halting signals</h2>", f"<p>{html.escape(FAITH_INTRO)}</p>",
                   _table(faithfulness_groups(inp.faithfulness), [(c, h, None) for c, h in FAITH_COLUMNS])]
     return parts
+
+
+def speed_html(inp: Inputs, cfg: ReportConfig) -> list[str]:
+    """The page's "Speed: lossless vs lossy" section (:mod:`looptrace.report.speed_section`) when the generate
+    stage wrote speculative rows."""
+    rows = speed_rows(inp.generate, inp.speculative, inp.meta["model"].to_list(), cfg.speed_agreement)
+    if rows is None:
+        return []
+    return ["<h2>Speed: lossless vs lossy</h2>", f"<p>{html.escape(speed_intro(cfg.speed_agreement))}</p>",
+            _table(rows, [(c, h, None) for c, h in speed_columns(cfg.speed_agreement)])]
 
 
 def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: pl.DataFrame, out_dir: Path,
@@ -201,6 +218,7 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
                   "wall time of full-depth decoding / early exit in the same run; ideal = T / mean exit depth; "
                   "agreement and loss gap against full-depth greedy decoding (docs/generate.md).</p>",
                   _table(gt, gcols)]
+    parts += speed_html(inp, cfg)
     parts += halting_html(inp)  # the halting methods' table and the faithfulness tests
     if inp.loopmap is not None:  # the loopmap stage's regime, certified exit and windows per model
         parts += ["<h2>Loop map</h2>", f"<p>{html.escape(LOOPMAP_INTRO)}</p>",
@@ -223,6 +241,9 @@ def render_html(inp: Inputs, cfg: ReportConfig, figures: dict[str, Path], head: 
     gf = generate_findings(inp.generate, inp.generate_metrics)
     if gf:
         parts.append(_bullets("Generation", gf))
+    sf = speed_findings(inp.generate, inp.speculative, inp.meta["model"].to_list(), cfg.speed_agreement)
+    if sf:
+        parts.append(_bullets("Speed: lossless vs lossy", sf))
     if inp.summary:
         parts.append(markdown_to_html(inp.summary, shift=2))
     else:
