@@ -128,11 +128,14 @@ def fig_speed(inp: Inputs, out: Path, dpi: int) -> Path | None:
                     if not filled:
                         for line in eb[2]:
                             line.set_linestyle("--")
-                label = f"speculative k={r['k']}, d={r['d']}"
-                handles.setdefault(f"{label}: realised, min–max over repeats",
-                                   Line2D([], [], color=_SPEC_COLOUR, marker=m, ms=8, ls="-", lw=1.3))
-                handles.setdefault(f"{label}: predicted, 95 % interval",
-                                   Line2D([], [], color=_SPEC_COLOUR, marker=m, ms=8, mfc="white", ls="--", lw=1.3))
+                # one entry per setting (its marker) and two for the styles: a legend that stays as wide as the
+                # figure however many (k, d) settings there are
+                handles.setdefault(f"speculative k={r['k']}, d={r['d']}",
+                                   Line2D([], [], color=_SPEC_COLOUR, marker=m, ms=8, ls="none"))
+                handles.setdefault("filled, solid: realised (min–max over repeats)",
+                                   Line2D([], [], color=_SPEC_COLOUR, marker="o", ms=6, ls="-", lw=1.3))
+                handles.setdefault("hollow, dashed: predicted (95 % interval)",
+                                   Line2D([], [], color=_SPEC_COLOUR, marker="o", ms=6, mfc="white", ls="--", lw=1.3))
         parts = []
         if p["exits"] is not None:
             parts.append(f"exit: {p['policy']}, batch {p['exit_batch']}")
