@@ -21,7 +21,7 @@ BENCH = REPO / "benchmarks"
 SMOKE = {"contraction.py": ["--smoke"], "contraction_hf.py": ["--smoke"], "dump.py": ["--smoke"], "dump_hf.py": ["--smoke"], "heads.py": ["--smoke"], "generate.py": ["--smoke"],
          "gpu.py": ["--smoke"], "lm_scale.py": ["--smoke"],
          "geometry.py": ["--smoke"], "latency.py": [], "scale.py": ["--smoke"], "seeds.py": ["--smoke"],
-         "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"],
+         "train_step.py": ["--smoke"], "verify_read.py": ["--smoke"], "speculative_lm.py": ["--smoke"],
          "train_recipe.py": ["--tasks", "running_parity", "--recipe", "smoke", "steps=10", "warmup=2", "val_sequences=16",
                              "checkpoint_fractions=[]", "stop.every=5", "--evals", "2", "--test-sequences", "16"]}
 
