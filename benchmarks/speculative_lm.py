@@ -1,7 +1,8 @@
 """Loop self-speculative decoding on a Hugging Face looped LM through the LM recipe: predicted vs realised.
 
 The repository's LM profile (params.yaml + profiles/lm/params.yaml) on the tiny Ouro stand-in of the adapter tests
-(``tests/hf_helpers.build_ouro``: Ouro's interfaces, its exit gate and its cache, random weights, 4 loops) and a
+(``tests/hf_helpers.build_ouro``: Ouro's interfaces, its exit gate and its cache, random weights, 4 loops; or
+``--model huginn``, the Huginn stand-in: prelude, a core of 2 layers run 4 times, coda) and a
 small generated corpus, with ``generate.speculative`` on: ``looptrace dump`` -> ``geometry`` -> ``readouts`` ->
 ``gates`` -> ``diagnose`` -> ``generate`` -> ``report``, through the CLI, as a user of a real checkpoint runs it.
 Writes every artifact under ``--out`` (``artifacts/generate/speculative.parquet``: realised and predicted
@@ -39,6 +40,9 @@ def main() -> None:
     ap.add_argument("--spec", default="1:2,2:2,3:2", help="draft loops k : draft length d, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes of each decode (median)")
     ap.add_argument("--sequences", type=int, default=32, help="packed sequences per split (fit, val, test)")
+    ap.add_argument("--model", default="ouro", choices=("ouro", "huginn"),
+                    help="the stand-in: ouro (2 shared layers x 4 loops, exit gate) or huginn (prelude 1, core 2 x 4, "
+                         "coda 1)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (8 sequences, one setting, one repeat)")
     args = ap.parse_args()
     if args.smoke:
@@ -48,14 +52,15 @@ def main() -> None:
     from typer.testing import CliRunner
 
     from looptrace.cli import app
-    from tests.hf_helpers import build_ouro, corpus, lm_params
+    from tests.hf_helpers import build_huginn, build_ouro, corpus, lm_params
 
     pairs = [tuple(int(x) for x in s.split(":")) for s in args.spec.split(",") if s]
     out = args.out or Path(tempfile.mkdtemp(prefix="speculative-lm-"))
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         sys.exit(f"--out {out}: not empty; give a new directory")
-    params = lm_params(out, build_ouro(out / "ouro"), corpus(out / "corpus.jsonl", n=200), kind="ouro",
+    build = {"ouro": build_ouro, "huginn": build_huginn}[args.model]
+    params = lm_params(out, build(out / args.model), corpus(out / "corpus.jsonl", n=200), kind=args.model,
                        trust_remote_code=True)
     p = yaml.safe_load(params.read_text())
     p["dump"]["text"]["seq_len"] = 32
@@ -84,7 +89,7 @@ def main() -> None:
             sys.exit(f"looptrace {cmd[0]} failed ({res.exit_code}):\n{res.output[-2000:]}")
     spec = pl.read_parquet(art / "generate" / "speculative.parquet")
     print(f"# {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-          f"tiny Ouro stand-in (random weights, T = {int(spec['n_loops'][0])}); artifacts: {art}")
+          f"tiny {args.model} stand-in (random weights, T = {int(spec['n_loops'][0])}); artifacts: {art}")
     print("k  d  batch  exact  tokens/block realised  predicted [95 %]        speedup realised [min, max]   "
           "predicted [95 %]       realised/predicted")
     for r in spec.sort(["batch_size", "k", "d"]).iter_rows(named=True):
