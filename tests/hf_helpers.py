@@ -1208,6 +1208,18 @@ def build_huginn(path: Path, variant: str = "", dtype=torch.float32, **config) -
     return _build_remote(path, "huginn", 0.1, None, dtype)
 
 
+def own_forward_at(m, loops: int, ids, **kw):
+    """A Nanbeige model's own forward (no cache) with ``config.num_loops = loops``, which it reads at every forward;
+    the config is restored afterwards."""
+    T = m.config.num_loops
+    m.config.num_loops = loops
+    try:
+        with torch.no_grad():
+            return m(input_ids=ids, use_cache=False, **kw)
+    finally:
+        m.config.num_loops = T
+
+
 def nanbeige_config(**over) -> dict:
     """config.json of the Nanbeige stand-in (the published 3B's keys at a tiny shape: GQA, head_dim 16 against
     d_model 32 / 4 heads = 8, the whole stack looped twice, the final norm after every loop)."""

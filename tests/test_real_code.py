@@ -27,6 +27,7 @@ from looptrace.models.adapters.loading import AdapterConfig, load_adapter
 from looptrace.rules.registry import get_rule
 from looptrace.rules.scoring import exit_depths
 from looptrace.signals.halting import ouro_threshold
+from tests.hf_helpers import own_forward_at
 
 ROOT = os.environ.get("LOOPTRACE_REAL_CODE")
 pytestmark = pytest.mark.skipif(not ROOT, reason="LOOPTRACE_REAL_CODE (a directory with huginn/ and ouro/ "
@@ -254,17 +255,6 @@ def _nanbeige(path, **kw):
     return load_adapter(AdapterConfig(kind="nanbeige", path=str(path), trust_remote_code=True, **kw))
 
 
-def _own_loops(m, loops: int, ids, **kw):
-    """The real model's own forward with ``config.num_loops = loops`` (read at every forward; restored after)."""
-    T = m.config.num_loops
-    m.config.num_loops = loops
-    try:
-        with torch.no_grad():
-            return m(input_ids=ids, use_cache=False, **kw)
-    finally:
-        m.config.num_loops = T
-
-
 def _nb_ids(m, b=3, s=12, seed=0):
     # ids >= 3: clear of pad (0), bos and eos, so generate's attention mask keeps every prompt token
     return torch.randint(3, m.config.vocab_size, (b, s), generator=torch.Generator().manual_seed(seed))
@@ -289,7 +279,7 @@ def test_nanbeige_states_and_exits_are_the_real_models_own(dtype, attn):
             lay.self_attn.rotary_emb.dim, base=lay.self_attn.rotary_emb.base).inv_freq) for lay in m.model.layers),
          "h0": diff(st.hidden_init, m.model.embed_tokens(ids)), "states": 0.0, "exits vs forward(num_loops=t)": 0.0}
     for t in range(T):
-        own = _own_loops(m, t + 1, ids, output_hidden_states=True)
+        own = own_forward_at(m, t + 1, ids, output_hidden_states=True)
         d["states"] = max(d["states"], diff(st.hidden[:, :, t], own.hidden_states[-1]))
         d["exits vs forward(num_loops=t)"] = max(d["exits vs forward(num_loops=t)"],
                                                  diff(a.readout(st.hidden[:, :, t], t), own.logits))
@@ -298,9 +288,9 @@ def test_nanbeige_states_and_exits_are_the_real_models_own(dtype, attn):
     try:
         s = NanbeigeAdapter(m, a.cfg)  # verify_exit on: lm_head(norm(h_T)) against the forward
         sk = s.states(ids)
-        d["skip norm: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), _own_loops(m, t + 1, ids).logits)
+        d["skip norm: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), own_forward_at(m, t + 1, ids).logits)
                                     for t in range(T))
-        d["skip norm: norm(h_T)"] = diff(m.model.norm(sk.hidden[:, :, T - 1]), _own_loops(
+        d["skip norm: norm(h_T)"] = diff(m.model.norm(sk.hidden[:, :, T - 1]), own_forward_at(
             m, T, ids, output_hidden_states=True).hidden_states[-1])
     finally:
         m.config.skip_loop_final_norm = False
@@ -308,7 +298,7 @@ def test_nanbeige_states_and_exits_are_the_real_models_own(dtype, attn):
     try:
         s = NanbeigeAdapter(m, a.cfg)
         sk = s.states(ids)
-        d["pretraining_tp 2: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), _own_loops(m, t + 1, ids).logits)
+        d["pretraining_tp 2: exits"] = max(diff(s.readout(sk.hidden[:, :, t], t), own_forward_at(m, t + 1, ids).logits)
                                            for t in range(T))
     finally:
         m.config.pretraining_tp = 1
@@ -323,7 +313,7 @@ def test_nanbeige_n_loops_is_the_models_num_loops():
     ids = _nb_ids(m)
     st = a.states(ids)
     d = {"states (n_loops 3 vs forward(num_loops=t))": max(
-        diff(st.hidden[:, :, t], _own_loops(m, t + 1, ids, output_hidden_states=True).hidden_states[-1])
+        diff(st.hidden[:, :, t], own_forward_at(m, t + 1, ids, output_hidden_states=True).hidden_states[-1])
         for t in range(3))}
     report("nanbeige n_loops 3", **d)
     assert st.hidden.shape[2] == 3 and max(d.values()) <= TOL

@@ -398,17 +398,6 @@ def nanbeige(path, **kw):
     return load_adapter(AdapterConfig(kind="nanbeige", path=str(path), trust_remote_code=True, **kw))
 
 
-def _own_at(m, loops, ids, **kw):
-    """The model's own forward run with ``config.num_loops = loops`` (restored afterwards)."""
-    T = m.config.num_loops
-    m.config.num_loops = loops
-    try:
-        with torch.no_grad():
-            return m(input_ids=ids, use_cache=False, **kw)
-    finally:
-        m.config.num_loops = T
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_nanbeige_states_and_every_exit_are_the_models_own(nb_ckpt, dtype):
     """h_t = the model's own last hidden state run with num_loops = t (its norm after every loop: h_t feeds loop
@@ -426,7 +415,7 @@ def test_nanbeige_states_and_every_exit_are_the_models_own(nb_ckpt, dtype):
     assert a._verified
     close(st.hidden_init, m.model.embed_tokens(ids), 0)
     for t in range(2):
-        own = _own_at(m, t + 1, ids, output_hidden_states=True)
+        own = H.own_forward_at(m, t + 1, ids, output_hidden_states=True)
         close(st.hidden[:, :, t], own.hidden_states[-1], 0)
         close(a.readout(st.hidden[:, :, t], t), own.logits, 0)
     # loop 2 starts from h_1: the stack applied to h_1 with loop_idx 1, then the norm
@@ -447,7 +436,7 @@ def test_nanbeige_skip_loop_final_norm_and_loop_counts(nb_ckpt, tmp_path):
     st = a.states(ids)
     m = a.model
     for t in range(2):
-        close(a.readout(st.hidden[:, :, t], t), _own_at(m, t + 1, ids).logits, 0)
+        close(a.readout(st.hidden[:, :, t], t), H.own_forward_at(m, t + 1, ids).logits, 0)
     with torch.no_grad():  # h_T is the raw output of the last loop: its norm is the model's last hidden state
         close(m.model.norm(st.hidden[:, :, 1]), m.model(input_ids=ids, use_cache=False).last_hidden_state, 0)
     with torch.no_grad():
