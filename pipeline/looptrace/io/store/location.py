@@ -183,9 +183,7 @@ def remove_store(target: StoreTarget) -> None:
     if isinstance(target, zarr.storage.MemoryStore):
         target._store_dict.clear()
         return
-    if _foreign(target):
-        raise StoreError(f"{store_location(target)} exists and is not a trajectory store; remove it or choose "
-                         "another path")
+    assert_store_or_absent(target)
     loc = store_location(target)
     assert loc is not None  # only a MemoryStore has no location
     if _URL.match(loc):
@@ -195,4 +193,4 @@ def remove_store(target: StoreTarget) -> None:
         return
     p = Path(loc)
     if p.is_dir():
-        shutil.rmtree(p, ignore_errors=False)
+        shutil.rmtree(p)
