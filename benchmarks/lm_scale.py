@@ -394,7 +394,20 @@ def stage_child(spec: dict) -> dict:
     kwargs = _entry_kwargs(main, stage_args(spec["stage"], spec["model"], root, Path(spec["params"])))
     if spec.get("profile"):
         return _profiled(lambda: main(**kwargs))
-    return _measured(lambda: main(**kwargs), root)
+    out = _measured(lambda: main(**kwargs), root)
+    metrics = root / spec["stage"] / "metrics.json"
+    if spec["stage"] == "gates" and metrics.is_file():  # the stage's own split of its wall (streaming vs fitting)
+        out["phases"] = json.loads(metrics.read_text()).get("phase_seconds") or {}
+    return out
+
+
+def streaming_wall(stage: str, s: dict) -> float:
+    """The wall of a stage's passes over the store: the whole stage, or for gates its streaming phases (the fit
+    subsample's read, PCA and features; scoring val and test), without the fitting on the gathered rows."""
+    ph = s.get("phases") or {}
+    if stage == "gates" and ph:
+        return float(ph["read_and_features"] + ph["score"])
+    return float(s["wall"])
 
 
 def _profiled(call: Callable[[], Any], top: int = 10) -> dict:
@@ -615,7 +628,7 @@ def report_model(res: dict) -> tuple[list[str], bool]:
     ok = True
     toks = [r["tokens"] for r in rows]
     lines.append(f"{'stage':9} {'exponent':>8} {'':6} {'(CPU)':>6} {'RSS ratio':>9} {'':6} "
-                 f"{'stage/read at N max':>19} {'':6}")
+                 f"{'stream/read at N max':>19} {'':6}")
     for st in ("dump", *STAGES):
         get = (lambda r, st=st: r["dump"]) if st == "dump" else (lambda r, st=st: r["stages"][st])
         e = slope(toks, [get(r)["wall"] for r in rows]) if len(rows) >= 2 else float("nan")
@@ -629,12 +642,19 @@ def report_model(res: dict) -> tuple[list[str], bool]:
             r_ok: bool | None = ratio <= TARGETS["dump/bare"] if "bare_s" in dm else None
         else:
             s = rows[-1]["stages"][st]
-            ratio = s["wall"] / max(s["read"]["wall"], 1e-9)
+            ratio = streaming_wall(st, s) / max(s["read"]["wall"], 1e-9)
             r_ok = ratio <= TARGETS["stream/read"] if st in STREAMING else None
         ok &= (e_ok is not False) and rss_ok and (r_ok is not False)
         lines.append(f"{st:9} {e:8.2f} {_mark(e_ok):6} {e_cpu:6.2f} {rss:9.2f} {_mark(rss_ok):6} {ratio:19.2f} "
                      f"{_mark(r_ok):6}")
     big = rows[-1]
+    for r in rows:
+        ph = r["stages"].get("gates", {}).get("phases")
+        if ph:
+            lines.append(f"gates at N={r['n']}: read + PCA + features {ph['read_and_features']:.2f} s, scoring val and "
+                         f"test {ph['score']:.2f} s (streaming: {streaming_wall('gates', r['stages']['gates']):.2f} s "
+                         f"= {streaming_wall('gates', r['stages']['gates']) / max(r['stages']['gates']['read']['wall'], 1e-9):.2f}"
+                         f" x the read), fitting {ph['gate_fit']:.2f} s, evaluation {ph['evaluate']:.2f} s")
     if "bare_cpu" in big["dump"]:  # CPU seconds: the ratio that a loaded machine disturbs least
         lines.append(f"dump / bare forward at N={big['n']}: wall {big['dump']['wall'] / big['dump']['bare_s']:.2f}, "
                      f"CPU {big['dump']['cpu'] / big['dump']['bare_cpu']:.2f}")
@@ -642,7 +662,8 @@ def report_model(res: dict) -> tuple[list[str], bool]:
     lines.append(f"store on disk: {per_tl:,.0f} bytes per token·loop ({big['dump']['store_bytes'] / 1e6:.1f} MB for "
                  f"{big['tokens']} tokens x T = {T}) = {per_tl / (2 * d):.3f} x raw bfloat16 states (2·d = {2 * d} B)")
     lines.append(f"targets: exponent in [{TARGETS['exponent'][0]}, {TARGETS['exponent'][1]}], RSS ratio (largest / "
-                 f"smallest N) ≤ {TARGETS['rss_ratio']}, streaming stages ({', '.join(STREAMING)}) ≤ "
+                 f"smallest N) ≤ {TARGETS['rss_ratio']}, streaming passes ({', '.join(STREAMING)}: for gates its read, PCA, "
+                 f"feature and scoring passes, not the fitting) ≤ "
                  f"{TARGETS['stream/read']} x the read, dump / bare ≤ {TARGETS['dump/bare']}")
     for r in rows:
         for st, pr in (r.get("profiles") or {}).items():

@@ -118,6 +118,27 @@ def test_block_size_does_not_change_metrics():
         np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), v)
 
 
+def test_row_groups_do_not_change_metrics(monkeypatch):
+    """step_metrics' cache-sized row groups (1, 3 or all rows at once) give the same bits, and equal the
+    closed forms at float64 on a row in the middle of a group."""
+    import looptrace.signals.steps as steps
+
+    rng = np.random.default_rng(3)
+    h0 = rng.normal(size=(20, 40)).astype(np.float32)
+    hidden = rng.normal(size=(20, 5, 40)).astype(np.float32)
+    got = {}
+    for group_bytes in (1, 3 * 8 * 40, 1 << 40):  # 1 row, 3 rows, the whole block
+        monkeypatch.setattr(steps, "ROW_GROUP_BYTES", group_bytes)
+        got[group_bytes] = steps.step_metrics(hidden, h0)
+    for k, v in got[1 << 40].items():
+        for g in (1, 3 * 8 * 40):
+            np.testing.assert_array_equal(got[g][k], v, err_msg=k)
+    h = np.concatenate([h0[:, None], hidden], axis=1).astype(np.float64)[7]  # row 7: inside the third group of 3
+    d = np.diff(h, axis=0)
+    np.testing.assert_allclose(got[3 * 8 * 40]["step_norm"][7], np.linalg.norm(d, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(got[3 * 8 * 40]["accel"][7, 1:], np.linalg.norm(np.diff(d, axis=0), axis=1), rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- convergence
 
 def test_convergence_first_vs_settled_and_censoring():

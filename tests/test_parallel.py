@@ -106,6 +106,64 @@ def test_in_process_map_keeps_order():
     assert list(map_tasks(divmod, [7, 9, 11], (4,))) == [(1, 3), (2, 1), (2, 3)]
 
 
+def _slow_slice(st, tokens: slice, delays: tuple) -> tuple[int, int]:
+    time.sleep(delays[tokens.start // 16])
+    return _rows(st, tokens)
+
+
+def test_read_ahead_threads_keep_order_and_results(tmp_path):
+    """map_chunks(ahead=k): later slices that finish first still come back after earlier ones, same values as
+    the serial loop; at most k + 1 calls run at once."""
+    import threading
+
+    st = write_arrays(tmp_path / "s.zarr", random_signal_arrays(np.random.default_rng(1), N=100), chunk_tokens=16)
+    delays = (0.2, 0.0, 0.1, 0.0, 0.15, 0.0, 0.0)  # slice 1 finishes before slice 0, …
+    serial = list(map_chunks(_rows, st, st.blocks()))
+    assert serial[0] == (0, int(st.read("target", slice(0, 16)).sum())) and len(serial) == 7
+    running, peak, lock = [0], [0], threading.Lock()
+
+    def counted(store, tokens, d):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        try:
+            return _slow_slice(store, tokens, d)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    for ahead in (1, 2):
+        peak[0] = 0
+        assert list(map_chunks(counted, st, st.blocks(), (delays,), ahead=ahead)) == serial
+        assert 2 <= peak[0] <= ahead + 1
+
+
+def test_read_ahead_error_and_early_close_leave_no_thread(tmp_path):
+    """A call's exception is the consumer's exception; closing the iterator early cancels the calls not yet
+    started (they never run) and joins the running ones."""
+    import threading
+
+    st = write_arrays(tmp_path / "s.zarr", random_signal_arrays(np.random.default_rng(1), N=100), chunk_tokens=16)
+    started: list[int] = []
+
+    def fn(store, tokens):
+        started.append(tokens.start)
+        if tokens.start == 32:
+            raise ValueError("chunk 2 is bad")
+        time.sleep(0.05)
+        return tokens.start
+
+    with pytest.raises(ValueError, match="chunk 2 is bad"):
+        list(map_chunks(fn, st, st.blocks(), ahead=1))
+    assert max(started) <= 48  # slice 2 failed while at most slice 3 had started; 4–6 never ran
+    started.clear()
+    it = map_chunks(fn, st, st.blocks(), ahead=1)
+    assert next(it) == 0
+    it.close()
+    assert 0 in started and set(started) <= {0, 16}  # slice 2 was never submitted, slice 1 cancelled or joined
+    assert not [t for t in threading.enumerate() if t.name.startswith("looptrace-chunk")]
+
+
 # ---------------------------------------------------------------------------------------------- on the cluster
 
 def _slow_identity(i: int, delays: tuple) -> int:

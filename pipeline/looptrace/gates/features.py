@@ -272,7 +272,7 @@ def gather_fit_rows(st, tokens: np.ndarray, stats: Sequence[str], block_tokens: 
     blocks = [sl for sl in st.blocks(block_tokens)
               if np.searchsorted(tokens, sl.start) < np.searchsorted(tokens, sl.stop)]
     hs, ss = [], []
-    for h, s in map_chunks(fit_rows_chunk, st, blocks, (tokens, tuple(stats)), runner):
+    for h, s in map_chunks(fit_rows_chunk, st, blocks, (tokens, tuple(stats)), runner, ahead=1):  # reads overlap
         hs.append(h)
         if s is not None:
             ss.append(s)

@@ -150,6 +150,7 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
         if missing:
             raise MissingInputError(f"model {m}: no '{missing[0]}' store; the gates stage needs fit, val and test")
     fitted = {m: fit_model_gates(sp["fit"], cfg, specs, base_seed, m, progress, runner) for m, sp in stores.items()}
+    t_fitted, t_score = time.perf_counter(), 0.0
     with atomic_dir(out_root) as tmp:
         tmp.chmod(0o755)  # mkdtemp makes 0700; the artifacts are meant to be readable
         cross_rows, skipped, summary = [], [], {}
@@ -168,8 +169,10 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
                 appliers.append((fitted[a], cross))
             val, test = read_targets(sp["val"]), read_targets(sp["test"])
             rs = split_resampler(test.fields, test.n, intervals, boot_seed(base_seed, b, "test"))
+            t0 = time.perf_counter()
             pv = predict_split(sp["val"], appliers, cfg, runner, threads)
             pt = predict_split(sp["test"], appliers, cfg, runner, threads)
+            t_score += time.perf_counter() - t0
             every = {rule: evaluate_gate(rule, pv[(b, rule)], pt[(b, rule)], val, test, cal, rs)
                      for s in specs for rule, _ in s.forms}
             own = {s.name: every[s.rule] for s in specs}
@@ -205,5 +208,10 @@ def _gates_stage(stores, cfg, cal, out_root, base_seed, meta, tasks, progress, r
                  "intervals": to_dict(intervals) if intervals is not None else None,
                  "best_gate": summary, "cross_skipped": skipped,
                  "seconds": time.perf_counter() - t_start}
+        # where the wall went: the streaming passes (the fit subsample's read + PCA + features; scoring val and
+        # test block by block) apart from the fitting and the evaluation on small per-token arrays
+        features = sum(float(f.info["read_and_features_seconds"]) for f in fitted.values())
+        stage["phase_seconds"] = {"read_and_features": features, "gate_fit": t_fitted - t_start - features,
+                                  "score": t_score, "evaluate": stage["seconds"] - (t_fitted - t_start) - t_score}
         (tmp / "metrics.json").write_text(json.dumps(jsonable(stage), indent=2) + "\n")
     return stage

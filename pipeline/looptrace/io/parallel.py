@@ -177,18 +177,25 @@ def map_tasks(fn: Callable, items: Iterable[Any], shared: Sequence[Any] = (),
 
 
 def map_chunks(fn: Callable, store: Any, slices: Iterable[slice], args: Sequence[Any] = (),
-               runner: DaskRunner | None = None) -> Iterator[Any]:
+               runner: DaskRunner | None = None, ahead: int = 0) -> Iterator[Any]:
     """``fn(store, tokens, *args)`` for every token slice of a trajectory store, in slice order.
 
     In-process (``runner`` None) it calls ``fn`` on ``store`` itself, slice after slice (one slice's data in
-    memory at a time). On a runner it submits one task per slice: the worker opens the store from
-    ``store.target`` (its path or URL; once per worker process, kept while the store's attributes are
-    unchanged), and the results come back in slice order, at most ``runner.max_in_flight`` at a time.
+    memory at a time). With ``ahead`` > 0 it runs up to ``ahead`` + 1 slices at once on threads of this process
+    (:func:`ordered_threads`): the next slices' reads and decompression overlap this one's computation and the
+    consumer's writes, with at most ``ahead`` + 2 slices' data in memory. ``fn`` must then be thread-safe and
+    compute each slice alone (no threaded BLAS whose result depends on the thread count), so the results, in
+    slice order, are the same bytes either way. On a runner it submits one task per slice: the worker opens the
+    store from ``store.target`` (its path or URL; once per worker process, kept while the store's attributes
+    are unchanged), and the results come back in slice order, at most ``runner.max_in_flight`` at a time.
 
     Raises:
         ValueError: a runner is given but the store is in memory (worker processes cannot open it).
     """
     if runner is None:
+        if ahead > 0:
+            yield from ordered_threads(fn, ((store, tokens, *args) for tokens in slices), ahead + 1)
+            return
         for tokens in slices:
             yield fn(store, tokens, *args)
         return
@@ -200,6 +207,29 @@ def map_chunks(fn: Callable, store: Any, slices: Iterable[slice], args: Sequence
     key = (target, _attrs_digest(store.attrs))
     args_f = runner.share(tuple(args))
     yield from runner.ordered(_chunk_task, ((fn, target, key, tokens, args_f) for tokens in slices))
+
+
+def ordered_threads(fn: Callable, args_list: Iterable[tuple], threads: int) -> Iterator[Any]:
+    """``fn(*args)`` for each args tuple on ``threads`` threads of this process, results in submission order.
+
+    At most ``threads`` calls are outstanding (one result is consumed before the next call is submitted once the
+    window is full). A call's exception is re-raised here; closing the iterator early (an exception in the
+    consumer, Ctrl-C) cancels the calls not yet started and waits for the running ones, so no thread outlives it.
+    numpy, zarr's codecs and the file reads release the GIL, which is what lets two calls share two cores.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="looptrace-chunk")
+    q: collections.deque = collections.deque()
+    try:
+        for args in args_list:
+            q.append(pool.submit(fn, *args))
+            if len(q) >= threads:
+                yield q.popleft().result()
+        while q:
+            yield q.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _attrs_digest(attrs: dict) -> str:
