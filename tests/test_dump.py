@@ -340,3 +340,15 @@ def test_dump_refuses_shared_prefixes_and_row_split_checkpoints(tmp_path):
                     progress=False)
     a = st["test"].attrs["prefix_overlap"]
     assert a["allowed"] and a["shared_any"] > 0 and a["shared_with"]["fit"] > 0
+
+
+def test_statistics_row_groups_write_the_same_store(monkeypatch):
+    """One row per statistics group (STAT_GROUP_BYTES tiny) writes the same store, bit for bit, as one group."""
+    import looptrace.capture.dump as dump_mod
+
+    adapter, data = tiny_adapter_and_data()
+    cfg = DumpConfig(batch_size=7, chunk_tokens=16)
+    one = dump_split(adapter, data, memory_store(), cfg, {"split": "val"})
+    monkeypatch.setattr(dump_mod, "STAT_GROUP_BYTES", 1)
+    assert len(dump_mod.stat_row_groups(5, 4, torch.device("cpu"))) == 5
+    _same_stores(dump_split(adapter, data, memory_store(), cfg, {"split": "val"}), one)

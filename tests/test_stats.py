@@ -161,3 +161,37 @@ def test_bit_identical_to_the_direct_formulas():
         np.testing.assert_array_equal(g_.view(np.uint32) if g_.dtype == np.float32 else g_,
                                       r_.view(np.uint32) if r_.dtype == np.float32 else r_, err_msg=k)
     assert np.isinf(got["kl_prev_rev"][14, 3])  # the masked entry took the masked path
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_groups_give_the_batch_bits(threads):
+    """The dump computes the statistics in row groups (capture.dump.stat_row_groups): every grouping — one row
+    (ATen's lone-row reduction case at ≥ 32768 entries), three rows, the whole batch — gives the same bits,
+    with a -inf entry in one row (the masked sums) and finite rows beside it."""
+    from looptrace.capture.dump import stat_row_groups
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(5)
+        n, T, V = 7, 3, 40_000
+        z = torch.randn(n, T, V, generator=g) * 3
+        z[2, :, 11] = float("-inf")
+        target = torch.randint(0, V, (n,), generator=g)
+
+        def stats(groups):
+            accs = [LoopStats(z[r, -1], target[r]) for r in groups]
+            loops = [[a.update(z[r, t]) for a, r in zip(accs, groups, strict=True)] for t in range(T)]
+            return {k: torch.stack([torch.cat([q[k] for q in parts]) for parts in loops], 1) for k in STAT_NAMES}
+
+        whole = stats([slice(0, n)])
+        assert whole["entropy"].isfinite().all() and whole["kl_prev"][:, 1:].isfinite().all()
+        for groups in ([slice(i, i + 1) for i in range(n)], [slice(0, 3), slice(3, 6), slice(6, 7)],
+                       stat_row_groups(n, V, torch.device("cpu"))):
+            got = stats(groups)
+            for k in STAT_NAMES:
+                torch.testing.assert_close(got[k], whole[k], rtol=0, atol=0, equal_nan=True, msg=k)
+        assert stat_row_groups(n, V, torch.device("cpu")) == [slice(i, min(i + 26, n)) for i in range(0, n, 26)]
+        assert stat_row_groups(2048, 49_152, torch.device("cpu"))[0] == slice(0, 21)
+    finally:
+        torch.set_num_threads(before)

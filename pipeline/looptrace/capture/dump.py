@@ -232,6 +232,25 @@ def state_dtype(adapter: LoopedModelAdapter, cfg: DumpConfig) -> str:
     return resolve_state_dtype(cfg.hidden_dtype, adapter.info.extra.get("dtype"))
 
 
+#: Bytes of one float32 [rows, vocab] tensor in the statistics' row groups on a CPU (see :func:`stat_row_groups`).
+STAT_GROUP_BYTES = 4 << 20
+
+
+def stat_row_groups(n: int, vocab: int, device: torch.device) -> list[slice]:
+    """Row groups of a batch's [n, vocab] logits in which the SPEC §3 statistics are computed, loop by loop.
+
+    On a CPU, groups of ``STAT_GROUP_BYTES`` per [rows, vocab] tensor (21 rows at vocab 49,152, 6 at 166,144):
+    the ~20 passes the statistics make over a group's logits and log-probabilities then run in cache rather than
+    over the whole batch's (201 MB per tensor at 1,024 rows × 49,152) in memory. Each row's statistics are
+    computed alone (:mod:`looptrace.signals.rowwise`), so the values do not depend on the grouping. On an
+    accelerator one group (one kernel per operation for the whole batch).
+    """
+    if device.type != "cpu" or n == 0:
+        return [slice(0, n)]
+    rows = max(1, STAT_GROUP_BYTES // (4 * max(1, vocab)))
+    return [slice(r, min(r + rows, n)) for r in range(0, n, rows)]
+
+
 @torch.inference_mode()
 def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, rows: slice,
              k: int | None, hidden_dtype: str, contraction: ContractionConfig | None = None,
@@ -282,13 +301,15 @@ def _capture(adapter: LoopedModelAdapter, data: TaskBatch, mask: np.ndarray, row
     target = torch.from_numpy(data.targets[rows][keep].astype(np.int64)).to(dev)
     # Loop T first (kl_final needs p_T), then 1..T keeping only the previous loop (bounded memory).
     z_final = sel(adapter.readout(st.hidden[:, :, T - 1], T - 1)).float()  # [n, V]
-    acc = LoopStats(z_final, target)
+    groups = stat_row_groups(z_final.shape[0], z_final.shape[-1], z_final.device)
+    accs = [LoopStats(z_final[g], target[g]) for g in groups]
     per_loop: dict[str, list[torch.Tensor]] = {s: [] for s in STAT_NAMES}
     zs, ids_k = [], []
     for t in range(T):
         z = z_final if t == T - 1 else sel(adapter.readout(st.hidden[:, :, t], t)).float()
-        for name, v in acc.update(z).items():
-            per_loop[name].append(v)
+        parts = [acc.update(z[g]) for acc, g in zip(accs, groups, strict=True)]  # name -> [rows of g]
+        for name in parts[0]:
+            per_loop[name].append(parts[0][name] if len(parts) == 1 else torch.cat([q[name] for q in parts]))
         if k is None:
             zs.append(z)
         else:
