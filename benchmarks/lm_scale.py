@@ -174,14 +174,14 @@ _TINY = {"config": lambda s, n: {}, "layers": 2, "tokens": (32, 128), "seq_len":
 #: model is one row here.
 SHAPES: dict[str, Shape] = {
     "ouro": Shape("ouro", "ouro", "build_ouro", d_model=2048, heads=16, vocab=49152, loops=4, mlp=5632,
-                  published=(0, 24, 0), layers=1, config=_ouro_config, tokens=(512, 2048, 8192), seq_len=64,
+                  published=(0, 24, 0), layers=1, config=_ouro_config, tokens=(2048, 8192, 32768), seq_len=64,
                   batch=16, chunk=128,
                   smoke=dict(_TINY, d_model=32, heads=4, vocab=300, loops=4, mlp=64)),
     # Random-init weights (the builder's N(0, 0.1²) jitter at d 5280) make the 32-loop map chaotic: bfloat16
     # rounding of the batched run against the model's own forward grows past the exit check's tolerance, so it is
     # off here (it checks numerics, which this cost benchmark does not measure).
     "huginn": Shape("huginn", "huginn", "build_huginn", d_model=5280, heads=55, vocab=65536, loops=32, mlp=17920,
-                    published=(2, 4, 2), layers=1, config=_huginn_config, tokens=(32, 128, 512), seq_len=8,
+                    published=(2, 4, 2), layers=1, config=_huginn_config, tokens=(128, 512, 2048), seq_len=8,
                     batch=32, chunk=8, injection=2 * 5280 * 5280, exit_layers=2, verify_exit=False,
                     smoke=dict(_TINY, d_model=32, heads=2, vocab=300, loops=4, mlp=64, injection=2 * 32 * 32,
                                tokens=(32,))),
@@ -190,7 +190,7 @@ SHAPES: dict[str, Shape] = {
     # finite value) and the 'utility' labels (I_t, t >= 2, ouro alignment) have no row: the LM profile's gates
     # and statistics less those.
     "nanbeige": Shape("nanbeige", "nanbeige", "build_nanbeige", d_model=3072, heads=48, vocab=166144, loops=2,
-                      mlp=10752, published=(0, 22, 0), layers=1, config=_nanbeige_config, tokens=(512, 2048, 8192),
+                      mlp=10752, published=(0, 22, 0), layers=1, config=_nanbeige_config, tokens=(2048, 8192, 32768),
                       seq_len=64, batch=8, chunk=128, kv_heads=8, head_dim=128,
                       params={"gates": {"stats": ["entropy", "max_prob", "margin", "rel_step"],
                                         "gates": ["logreg-oracle", "logreg-consistent", "mlp-oracle", "mlp-consistent",
