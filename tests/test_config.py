@@ -45,3 +45,22 @@ def test_ad_profile_loads(repo_root):
     assert cfg.model.d_model == 512 and cfg.batch_size == 1024 and cfg.steps == 40000
     mano = cfg.task("mano")
     assert mano.modulus == 23 and mano.max_ops == 10
+
+
+def test_params_parsed_once_per_text_and_copies_handed_out(tmp_path):
+    """read_params parses each distinct file text once per process; an edited file (even of the same size, within
+    the same mtime tick) is read anew, and a caller's change to the returned mapping never reaches the next one."""
+    from looptrace import config
+
+    f = tmp_path / "params.yaml"
+    f.write_text("base: {seed: 1}\n")
+    config._parse.cache_clear()
+    a = config.read_params(f)
+    assert a == {"base": {"seed": 1}} and config._parse.cache_info().misses == 1
+    a["base"]["seed"] = 99
+    assert config.read_params(f) == {"base": {"seed": 1}} and config._parse.cache_info().hits == 1
+    f.write_text("base: {seed: 2}\n")  # same size
+    assert config.read_params(f)["base"]["seed"] == 2
+    f.write_text("base: {seed: 2}\nbase: {seed: 3}\n")
+    with pytest.raises(ConfigError, match=r"section 'base' is given twice \(line 1 and line 2\)"):
+        config.read_params(f)
