@@ -75,18 +75,8 @@ class DaskRunner:
         task's exception is re-raised here (its own type and message). Closing the iterator early cancels the
         tasks still outstanding.
         """
-        window = self.max_in_flight
-        q: collections.deque = collections.deque()
-        try:
-            for args in args_list:
-                q.append(self.client.submit(fn, *args, pure=False))
-                if len(q) >= window:
-                    yield q.popleft().result()
-            while q:
-                yield q.popleft().result()
-        finally:
-            for f in q:
-                f.cancel()
+        yield from _in_order(lambda *args: self.client.submit(fn, *args, pure=False), args_list,
+                             self.max_in_flight)
 
     def share(self, value: Any) -> Any:
         """Send ``value`` to the cluster once; the returned future can be passed to many tasks."""
@@ -219,17 +209,25 @@ def ordered_threads(fn: Callable, args_list: Iterable[tuple], threads: int) -> I
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    pool = ThreadPoolExecutor(max_workers=max(1, int(threads)), thread_name_prefix="looptrace-chunk")
+    threads = max(1, int(threads))
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="looptrace-chunk") as pool:  # exit joins
+        yield from _in_order(lambda *args: pool.submit(fn, *args), args_list, threads)
+
+
+def _in_order(submit: Callable[..., Any], args_list: Iterable[tuple], window: int) -> Iterator[Any]:
+    """``submit(*args)`` (a future) for each args tuple, at most ``window`` outstanding, results in submission
+    order; closing early cancels the futures not yet consumed (a running one finishes)."""
     q: collections.deque = collections.deque()
     try:
         for args in args_list:
-            q.append(pool.submit(fn, *args))
-            if len(q) >= threads:
+            q.append(submit(*args))
+            if len(q) >= window:
                 yield q.popleft().result()
         while q:
             yield q.popleft().result()
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        for f in q:
+            f.cancel()
 
 
 def _attrs_digest(attrs: dict) -> str:
