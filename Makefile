@@ -6,11 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: repro study status test test-lowest lint bench bench-gpu clean-venv
 
+# The installer is uv (pip's resolution, the same versions, in seconds: pip spends minutes compiling torch's
+# bytecode and resolving over the indexes; docs/train.md "Time budget"), itself installed by pip into the venv. uv
+# does not read pip's configuration: a local wheel directory pip is pointed at (PIP_FIND_LINKS, e.g. the CPU torch
+# build on disk) is passed on. Where uv cannot install (its index unreachable), pip installs the same requirements.
+uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+pip_install = $(1)/bin/python -m pip install -q
+
 # torch==2.13.0 first: it is the CPU build on disk; a bare `torch` would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(call pip_install,$(VENV)) 'uv>=0.9'
+	$(call uv_install,$(VENV)) torch==2.13.0 || $(call pip_install,$(VENV)) torch==2.13.0
+	$(call uv_install,$(VENV)) -e '.[dev]' || $(call pip_install,$(VENV)) -e '.[dev]'
 	touch $(STAMP)
 
 # dvc.yaml commands call `python`: put the venv first on PATH. `dvc repro` without a target runs ./dvc.yaml only;
@@ -30,11 +38,13 @@ status: $(STAMP)
 # The package at the lowest versions pyproject.toml admits (every runtime floor pinned, .ci/floors.py): a floor below
 # an API the code uses fails here, not in a user's run. The fast suite (not the slow end-to-end tests), no dev extra.
 LOW := .venv-lowest
+LOW_REQS := -e '.[hf]' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
 $(LOW)/.installed: pyproject.toml .ci/floors.py
 	$(PYTHON) -m venv $(LOW)
-	$(LOW)/bin/python -m pip install -q torch==2.13.0
+	$(call pip_install,$(LOW)) 'uv>=0.9'
+	$(call uv_install,$(LOW)) torch==2.13.0 || $(call pip_install,$(LOW)) torch==2.13.0
 	$(PYTHON) .ci/floors.py hf > $(LOW)/constraints.txt
-	$(LOW)/bin/python -m pip install -q -c $(LOW)/constraints.txt -e '.[hf]' 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
+	$(call uv_install,$(LOW)) -c $(LOW)/constraints.txt $(LOW_REQS) || $(call pip_install,$(LOW)) -c $(LOW)/constraints.txt $(LOW_REQS)
 	touch $@
 
 test-lowest: $(LOW)/.installed
