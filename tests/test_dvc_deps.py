@@ -182,12 +182,12 @@ def params_reads(script: Path) -> set[str]:
             keys.add(sec.value)
         elif name in PROJECT_READS:
             keys.update(PROJECT_READS[name])
-    main = funcs["main"]
-    base_vars = [t.id for n in ast.walk(main) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-                 and isinstance(n.value.func, ast.Name) and n.value.func.id == "load_base" for t in n.targets]
-    for var in base_vars:
-        attrs = attribute_reads(script, main, var)
-        keys |= {"base"} if "*" in attrs else {f"base.{a}" for a in attrs}
+    for fn in funcs.values():  # main and the per-model function a pool of workers runs
+        base_vars = [t.id for n in ast.walk(fn) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                     and isinstance(n.value.func, ast.Name) and n.value.func.id == "load_base" for t in n.targets]
+        for var in base_vars:
+            attrs = attribute_reads(script, fn, var)
+            keys |= {"base"} if "*" in attrs else {f"base.{a}" for a in attrs}
     return keys
 
 

@@ -77,9 +77,9 @@ PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
            "looptrace.online.generate", "sklearn.linear_model", "sklearn.neural_network", "sklearn.decomposition",
            "skops.io", "matplotlib.pyplot")
 
-#: Stages whose output directory holds one directory per model, each swapped in whole as its model finishes (train:
-#: every model of the matrix in one stage, a pool of processes): after a kill each is absent or the reference's.
-PER_MODEL_OUTPUTS = {"train"}
+#: Stages whose output directory holds one directory per model, each swapped in whole as its model finishes (every
+#: model of the matrix in one stage, a pool of processes): after a kill each is absent or the reference's.
+PER_MODEL_OUTPUTS = {"train", "loopmap", "geometry", "readouts"}
 #: Stages whose outputs are wall-clock measurements (compared without their measured fields).
 MEASURED_STAGES = {"latency", "generate"}
 _MEASURED_COLUMN = re.compile(r"(_s|_per_s|realised_speedup|speedup_ratio|ratio_to_work_ideal)$")

@@ -298,3 +298,105 @@ def tune_allocator(mmap_threshold: int = 256 << 20) -> bool:
     _TUNED = bool(mallopt(_M_MMAP_THRESHOLD, int(mmap_threshold))) and bool(
         mallopt(_M_TRIM_THRESHOLD, 2 * int(mmap_threshold)))
     return _TUNED
+
+
+# ---------------------------------------------------------------------------------------------- per-model pool
+
+
+def watch_parent() -> None:
+    """End this process (exit status 1) as soon as its parent is gone: a pool worker of a killed stage leaves no
+    orphan writing on (what it had written stays in its staging directory, for the re-run to take over)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="looptrace-parent-watch").start()
+
+
+def model_workers(models: int, threads: int = 1, device: str = "cpu", scheduler: str | None = None) -> int:
+    """Processes a per-model stage runs its models in: on the CPU the cores this process may use // ``threads``
+    (each model's torch / BLAS threads), at most one per model; one on an accelerator (the device is the shared
+    resource) or where the stage's per-chunk work goes to a Dask cluster (the cluster is the parallelism)."""
+    from looptrace.project import host_cores
+
+    if str(device) != "cpu" or scheduler is not None:
+        return 1
+    return max(1, min(models, host_cores() // max(1, int(threads))))
+
+
+def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, label: str,
+              echo: Callable[[str], None] | None = None) -> None:
+    """``fn(model)`` for every model, ``workers`` at a time; ``echo`` gets each one's line as it finishes.
+
+    A model's outputs depend on nothing but the model, the params and the code (each call seeds and sets what
+    it depends on, writes its own ``<out>/<model>`` through :func:`looptrace.io.claims.stage_output`), so the
+    bytes are the same in any order and pool size. With ``workers`` 1 the models run one after another in this
+    process; otherwise each runs in one of ``workers`` spawned processes (a fresh interpreter each: forking a
+    process whose OpenMP pool has run can deadlock; the workers' own progress bars are off, one line per model
+    here instead). The first failure cancels the models not yet started, waits for the running ones and is
+    re-raised here (a model already finished keeps its complete output).
+
+    Args:
+        fn: a module-level function (pickled by reference into the workers) of the model name, returning the line
+            that reports it.
+        models: model names.
+        workers: processes (:func:`model_workers`).
+        label: the progress line's description (the stage's name).
+        echo: where each model's line goes (stdout through ``typer.echo``); None = nowhere.
+    """
+    from tqdm.auto import tqdm
+
+    workers = max(1, min(int(workers), len(models)))
+    with tqdm(total=len(models), desc=f"{label}: models", unit="model", disable=None, leave=False) as bar:
+        def done(line: str) -> None:
+            bar.update(1)
+            if echo is not None:
+                with tqdm.external_write_mode():
+                    echo(line)
+
+        if workers == 1:
+            for m in models:
+                done(fn(m))
+            return
+        import multiprocessing as mp
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_pool_worker_init) as pool:
+            pending = {pool.submit(fn, m) for m in models}
+            try:
+                while pending:
+                    ready, pending = wait(pending, return_when=FIRST_COMPLETED)
+                    for f in ready:
+                        done(f.result())
+            except BaseException:
+                for f in pending:
+                    f.cancel()
+                raise
+
+
+class _NotATerminal:
+    """A stream that says it is not a terminal (everything else is the wrapped stream's)."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _pool_worker_init() -> None:
+    import sys
+
+    # The workers' progress bars stay off (tqdm's disable=None draws only on a terminal): the parent draws the
+    # pool's line; warnings and errors still reach stderr.
+    sys.stderr = _NotATerminal(sys.stderr)
+    watch_parent()

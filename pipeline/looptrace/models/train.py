@@ -19,7 +19,6 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -47,6 +46,7 @@ from looptrace.config import (
 from looptrace.io.artifacts import swap_in
 from looptrace.io.guard import CURRENT_STAGE
 from looptrace.io.manifest import MANIFEST, build_manifest
+from looptrace.io.parallel import watch_parent
 from looptrace.models.looped import (
     LOOP_FORMS,
     GroupConfig,
@@ -655,14 +655,7 @@ def _worker_init(queue: Any, stage: str | None) -> None:
     global _QUEUE
     _QUEUE = queue
     CURRENT_STAGE.set(stage)
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="looptrace-parent-watch").start()
+    watch_parent()
 
 
 def _train_job(args: tuple) -> dict:

@@ -1,0 +1,85 @@
+"""The per-model stages (loopmap, geometry, readouts) run every model of the matrix in one DVC stage, a pool of
+processes: the bytes equal each model run alone, one after another (``--model``), and a model's failure is one
+line naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.test_e2e_gates import copy_tiny_project, run_in_process, stage_commands
+
+pytestmark = pytest.mark.slow
+
+POOLED = ("loopmap", "geometry", "readouts")
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_pooled_stages_equal_each_model_alone(tmp_path, monkeypatch):
+    import yaml
+
+    import looptrace.project
+
+    params = copy_tiny_project(tmp_path)
+    params["train"]["seeds"] = [0, 1]  # 1 task x 2 regimes x 2 seeds = 4 models
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc_yaml = yaml.safe_load((tmp_path / "dvc.yaml").read_text())
+    cmds = dict(stage_commands(dvc_yaml, params))
+    for name in POOLED:
+        assert "matrix" not in dvc_yaml["stages"][name] and "--model" not in cmds[name], name
+    for name in ("train", *(n for n in cmds if n.startswith("dump@"))):
+        run_in_process(cmds[name], tmp_path)
+    models = sorted(p.name for p in (tmp_path / "artifacts" / "train").iterdir() if p.is_dir())
+    assert len(models) == 4
+
+    # the pool: two worker processes (whatever this machine's cores)
+    monkeypatch.setattr(looptrace.project, "host_cores", lambda: 2)
+    for name in POOLED:
+        run_in_process(cmds[name], tmp_path)
+    # alone: each model in this process, into other roots
+    alone = tmp_path / "alone"
+    for m in models:
+        run_in_process(f"python stages/loopmap.py --model {m} --out {alone / 'loopmap'}", tmp_path)
+        run_in_process(f"python stages/geometry.py --model {m} --out {alone / 'geometry'}", tmp_path)
+        run_in_process(f"python stages/readouts.py --model {m} --geometry-root {alone / 'geometry'} "
+                       f"--out {alone / 'readouts'}", tmp_path)
+    for name in POOLED:
+        pooled, single = _tree(tmp_path / "artifacts" / name), _tree(alone / name)
+        assert {k.split("/")[0] for k in pooled} == set(models), name
+        assert pooled.keys() == single.keys(), name
+        differ = [k for k in pooled if pooled[k] != single[k]]
+        assert not differ, f"{name}: pooled and alone differ in {differ}"
+
+
+def test_a_failing_model_is_one_line_and_the_others_finish(tmp_path, monkeypatch):
+    """One model's dump is missing: the pooled geometry exits non-zero naming that model's store, and every model
+    whose dump is there has its complete output."""
+    import shutil
+
+    import yaml
+    from typer.testing import CliRunner
+
+    import looptrace.project
+    from looptrace.cli import app
+
+    params = copy_tiny_project(tmp_path)
+    params["train"]["seeds"] = [0]  # 2 models: both run at once, so the one that can finish does
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc_yaml = yaml.safe_load((tmp_path / "dvc.yaml").read_text())
+    cmds = dict(stage_commands(dvc_yaml, params))
+    for name in ("train", *(n for n in cmds if n.startswith("dump@"))):
+        run_in_process(cmds[name], tmp_path)
+    models = sorted(p.name for p in (tmp_path / "artifacts" / "dump").iterdir() if p.is_dir())
+    assert len(models) == 2
+    shutil.rmtree(tmp_path / "artifacts" / "dump" / models[0])
+    monkeypatch.setattr(looptrace.project, "host_cores", lambda: 2)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(app, ["geometry"])
+    assert res.exit_code != 0
+    assert models[0] in res.output and "Traceback" not in res.output, res.output
+    assert (tmp_path / "artifacts" / "geometry" / models[1] / "manifest.json").is_file()
+    assert not (tmp_path / "artifacts" / "geometry" / models[0]).exists()
