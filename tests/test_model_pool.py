@@ -1,4 +1,4 @@
-"""The per-model stages (loopmap, geometry, readouts) run every model of the matrix in one DVC stage, a pool of
+"""The per-model stages (dump, loopmap, geometry, readouts) run every model of the matrix in one DVC stage, a pool of
 processes: the bytes equal each model run alone, one after another (``--model``), and a model's failure is one
 line naming it."""
 
@@ -12,7 +12,7 @@ from tests.test_e2e_gates import copy_tiny_project, run_in_process, stage_comman
 
 pytestmark = pytest.mark.slow
 
-POOLED = ("loopmap", "geometry", "readouts")
+POOLED = ("dump", "loopmap", "geometry", "readouts")
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -31,8 +31,7 @@ def test_pooled_stages_equal_each_model_alone(tmp_path, monkeypatch):
     cmds = dict(stage_commands(dvc_yaml, params))
     for name in POOLED:
         assert "matrix" not in dvc_yaml["stages"][name] and "--model" not in cmds[name], name
-    for name in ("train", *(n for n in cmds if n.startswith("dump@"))):
-        run_in_process(cmds[name], tmp_path)
+    run_in_process(cmds["train"], tmp_path)
     models = sorted(p.name for p in (tmp_path / "artifacts" / "train").iterdir() if p.is_dir())
     assert len(models) == 4
 
@@ -43,8 +42,10 @@ def test_pooled_stages_equal_each_model_alone(tmp_path, monkeypatch):
     # alone: each model in this process, into other roots
     alone = tmp_path / "alone"
     for m in models:
+        run_in_process(f"python stages/dump.py --model {m} --out {alone / 'dump'}", tmp_path)
         run_in_process(f"python stages/loopmap.py --model {m} --out {alone / 'loopmap'}", tmp_path)
-        run_in_process(f"python stages/geometry.py --model {m} --out {alone / 'geometry'}", tmp_path)
+        run_in_process(f"python stages/geometry.py --model {m} --dump-root {alone / 'dump'} --out {alone / 'geometry'}",
+                       tmp_path)
         run_in_process(f"python stages/readouts.py --model {m} --geometry-root {alone / 'geometry'} "
                        f"--out {alone / 'readouts'}", tmp_path)
     for name in POOLED:
@@ -71,7 +72,7 @@ def test_a_failing_model_is_one_line_and_the_others_finish(tmp_path, monkeypatch
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     dvc_yaml = yaml.safe_load((tmp_path / "dvc.yaml").read_text())
     cmds = dict(stage_commands(dvc_yaml, params))
-    for name in ("train", *(n for n in cmds if n.startswith("dump@"))):
+    for name in ("train", "dump"):
         run_in_process(cmds[name], tmp_path)
     models = sorted(p.name for p in (tmp_path / "artifacts" / "dump").iterdir() if p.is_dir())
     assert len(models) == 2

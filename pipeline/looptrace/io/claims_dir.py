@@ -41,10 +41,15 @@ class ClaimError(UserError, ValueError):
 # ---------------------------------------------------------------------------------------------
 
 def _proc_start(pid: int) -> float | None:
+    """The start time of a running process ``pid``; None when there is none (a zombie — exited, not yet reaped, as
+    a killed stage's pool workers are where nothing reaps orphans — writes nothing and counts as gone)."""
     try:
         import psutil
 
-        return float(psutil.Process(pid).create_time())
+        proc = psutil.Process(pid)
+        if proc.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return None
+        return float(proc.create_time())
     except Exception:  # noqa: BLE001 - no such process (or no permission): treated as gone
         return None
 

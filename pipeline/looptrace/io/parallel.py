@@ -20,9 +20,11 @@ worker process; a store must therefore be on a path or URL the workers can read 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -303,13 +305,23 @@ def tune_allocator(mmap_threshold: int = 256 << 20) -> bool:
 # ---------------------------------------------------------------------------------------------- per-model pool
 
 
-def watch_parent() -> None:
-    """End this process (exit status 1) as soon as its parent is gone: a pool worker of a killed stage leaves no
-    orphan writing on (what it had written stays in its staging directory, for the re-run to take over)."""
+def watch_parent(parent: int | None = None) -> None:
+    """End this process as soon as its parent (pid ``parent``, default the current parent) is gone: a pool worker
+    of a killed stage leaves no orphan writing on (what it had written stays in its staging directory, for the
+    re-run to take over). On Linux the kernel kills it with its parent (``PR_SET_PDEATHSIG``); everywhere a thread
+    checks every 0.5 s and exits with status 1."""
     import threading
     import time
 
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # the parent died before the kernel was told
+        os._exit(1)
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -367,7 +379,8 @@ def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, lab
         import multiprocessing as mp
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_pool_worker_init) as pool:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_pool_worker_init,
+                                 initargs=(os.getpid(),)) as pool:
             pending = {pool.submit(fn, m) for m in models}
             try:
                 while pending:
@@ -393,10 +406,8 @@ class _NotATerminal:
         return getattr(self._stream, name)
 
 
-def _pool_worker_init() -> None:
-    import sys
-
+def _pool_worker_init(parent: int) -> None:
     # The workers' progress bars stay off (tqdm's disable=None draws only on a terminal): the parent draws the
     # pool's line; warnings and errors still reach stderr.
     sys.stderr = _NotATerminal(sys.stderr)
-    watch_parent()
+    watch_parent(parent)

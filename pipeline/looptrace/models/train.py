@@ -648,14 +648,14 @@ def summary_line(metrics: dict) -> str:
 _QUEUE: Any = None
 
 
-def _worker_init(queue: Any, stage: str | None) -> None:
+def _worker_init(queue: Any, stage: str | None, parent: int) -> None:
     """A pool worker: where to report progress, which stage writes (the manifests name it), and a watchdog that
     ends the worker when its parent is gone (a killed stage leaves no orphan writing on; its staging dirs keep the
     resume states the re-run continues from)."""
     global _QUEUE
     _QUEUE = queue
     CURRENT_STAGE.set(stage)
-    watch_parent()
+    watch_parent(parent)
 
 
 def _train_job(args: tuple) -> dict:
@@ -779,7 +779,7 @@ def train_models(base: BaseConfig, cfg: TrainConfig, models: list[tuple[str, str
             ctx = mp.get_context("spawn")
             queue = ctx.Queue()
             with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init,
-                                     initargs=(queue, CURRENT_STAGE.get())) as pool:
+                                     initargs=(queue, CURRENT_STAGE.get(), os.getpid())) as pool:
                 futures = {pool.submit(_train_job, (k, lean, cfg, *models[i][:2], outs[i], models[i][2], threads)): k
                            for k, i in enumerate(todo)}
                 pending = set(futures)
