@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import numpy as np
 from typer.testing import CliRunner
@@ -62,3 +63,34 @@ def test_killed_runs_staging_debris_is_removed(tmp_path):
     res = _geometry(tmp_path)()
     assert res.exit_code == 0, res.stderr
     assert all(not d.exists() for d in debris) and (out / "token_loop.parquet").stat().st_size > 0
+
+
+def test_a_claim_of_an_exited_unreaped_process_is_not_live():
+    """A pool worker of a killed stage exits but may stay a zombie (nothing reaps orphans in some containers): its
+    claim must be taken over, while a running process's is live."""
+    import dataclasses
+    import subprocess
+    import time
+
+    import psutil
+
+    from looptrace.io.claims_dir import Owner, is_live, this_host
+
+    def record(pid: int) -> dict:
+        owner = Owner(id=f"t-{pid}", host=this_host(), pid=pid, pid_start=psutil.Process(pid).create_time(),
+                      started=time.time())
+        return {"owner": dataclasses.asdict(owner), "state": "active", "heartbeat": time.time()}
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        rec = record(child.pid)
+        assert is_live(rec, lease_s=60.0)
+        child.kill()
+        deadline = time.time() + 10
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+            time.sleep(0.01)
+        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE  # exited, not yet reaped
+        assert not is_live(rec, lease_s=60.0)
+    finally:
+        child.kill()
+        child.wait()
