@@ -82,7 +82,8 @@ PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
 PER_MODEL_OUTPUTS = {"train", "loopmap", "geometry", "readouts"}
 #: Stages whose outputs are wall-clock measurements (compared without their measured fields).
 MEASURED_STAGES = {"latency", "generate"}
-_MEASURED_COLUMN = re.compile(r"(_s|_per_s|realised_speedup|speedup_ratio|ratio_to_work_ideal)$")
+_MEASURED_COLUMN = re.compile(r"(_s|_per_s|realised_speedup|continuation_speedup|speedup_ratio|ratio_to_work_ideal|cost_model_ratio)"
+                              r"(_lo|_hi)?$")
 #: Debris a killed run may leave, which a completed re-run must have removed.
 _DEBRIS = re.compile(r"(\.partial|\.tmp|\.claims|\.old|\.train)$")
 
