@@ -122,7 +122,7 @@ def _content(path: Path, stage: str):
         return _skeleton(data) if stage in MEASURED_STAGES else without_timings(data)
     if path.suffix == ".parquet" and stage in MEASURED_STAGES:
         df = pl.read_parquet(path)
-        return df.drop([c for c in df.columns if _MEASURED_COLUMN.search(c)]).to_dicts()
+        return df.drop([c for c in df.columns if _MEASURED_COLUMN.search(c)]).fill_nan(None).to_dicts()  # NaN != NaN
     return path.read_bytes()
 
 
@@ -194,6 +194,25 @@ def _out_dir(dvc_stage: dict, item: dict) -> str:
                                                                   else paths[0])
 
 
+def _wait_group_gone(pgid: int, timeout_s: float = 10.0) -> None:
+    """Until no process of group ``pgid`` runs (a zombie has exited: it only waits to be reaped)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(proc.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        if not alive:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"processes {alive} of the killed group {pgid} still run after {timeout_s} s")
+
+
 def _kill_once(cwd: Path, argv: list[str], delay: float) -> str:
     """Run ``argv`` in a child, SIGKILL it ``delay`` s after ``ready``; 'killed' or 'finished' (done before)."""
     proc = subprocess.Popen([sys.executable, str(CHILD), json.dumps({"cwd": str(cwd), "argv": argv})],
@@ -207,6 +226,7 @@ def _kill_once(cwd: Path, argv: list[str], delay: float) -> str:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            _wait_group_gone(proc.pid)  # the stage's pool workers too: SIGKILL lands, but not in the same instant
             return "killed"
         err = proc.stderr.read()
         assert proc.returncode == 0, f"{argv} exited {proc.returncode}: {err[-2000:]}"
