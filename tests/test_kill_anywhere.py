@@ -79,7 +79,7 @@ PRELOAD = (*(f"looptrace.stages.{s}" for s in STAGES),
 
 #: Stages whose output directory holds one directory per model, each swapped in whole as its model finishes (every
 #: model of the matrix in one stage, a pool of processes): after a kill each is absent or the reference's.
-PER_MODEL_OUTPUTS = {"train", "loopmap", "geometry", "readouts"}
+PER_MODEL_OUTPUTS = {"train", "dump", "loopmap", "geometry", "readouts"}
 #: Stages whose outputs are wall-clock measurements (compared without their measured fields).
 MEASURED_STAGES = {"latency", "generate"}
 _MEASURED_COLUMN = re.compile(r"(_s|_per_s|realised_speedup|continuation_speedup|speedup_ratio|ratio_to_work_ideal|cost_model_ratio)"
@@ -143,42 +143,50 @@ def _debris(artifacts: Path) -> list[str]:
 
 def _assert_nothing_half_written(out: Path, ref: Path, stage: str) -> str:
     """After a kill: absent, refused as incomplete (stores), or the reference's whole output. Returns which."""
-    from looptrace.io.store.reader import open_store
-    from looptrace.io.store.schema import StoreError
-
     if not out.exists():
         return "absent"
-    if stage in PER_MODEL_OUTPUTS:  # one directory per model, each written whole: absent or the reference's
+    if stage in PER_MODEL_OUTPUTS:  # one directory per model, each written whole (or, the dump, stores)
         extra = sorted(p.name for p in out.iterdir() if not (ref / p.name).is_dir() and not _DEBRIS.search(p.name))
         assert not extra, f"{stage}: {extra} beside the model directories after a kill"
         states = []
         for model in sorted(p for p in ref.iterdir() if p.is_dir()):
             if not (out / model.name).exists():
                 states.append("absent")
-                continue
-            _assert_equal_output(out / model.name, model, stage, f"after a kill ({model.name} is visible)")
-            states.append("whole")
-        return "models " + "/".join(states)
-    stores = sorted(out / p.name for p in ref.iterdir() if p.suffix == ".zarr")
-    if stores:  # the dump: each store is absent, refused (incomplete) or complete and equal to the reference's
-        extra = sorted(p.name for p in out.iterdir() if out / p.name not in stores and not _DEBRIS.search(p.name))
-        assert not extra, f"{stage}: {extra} beside the stores after a kill"
-        states = []
-        for st in stores:
-            if not st.exists():
-                states.append("absent")
-                continue
-            try:
-                open_store(st)
-            except StoreError as exc:
-                assert "incomplete" in str(exc) or "not found" in str(exc) or "no zarr.json" in str(exc), str(exc)
-                states.append("refused")
+            elif any(p.suffix == ".zarr" for p in model.iterdir()):
+                states.append(_stores_state(out / model.name, model, stage))
             else:
-                _assert_equal_output(st, ref / st.name, stage, f"after a kill ({st.name} opens as complete)")
-                states.append("complete")
-        return "stores " + "/".join(states)
+                _assert_equal_output(out / model.name, model, stage, f"after a kill ({model.name} is visible)")
+                states.append("whole")
+        return "models " + "/".join(states)
+    if any(p.suffix == ".zarr" for p in ref.iterdir()):
+        return _stores_state(out, ref, stage)
     _assert_equal_output(out, ref, stage, "after a kill (the output is visible)")
     return "whole"
+
+
+def _stores_state(out: Path, ref: Path, stage: str) -> str:
+    """A model's dump after a kill: each store absent, refused (incomplete) or complete and equal to the
+    reference's."""
+    from looptrace.io.store.reader import open_store
+    from looptrace.io.store.schema import StoreError
+
+    stores = sorted(out / p.name for p in ref.iterdir() if p.suffix == ".zarr")
+    extra = sorted(p.name for p in out.iterdir() if out / p.name not in stores and not _DEBRIS.search(p.name))
+    assert not extra, f"{stage}: {extra} beside the stores after a kill"
+    states = []
+    for st in stores:
+        if not st.exists():
+            states.append("absent")
+            continue
+        try:
+            open_store(st)
+        except StoreError as exc:
+            assert "incomplete" in str(exc) or "not found" in str(exc) or "no zarr.json" in str(exc), str(exc)
+            states.append("refused")
+        else:
+            _assert_equal_output(st, ref / st.name, stage, f"after a kill ({st.name} opens as complete)")
+            states.append("complete")
+    return "stores " + "/".join(states)
 
 
 def _out_dir(dvc_stage: dict, item: dict) -> str:
