@@ -3,6 +3,7 @@ tables and a tiny artifacts tree); the fixtures here are the ones several test f
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,10 @@ from looptrace.config import BaseConfig
 from tests import builders
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The per-model stages run their models one after another in the stage's process here (a tiny project's models take
+# less time than starting a pool's interpreters); tests/test_model_pool.py and the kill harness run the pool itself.
+os.environ.setdefault("LOOPTRACE_MODEL_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")

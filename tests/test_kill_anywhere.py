@@ -89,7 +89,9 @@ _DEBRIS = re.compile(r"(\.partial|\.tmp|\.claims|\.old|\.train)$")
 
 
 def _env() -> dict:
-    return {**os.environ, "SOURCE_DATE_EPOCH": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    # the killed stage runs its pool of two processes (the tests' default is one model after another)
+    return {**os.environ, "SOURCE_DATE_EPOCH": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "LOOPTRACE_MODEL_WORKERS": "2"}
 
 
 def _skeleton(obj):

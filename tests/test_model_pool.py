@@ -36,6 +36,7 @@ def test_pooled_stages_equal_each_model_alone(tmp_path, monkeypatch):
     assert len(models) == 4
 
     # the pool: two worker processes (whatever this machine's cores)
+    monkeypatch.delenv("LOOPTRACE_MODEL_WORKERS", raising=False)
     monkeypatch.setattr(looptrace.project, "host_cores", lambda: 2)
     for name in POOLED:
         run_in_process(cmds[name], tmp_path)
@@ -54,6 +55,25 @@ def test_pooled_stages_equal_each_model_alone(tmp_path, monkeypatch):
         assert pooled.keys() == single.keys(), name
         differ = [k for k in pooled if pooled[k] != single[k]]
         assert not differ, f"{name}: pooled and alone differ in {differ}"
+
+
+def test_workers_from_the_environment(monkeypatch):
+    """``$LOOPTRACE_MODEL_WORKERS`` sets the pool (capped by the models); a bad value is one line naming it; an
+    accelerator or a Dask cluster gets one process."""
+    from looptrace.config import UserError
+    from looptrace.io.parallel import model_workers
+
+    monkeypatch.setenv("LOOPTRACE_MODEL_WORKERS", "3")
+    assert model_workers(12) == 3 and model_workers(2) == 2
+    assert model_workers(12, device="cuda") == 1 and model_workers(12, scheduler="local") == 1
+    monkeypatch.setenv("LOOPTRACE_MODEL_WORKERS", "0")
+    with pytest.raises(UserError, match="LOOPTRACE_MODEL_WORKERS"):
+        model_workers(12)
+    monkeypatch.delenv("LOOPTRACE_MODEL_WORKERS")
+    import looptrace.project
+
+    monkeypatch.setattr(looptrace.project, "host_cores", lambda: 4)
+    assert model_workers(12) == 4 and model_workers(12, threads=2) == 2 and model_workers(3) == 3
 
 
 def test_a_failing_model_is_one_line_and_the_others_finish(tmp_path, monkeypatch):
@@ -77,6 +97,7 @@ def test_a_failing_model_is_one_line_and_the_others_finish(tmp_path, monkeypatch
     models = sorted(p.name for p in (tmp_path / "artifacts" / "dump").iterdir() if p.is_dir())
     assert len(models) == 2
     shutil.rmtree(tmp_path / "artifacts" / "dump" / models[0])
+    monkeypatch.delenv("LOOPTRACE_MODEL_WORKERS", raising=False)
     monkeypatch.setattr(looptrace.project, "host_cores", lambda: 2)
     monkeypatch.chdir(tmp_path)
     res = CliRunner().invoke(app, ["geometry"])

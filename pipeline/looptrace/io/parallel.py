@@ -331,12 +331,29 @@ def watch_parent(parent: int | None = None) -> None:
     threading.Thread(target=watch, daemon=True, name="looptrace-parent-watch").start()
 
 
+#: Environment variable that sets the processes of a per-model stage (``1``: one model after another in the stage's
+#: own process); like the Dask scheduler it decides where the work runs, never what it computes, so it is not a
+#: DVC param.
+WORKERS_ENV = "LOOPTRACE_MODEL_WORKERS"
+
+
 def model_workers(models: int, threads: int = 1, device: str = "cpu", scheduler: str | None = None) -> int:
-    """Processes a per-model stage runs its models in: on the CPU the cores this process may use // ``threads``
-    (each model's torch / BLAS threads), at most one per model; one on an accelerator (the device is the shared
-    resource) or where the stage's per-chunk work goes to a Dask cluster (the cluster is the parallelism)."""
+    """Processes a per-model stage runs its models in: on the CPU ``$LOOPTRACE_MODEL_WORKERS`` when set, else the
+    cores this process may use // ``threads`` (each model's torch / BLAS threads), at most one per model; one on an
+    accelerator (the device is the shared resource) or where the stage's per-chunk work goes to a Dask cluster (the
+    cluster is the parallelism).
+
+    Raises:
+        UserError: ``$LOOPTRACE_MODEL_WORKERS`` is not an integer >= 1.
+    """
     if str(device) != "cpu" or scheduler is not None:
         return 1
+    env = os.environ.get(WORKERS_ENV, "").strip()
+    if env:
+        if not env.isdigit() or int(env) < 1:
+            raise UserError(f"{WORKERS_ENV}={env!r}: set it to an integer >= 1 (processes of a per-model stage) or "
+                            "unset it (one per core)")
+        return min(models, int(env))
     return max(1, min(models, _cores() // max(1, int(threads))))
 
 
