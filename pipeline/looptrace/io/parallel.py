@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from looptrace import project
 from looptrace.config import UserError
 
 #: Environment variable that overrides ``base.dask.scheduler`` (``null`` forces in-process).
@@ -354,7 +355,7 @@ def model_workers(models: int, threads: int = 1, device: str = "cpu", scheduler:
             raise UserError(f"{WORKERS_ENV}={env!r}: set it to an integer >= 1 (processes of a per-model stage) or "
                             "unset it (one per core)")
         return min(models, int(env))
-    return max(1, min(models, _cores() // max(1, int(threads))))
+    return max(1, min(models, project.host_cores() // max(1, int(threads))))
 
 
 def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, label: str,
@@ -394,7 +395,7 @@ def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, lab
         import multiprocessing as mp
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        with _thread_limits(max(1, _cores() // workers)), \
+        with _thread_limits(max(1, project.host_cores() // workers)), \
                 ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_pool_worker_init,
                                     initargs=(os.getpid(),)) as pool:
             pending = {pool.submit(fn, m) for m in models}
@@ -412,12 +413,6 @@ def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, lab
 #: The thread pools a worker's libraries size from the environment when they load (OpenMP: torch and numpy's BLAS;
 #: OpenBLAS; MKL; polars' Rayon pool).
 _THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "POLARS_MAX_THREADS")
-
-
-def _cores() -> int:
-    from looptrace.project import host_cores
-
-    return host_cores()
 
 
 @contextmanager
