@@ -510,8 +510,10 @@ class LoopedTransformer(nn.Module):
         B, S, T, D = hidden.shape
         logits = None
         if with_logits:
-            # The coda attends over positions, so read out loop by loop: [B, S, D] each.
-            logits = torch.stack([self.readout(hidden[:, :, t]) for t in range(T)], dim=2)  # [B, S, T, V]
+            # The coda attends over positions, so read out loop by loop: [B, S, D] each. unbind, not T selects:
+            # its backward stacks the T gradients into one [B, S, T, D] tensor, where each select's would fill
+            # a zero tensor of that size and the T of them be summed (8 % of a default training step; same bits).
+            logits = torch.stack([self.readout(h_t) for h_t in hidden.unbind(2)], dim=2)  # [B, S, T, V]
         gate_logits = self.gate_logit(hidden) if self.gate is not None else None  # [B, S, T]
         return LoopOutput(hidden=hidden, hidden_init=h0, logits=logits, gate_logits=gate_logits)
 
