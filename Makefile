@@ -14,7 +14,7 @@ STAMP := $(VENV)/.installed
 # --compile-bytecode: write every installed module's .pyc now, as pip does; uv leaves it to the first import, and
 # where PYTHONDONTWRITEBYTECODE is set (many containers) no import ever writes it, so every stage process and pool
 # worker would compile torch, sklearn, dask and polars from source again (15 s for `import skops.io`, 5 s for torch;
-# the gates stage 69 s instead of 39 s). ~30 s once at install.
+# the gates stage 69 s instead of 39 s). 20–30 s once at install.
 uv_install = $(1)/bin/uv pip install -q --compile-bytecode --python $(1)/bin/python $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 pip_install = $(1)/bin/python -m pip install -q
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from looptrace.config import BaseConfig
+from looptrace.io.parallel import WORKERS_ENV
 from tests import builders
 
 REPO = Path(__file__).resolve().parents[1]
 
 # The per-model stages run their models one after another in the stage's process here (a tiny project's models take
 # less time than starting a pool's interpreters); tests/test_model_pool.py and the kill harness run the pool itself.
-os.environ.setdefault("LOOPTRACE_MODEL_WORKERS", "1")
+os.environ.setdefault(WORKERS_ENV, "1")
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ import polars as pl
 import pytest
 import yaml
 
+from looptrace.io.parallel import WORKERS_ENV
 from looptrace.stages import registered
 from tests.test_e2e_gates import REPO, TINY, _merge, run_in_process, stage_commands
 from tests.test_parallel import without_timings
@@ -91,7 +92,7 @@ _DEBRIS = re.compile(r"(\.partial|\.tmp|\.claims|\.old|\.train)$")
 def _env() -> dict:
     # the killed stage runs its pool of two processes (the tests' default is one model after another)
     return {**os.environ, "SOURCE_DATE_EPOCH": "0", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "LOOPTRACE_MODEL_WORKERS": "2"}
+            WORKERS_ENV: "2"}
 
 
 def _skeleton(obj):

@@ -507,7 +507,6 @@ class LoopedTransformer(nn.Module):
                     memory = self.extend_memory(memory, outputs)
                 states.append(h)
         hidden = torch.stack(states, dim=2)  # [B, S, T, D]
-        B, S, T, D = hidden.shape
         logits = None
         if with_logits:
             # The coda attends over positions, so read out loop by loop: [B, S, D] each. unbind, not T selects:
