@@ -161,3 +161,28 @@ def test_decoding_with_compaction_equals_masking_and_batch_one():
                 assert np.array_equal(alone.tokens[0], comp.tokens[i])
                 assert np.array_equal(alone.exit_depth[0], comp.exit_depth[i])
                 assert np.array_equal(alone.logprob[0], comp.logprob[i])
+
+
+def test_model_runs_the_modes_kernels_without_a_mode():
+    """The model's inference equals, bit for bit, the same weights in plain ``nn.Linear`` layers run under the
+    :class:`BatchInvariant` mode (which substitutes ``F.linear``); and no torch-function mode is entered."""
+    import copy
+
+    from tests.test_generate import own_model
+
+    m = own_model(T=5)
+    tok = torch.randint(0, 11, (6, 7), generator=_g(3))
+    modes = []
+    m.blocks[0][0].attn.qkv.register_forward_pre_hook(
+        lambda mod, a: modes.append(torch._C._is_torch_function_mode_enabled()))
+    with torch.no_grad():
+        out = m(tok)
+    assert modes and not any(modes)
+    plain = copy.deepcopy(m)
+    for mod in plain.modules():
+        if isinstance(mod, I.Linear):
+            mod.__class__ = torch.nn.Linear  # F.linear, which only the mode makes row-wise
+    with torch.no_grad(), I.BatchInvariant(key_length=m.cfg.block_size):
+        ref = plain(tok)
+    for a, b in ((out.hidden, ref.hidden), (out.logits, ref.logits), (out.gate_logits, ref.gate_logits)):
+        assert torch.equal(a, b)

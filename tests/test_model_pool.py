@@ -105,3 +105,52 @@ def test_a_failing_model_is_one_line_and_the_others_finish(tmp_path, monkeypatch
     assert models[0] in res.output and "Traceback" not in res.output, res.output
     assert (tmp_path / "artifacts" / "geometry" / models[1] / "manifest.json").is_file()
     assert not (tmp_path / "artifacts" / "geometry" / models[0]).exists()
+
+
+#: What a clock measured (the columns that differ between two runs of the same timed stage on one machine).
+CLOCK = {
+    "latency.parquet": {"full_time_s", "exit_time_s", "full_time_iqr_s", "exit_time_iqr_s", "realised_speedup",
+                        "speedup_ratio", "ratio_to_work_ideal"},
+    "generate.parquet": {"full_time_s", "exit_time_s", "full_time_iqr_s", "exit_time_iqr_s", "full_tokens_per_s",
+                         "tokens_per_s", "realised_speedup", "speedup_ratio", "prefill_time_s"},
+    "speculative.parquet": {"full_time_s", "spec_time_s", "realised_speedup", "realised_speedup_lo",
+                            "realised_speedup_hi", "predicted_speedup", "predicted_speedup_lo", "predicted_speedup_hi",
+                            "speedup_ratio", "continuation_speedup", "cost_model_ratio", "cost_block_s",
+                            "cost_draft_s", "cost_verify_s", "cost_accept_s", "cost_verify_one_s", "full_cost_s"},
+}
+
+
+def test_timed_stages_side_by_side_equal_one_at_a_time_but_the_clock(tmp_path, monkeypatch):
+    """latency and generate time their models in a pool (one process per core): every column but the clock's is
+    the bytes of one model at a time, in the same row order, and metrics.json records the workers."""
+    import json
+
+    import polars as pl
+    import yaml
+
+    import looptrace.project
+
+    params = copy_tiny_project(tmp_path)
+    params["train"]["seeds"] = [0, 1]  # 4 models
+    params["generate"]["seeds"] = None  # every model
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    cmds = dict(stage_commands(yaml.safe_load((tmp_path / "dvc.yaml").read_text()), params))
+    for name in ("train", "dump", "geometry", "readouts", "gates"):
+        run_in_process(cmds[name], tmp_path)
+    monkeypatch.delenv("LOOPTRACE_MODEL_WORKERS", raising=False)
+    monkeypatch.setattr(looptrace.project, "host_cores", lambda: 2)
+    for name in ("latency", "generate"):
+        run_in_process(cmds[name], tmp_path)
+    monkeypatch.setenv("LOOPTRACE_MODEL_WORKERS", "1")
+    alone = tmp_path / "alone"
+    run_in_process(f"python stages/latency.py --out {alone / 'latency'}", tmp_path)
+    run_in_process(f"python stages/generate.py --out {alone / 'generate'}", tmp_path)
+    for stage, files in (("latency", ("latency.parquet",)), ("generate", ("generate.parquet", "speculative.parquet"))):
+        pooled, single = tmp_path / "artifacts" / stage, alone / stage
+        assert json.loads((pooled / "metrics.json").read_text())["workers"] == 2
+        assert json.loads((single / "metrics.json").read_text())["workers"] == 1
+        for f in files:
+            a, b = pl.read_parquet(pooled / f), pl.read_parquet(single / f)
+            assert a["model"].n_unique() == 4 and a.height == b.height, f
+            keep = [c for c in a.columns if c not in CLOCK[f]]
+            assert a.select(keep).equals(b.select(keep)), f

@@ -144,7 +144,9 @@ def test_pool_writes_the_bytes_of_a_serial_run(tmp_path, tiny_base):
     assert len(lines) == 4 and all("val accuracy per loop" in line for line in lines)
     a, b = _files(tmp_path / "serial"), _files(tmp_path / "pool")
     assert sorted(a) == sorted(b) and "rp-joint-s5/checkpoints/step_000012.pt" in a
-    assert [k for k in a if a[k] != b[k]] == []
+    differ = [k for k in a if a[k] != b[k]]
+    assert differ == [], {k: sorted(key for key in a[k] if a[k][key] != b[k].get(key)) if isinstance(a[k], dict)
+                          else "bytes" for k in differ}
     assert [m["steps"] for m in serial] == [m["steps"] for m in pooled] == [36] * 4  # never 0.99: the cap, 24 + 12
     assert {m["stop"]["reason"] for m in pooled} == {"step_cap"}
     alone = train_model(tiny_base, cfg, "rp", "joint", tmp_path / "alone" / "rp-joint-s5", progress=False, seed=5)

@@ -364,11 +364,7 @@ def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, lab
 
     A model's outputs depend on nothing but the model, the params and the code (each call seeds and sets what
     it depends on, writes its own ``<out>/<model>`` through :func:`looptrace.io.claims.stage_output`), so the
-    bytes are the same in any order and pool size. With ``workers`` 1 the models run one after another in this
-    process; otherwise each runs in one of ``workers`` spawned processes (a fresh interpreter each: forking a
-    process whose OpenMP pool has run can deadlock; the workers' own progress bars are off, one line per model
-    here instead). The first failure cancels the models not yet started, waits for the running ones and is
-    re-raised here (a model already finished keeps its complete output).
+    bytes are the same in any order and pool size (:func:`map_models`).
 
     Args:
         fn: a module-level function (pickled by reference into the workers) of the model name, returning the line
@@ -378,36 +374,61 @@ def per_model(fn: Callable[[str], str], models: Sequence[str], workers: int, lab
         label: the progress line's description (the stage's name).
         echo: where each model's line goes (stdout through ``typer.echo``); None = nowhere.
     """
+    map_models(fn, models, workers, label, echo)
+
+
+def map_models(fn: Callable[[str], Any], models: Sequence[str], workers: int, label: str,
+               done: Callable[[Any], None] | None = None) -> list[Any]:
+    """``fn(model)`` for every model, ``workers`` at a time: the results in the order of ``models``.
+
+    With ``workers`` 1 the models run one after another in this process; otherwise each runs in one of
+    ``workers`` spawned processes (a fresh interpreter each: forking a process whose OpenMP pool has run can
+    deadlock; the workers' own progress bars are off, one line per model here instead). The first failure
+    cancels the models not yet started, waits for the running ones and is re-raised here (a model already
+    finished keeps whatever it wrote).
+
+    Args:
+        fn: a module-level function (pickled by reference into the workers) of the model name; its result is
+            pickled back.
+        models: model names.
+        workers: processes (:func:`model_workers`).
+        label: the progress line's description (the stage's name).
+        done: called here with each result as its model finishes (in finishing order).
+    """
     from tqdm.auto import tqdm
 
     workers = max(1, min(int(workers), len(models)))
+    results: dict[int, Any] = {}
     with tqdm(total=len(models), desc=f"{label}: models", unit="model", disable=None, leave=False) as bar:
-        def done(line: str) -> None:
+        def finish(i: int, result: Any) -> None:
+            results[i] = result
             bar.update(1)
-            if echo is not None:
+            if done is not None:
                 with tqdm.external_write_mode():
-                    echo(line)
+                    done(result)
 
         if workers == 1:
-            for m in models:
-                done(fn(m))
-            return
-        import multiprocessing as mp
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+            for i, m in enumerate(models):
+                finish(i, fn(m))
+        else:
+            import multiprocessing as mp
+            from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        with _thread_limits(max(1, project.host_cores() // workers)), \
-                ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_pool_worker_init,
-                                    initargs=(os.getpid(),)) as pool:
-            pending = {pool.submit(fn, m) for m in models}
-            try:
-                while pending:
-                    ready, pending = wait(pending, return_when=FIRST_COMPLETED)
-                    for f in ready:
-                        done(f.result())
-            except BaseException:
-                for f in pending:
-                    f.cancel()
-                raise
+            with _thread_limits(max(1, project.host_cores() // workers)), \
+                    ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_pool_worker_init,
+                                        initargs=(os.getpid(),)) as pool:
+                futures = {pool.submit(fn, m): i for i, m in enumerate(models)}
+                pending = set(futures)
+                try:
+                    while pending:
+                        ready, pending = wait(pending, return_when=FIRST_COMPLETED)
+                        for f in ready:
+                            finish(futures[f], f.result())
+                except BaseException:
+                    for f in pending:
+                        f.cancel()
+                    raise
+    return [results[i] for i in range(len(models))]
 
 
 #: The thread pools a worker's libraries size from the environment when they load (OpenMP: torch and numpy's BLAS;

@@ -17,9 +17,12 @@ one operation order, whatever its batch — which is what this mode gives:
 - (row reductions over a long vocabulary, which ATen orders differently for a lone row: the logit signals use
   :func:`looptrace.signals.rowwise.row_sum` in every mode.)
 
-The mode is on for looptrace's own model whenever it runs without autograd (the dump, the online engine,
-generation, evaluation: :class:`~looptrace.models.looped.LoopedTransformer`), and off in training (the fast
-kernels; nothing there is compared across batch shapes); its cost is measured in docs/generate.md. Models of the
+looptrace's own model (:class:`~looptrace.models.looped.LoopedTransformer`) runs these kernels whenever it runs
+without autograd (the dump, the online engine, generation, evaluation) and the fast ones in training (nothing there
+is compared across batch shapes): its layers are :class:`Linear` and its attention calls :func:`sdpa`, which switch
+on :func:`active`, set by :func:`inference_kernels` on the model's methods — the same functions the mode
+(:class:`BatchInvariant`) substitutes, without a Python hook on every other torch call. The mode stays for modules
+that are not the model's (a refit gate's network). Their cost is measured in docs/generate.md. Models of the
 adapters run their published code unchanged (their kernels, their bits).
 
 The property is checked in tests/test_invariant.py for every row count 1..16 and row position, under each CPU
@@ -35,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -113,8 +117,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torc
 _STATE = threading.local()
 
 
+def _keys() -> list:
+    """This thread's stack of active modes' key lengths (the innermost last)."""
+    stack = getattr(_STATE, "keys", None)
+    if stack is None:
+        stack = _STATE.keys = []
+    return stack
+
+
 class BatchInvariant(TorchFunctionMode):
-    """The mode: ``F.linear`` and ``F.scaled_dot_product_attention`` replaced by their row-wise forms.
+    """The mode: ``F.linear`` and ``F.scaled_dot_product_attention`` replaced by their row-wise forms, for any
+    module run inside it (looptrace's own model needs no mode: :func:`inference_kernels`).
 
     Args:
         key_length: the model's context length: attention pads every key sequence to it (one shape for every pass
@@ -134,32 +147,56 @@ class BatchInvariant(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
-        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        _keys().append(self.key_length)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        _STATE.depth -= 1
+        _keys().pop()
         return super().__exit__(*exc)
 
 
 def active() -> bool:
-    """Whether this thread runs inside a :class:`BatchInvariant` mode."""
-    return getattr(_STATE, "depth", 0) > 0
+    """Whether this thread runs batch-invariant kernels (inside a :class:`BatchInvariant` mode or a method of
+    :func:`inference_kernels`)."""
+    return bool(getattr(_STATE, "keys", None))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that runs :func:`linear` while :func:`active` (the same parameters, init and state-dict keys):
+    the layers of looptrace's own model, so that its inference needs no :class:`BatchInvariant` mode, whose Python
+    hook on every torch call cost ~1 ms of a 4.4 ms batch-1 forward."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if active():
+            return linear(input, self.weight, self.bias)
+        return F.linear(input, self.weight, self.bias)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, or :func:`attention` at the innermost active key length while
+    :func:`active`."""
+    if active():
+        return attention(q, k, v, key_length=_keys()[-1], **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def inference_kernels(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a model method: without autograd it runs in :class:`BatchInvariant` (module docstring) with the
-    model's context length ``self.cfg.block_size`` as the attention's key length; with autograd (training) the
-    default kernels."""
+    """Decorate a model method: without autograd its :class:`Linear` layers and :func:`sdpa` calls run the
+    batch-invariant kernels (module docstring) with the model's context length ``self.cfg.block_size`` as the
+    attention's key length; with autograd (training) the default kernels."""
 
     @functools.wraps(fn)
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() or active():
             return fn(self, *args, **kwargs)
-        with BatchInvariant(key_length=self.cfg.block_size):
+        keys = _keys()
+        keys.append(self.cfg.block_size)
+        try:
             return fn(self, *args, **kwargs)
+        finally:
+            keys.pop()
 
     return wrapped
 
 
-__all__ = ["KEY_TILE", "BatchInvariant", "active", "attention", "inference_kernels", "linear"]
+__all__ = ["KEY_TILE", "BatchInvariant", "Linear", "active", "attention", "inference_kernels", "linear", "sdpa"]

@@ -70,7 +70,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from looptrace.config import Check, CheckpointLoadError, ConfigError, MissingInputError
-from looptrace.models.invariant import inference_kernels
+from looptrace.models.invariant import Linear, inference_kernels, sdpa
 
 #: ``ModelConfig.loop_form`` values (module docstring).
 LOOP_FORMS = ("add", "norm_add", "adapter")
@@ -198,8 +198,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.causal = cfg.causal
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, kv: KV | None = None) -> torch.Tensor:
         B, S, D = x.shape
@@ -208,7 +208,7 @@ class SelfAttention(nn.Module):
         k = k.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)
         v = v.view(B, S, self.n_head, D // self.n_head).transpose(1, 2)
         if kv is None:  # the full-sequence forward
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # [B, H, S, D/H]
+            y = sdpa(q, k, v, is_causal=self.causal)  # [B, H, S, D/H]
         else:  # decoding: the cache stores this call's keys/values and returns every visible one
             k, v = kv(k, v)  # [B, H, S_k, D/H]
             S_k = k.shape[2]
@@ -218,9 +218,9 @@ class SelfAttention(nn.Module):
                 # offset needs an explicit mask; the batch-invariant attention gives each query the result it
                 # has when decoded alone)
                 mask = torch.ones(S, S_k, dtype=torch.bool, device=q.device).tril(diagonal=S_k - S)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                y = sdpa(q, k, v, attn_mask=mask)
             else:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and S > 1)
+                y = sdpa(q, k, v, is_causal=self.causal and S > 1)
         y = y.transpose(1, 2).contiguous().view(B, S, D)  # [B, S, D]
         return self.proj(y)
 
@@ -240,9 +240,9 @@ class LoopMemoryAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_head = cfg.n_head
-        self.q = nn.Linear(cfg.d_model, cfg.d_model)
-        self.kv = nn.Linear(cfg.d_model, 2 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.q = Linear(cfg.d_model, cfg.d_model)
+        self.kv = Linear(cfg.d_model, 2 * cfg.d_model)
+        self.proj = Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor, mem: torch.Tensor) -> torch.Tensor:
         """x: [batch, seq, d_model] (normed); mem: [batch, seq, m ≥ 1, d_model] (normed) -> [batch, seq, d_model]."""
@@ -252,15 +252,15 @@ class LoopMemoryAttention(nn.Module):
         k, v = self.kv(mem).split(D, dim=3)  # 2 x [B, S, m, D]
         k = k.reshape(B * S, m, H, D // H).transpose(1, 2)  # [B·S, H, m, D/H]
         v = v.reshape(B * S, m, H, D // H).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v)  # [B·S, H, 1, D/H]
+        y = sdpa(q, k, v)  # [B·S, H, 1, D/H]
         return self.proj(y.transpose(1, 2).reshape(B, S, D))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.fc = Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.proj = Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -311,9 +311,9 @@ class Gate(nn.Module):
         super().__init__()
         self.net: nn.Module
         if cfg.gate == "linear":
-            self.net = nn.Linear(cfg.d_model, 1)
+            self.net = Linear(cfg.d_model, 1)
         else:
-            self.net = nn.Sequential(nn.Linear(cfg.d_model, cfg.gate_hidden), nn.GELU(), nn.Linear(cfg.gate_hidden, 1))
+            self.net = nn.Sequential(Linear(cfg.d_model, cfg.gate_hidden), nn.GELU(), Linear(cfg.gate_hidden, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x).squeeze(-1)
@@ -358,9 +358,9 @@ class LoopedTransformer(nn.Module):
             norm = L2Norm if cfg.loop_form == "norm_add" else rms_norm
             self.norm_h = norm(cfg.d_model)
             self.norm_e = norm(cfg.d_model) if cfg.reinject else None
-        self.adapter = nn.Linear(2 * cfg.d_model, cfg.d_model, bias=False) if cfg.loop_form == "adapter" else None
+        self.adapter = Linear(2 * cfg.d_model, cfg.d_model, bias=False) if cfg.loop_form == "adapter" else None
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.wte.weight
         self.gate = Gate(cfg) if cfg.gate != "none" else None

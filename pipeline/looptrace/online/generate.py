@@ -34,6 +34,7 @@ run (teacher-forced: the early-exit model is fed the full-depth tokens and score
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -49,6 +50,7 @@ from tqdm.auto import tqdm
 
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, jsonable
+from looptrace.io.parallel import map_models
 from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
@@ -240,6 +242,9 @@ class GenerateConfig:
         speculative: loop self-speculative decoding (the stage runs :class:`looptrace.online.speculative.
             SpeculativeStage`): draft loops ``k`` and draft lengths ``d``, realised against predicted in
             ``speculative.parquet``; null = off.
+        workers: models decoded side by side, one process each on its own core (null = one per core, as the
+            other per-model stages; 1 = one at a time, so a timing shares the machine with nothing). An adapter's
+            model or a text corpus's prompts always run in the stage's process.
     """
 
     rules: tuple[str, ...] = ("top1", "entropy", "kl_prev", "q_exit", "gate")
@@ -254,6 +259,7 @@ class GenerateConfig:
     seeds: tuple[int, ...] | None = None
     lookahead: bool = False
     speculative: SpeculativeConfig | None = SpeculativeConfig()
+    workers: int | None = None
 
     def pick(self, names: list[str]) -> list[str]:
         """The models of ``names`` (default-matrix names) that :attr:`seeds` selects."""
@@ -264,6 +270,8 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         resolve_rules([split_rule(r)[0] for r in self.rules if r != GATE], "generate.rules", online=True)
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"generate.workers must be ≥ 1 or null (one per core), got {self.workers}")
         for r in self.rules:
             split_rule(r)
         bad = [p for p in self.policies if p not in POLICIES]
@@ -550,8 +558,8 @@ def model_decoders(model, cfg: GenerateConfig, seed: int = 0) -> tuple[dict[str,
 def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path | str, readouts_root: Path | str,
                     gates_root: Path | str, train_root: Path | str | None = None, adapter=None, device: str = "cpu",
                     seed: int = 0, regime_meta: Callable | None = None, progress: bool = True,
-                    text_windows: Callable[[], np.ndarray] | None = None, after_model: Callable | None = None
-                    ) -> tuple[pl.DataFrame, dict]:
+                    text_windows: Callable[[], np.ndarray] | None = None, after_model: Callable | None = None,
+                    workers: int = 1, threads: int | None = None) -> tuple[pl.DataFrame, dict]:
     """The ``generate`` stage: every model's decoders × rules × batch sizes -> rows and metrics.
 
     Args:
@@ -565,50 +573,94 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         regime_meta: model name -> dict(model, task, regime, regime_kind).
         text_windows: () -> the corpus's test windows (a text store's prompts; :func:`dump_text_windows`).
         after_model: (name, model, test store, prompts, meta) -> {what: reason skipped}, called after each model's
-            rules (the speculative section: :class:`looptrace.online.speculative.SpeculativeStage`).
+            rules (the speculative section: :class:`looptrace.online.speculative.SpeculativeStage`, whose
+            ``rows`` collect its results).
+        workers: looptrace's own models decoded side by side, each in its own process
+            (:func:`looptrace.io.parallel.map_models`; an ``after_model`` collects each worker's ``rows`` in model
+            order); 1 = one after another in this process, as an adapter or a text corpus always runs. Every row
+            but the wall times is the same bytes either way.
+        threads: torch threads of each model's process (None = this process's).
 
     Returns:
         (generate frame, metrics dict).
     """
-
+    metas = {name: regime_meta(name) if regime_meta is not None else {"model": name} for name in models}
+    if adapter is not None or text_windows is not None:
+        workers = 1  # one real LM (its run name), or prompts drawn through a closure: this process
+    one = functools.partial(_generate_task, cfg=cfg, roots=(dump_root, readouts_root, gates_root, train_root),
+                            adapter=adapter, device=device, seed=seed, metas=metas, progress=progress,
+                            text_windows=text_windows, after_model=after_model, threads=threads,
+                            in_process=workers <= 1)
+    results = map_models(one, list(models), workers, "generate")
     all_rows, skipped, info = [], {}, {}
-    for name in models:
-        model: LoopedModelAdapter | LoopedTransformer
-        if adapter is not None:
-            if name != adapter.run_name:
-                raise ConfigError(f"generate: model '{name}' is not dump.adapter's run name '{adapter.run_name}'")
-            model = load_adapter(adapter, device)
-            has_gate = bool(model.info.has_gate)
-            ckpt, ckpt_hash = adapter.path, model.info.checkpoint_hash or None
-        else:
-            assert train_root is not None  # looptrace's own checkpoints without an adapter
-            ckpt = Path(train_root) / name / "model.pt"
-            model, _ = load_checkpoint(ckpt, name=name)
-            model = model.to(device).eval()
-            has_gate = model.gate is not None
-            ckpt_hash = file_sha256(ckpt)
-        store = Path(dump_root) / name / "test.zarr"
-        check_store_format_at(store)
-        st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
-        if st is not None:  # identity first: load_prompts' own checks would blame the data instead
-            check_store_model(st, name, ckpt_hash, str(ckpt))
-        prompts, hidden_dtype = load_prompts(store, cfg.prompts, cfg.prompt_len, text_windows)
-        assert st is not None  # load_prompts refused a missing store
-        n_tokens = st.n_tokens
-        specs, skip = rule_specs(cfg, Path(readouts_root) / name, Path(gates_root) / name, n_tokens, has_gate,
-                                 hidden_dtype)
-        decoders, skip_p = model_decoders(model, cfg, seed)
-        skip.update(skip_p)
-        meta = regime_meta(name) if regime_meta is not None else {"model": name}
-        all_rows += generate_model(decoders, prompts, specs, cfg, meta, device, progress)
-        if after_model is not None:
-            skip.update(after_model(name, model, st, prompts, meta))
+    for name, (rows, skip, model_info, after_rows) in zip(models, results, strict=True):
+        all_rows += rows
         skipped[name] = skip
-        info[name] = {"n_loops": next(iter(decoders.values())).n_loops if decoders else None,
-                      "hidden_dtype": hidden_dtype, "policies": list(decoders),
-                      "native": {p: d.native_name for p, d in decoders.items() if p == "native"}}
+        info[name] = model_info
+        if after_rows:
+            cast(Any, after_model).rows += after_rows  # a worker's copy collected them
     df = pl.DataFrame(all_rows, schema=GENERATE_SCHEMA)
     return df, generate_metrics(df, skipped, info)
+
+
+def _generate_task(name: str, cfg: GenerateConfig, roots: tuple, adapter, device: str, seed: int, metas: dict,
+                   progress: bool, text_windows, after_model, threads: int | None, in_process: bool
+                   ) -> tuple[list[dict], dict, dict, list]:
+    """One model of :func:`generate_models` -> (rows, skipped, info, ``after_model``'s new rows when it ran in a
+    worker's copy of it; empty in this process, where the caller's own object collected them)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    if not in_process:
+        torch.manual_seed(seed)  # as the stage seeds its own process
+    if not in_process and after_model is not None and hasattr(after_model, "rows"):
+        after_model.rows = []  # this worker's copy
+    dump_root, readouts_root, gates_root, train_root = roots
+    rows, skip, info = generate_one(name, cfg, dump_root, readouts_root, gates_root, train_root, adapter=adapter, device=device, seed=seed, meta=metas[name],
+                                    progress=progress, text_windows=text_windows, after_model=after_model)
+    return rows, skip, info, [] if in_process or after_model is None else list(getattr(after_model, "rows", []))
+
+
+def generate_one(name: str, cfg: GenerateConfig, dump_root: Path | str, readouts_root: Path | str,
+                 gates_root: Path | str, train_root: Path | str | None = None, adapter=None, device: str = "cpu",
+                 seed: int = 0, meta: dict | None = None, progress: bool = True,
+                 text_windows: Callable[[], np.ndarray] | None = None, after_model: Callable | None = None
+                 ) -> tuple[list[dict], dict, dict]:
+    """One model of the ``generate`` stage (:func:`generate_models`' arguments) -> (rows, skipped with reasons,
+    model info)."""
+    model: LoopedModelAdapter | LoopedTransformer
+    if adapter is not None:
+        if name != adapter.run_name:
+            raise ConfigError(f"generate: model '{name}' is not dump.adapter's run name '{adapter.run_name}'")
+        model = load_adapter(adapter, device)
+        has_gate = bool(model.info.has_gate)
+        ckpt, ckpt_hash = adapter.path, model.info.checkpoint_hash or None
+    else:
+        assert train_root is not None  # looptrace's own checkpoints without an adapter
+        ckpt = Path(train_root) / name / "model.pt"
+        model, _ = load_checkpoint(ckpt, name=name)
+        model = model.to(device).eval()
+        has_gate = model.gate is not None
+        ckpt_hash = file_sha256(ckpt)
+    store = Path(dump_root) / name / "test.zarr"
+    check_store_format_at(store)
+    st = open_store(store) if store.exists() else None  # (load_prompts names a missing store)
+    if st is not None:  # identity first: load_prompts' own checks would blame the data instead
+        check_store_model(st, name, ckpt_hash, str(ckpt))
+    prompts, hidden_dtype = load_prompts(store, cfg.prompts, cfg.prompt_len, text_windows)
+    assert st is not None  # load_prompts refused a missing store
+    n_tokens = st.n_tokens
+    specs, skip = rule_specs(cfg, Path(readouts_root) / name, Path(gates_root) / name, n_tokens, has_gate,
+                             hidden_dtype)
+    decoders, skip_p = model_decoders(model, cfg, seed)
+    skip.update(skip_p)
+    meta = meta if meta is not None else {"model": name}
+    rows = generate_model(decoders, prompts, specs, cfg, meta, device, progress)
+    if after_model is not None:
+        skip.update(after_model(name, model, st, prompts, meta))
+    info = {"n_loops": next(iter(decoders.values())).n_loops if decoders else None,
+            "hidden_dtype": hidden_dtype, "policies": list(decoders),
+            "native": {p: d.native_name for p, d in decoders.items() if p == "native"}}
+    return rows, skip, info
 
 
 def generate_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:

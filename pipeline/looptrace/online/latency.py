@@ -37,6 +37,7 @@ keeps computing in float32 — only the rule sees the rounding, as the calibrate
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -53,6 +54,7 @@ from tqdm.auto import tqdm
 from looptrace.config import ConfigError, InputError, MissingInputError
 from looptrace.io.artifacts import atomic_dir, read_parquet
 from looptrace.io.artifacts import jsonable as _jsonable
+from looptrace.io.parallel import map_models
 from looptrace.io.parquet import write_parquet
 from looptrace.io.store.format import check_store_format_at
 from looptrace.io.store.identity import check_store_model
@@ -109,6 +111,11 @@ class LatencyConfig:
             interleaved within each repeat, so machine-load drift hits them alike).
         require_exact: fail (one line) when the real run's exits or correctness differ from the
             offline evaluation's on any token; otherwise the mismatches are only recorded.
+        workers: models timed side by side, one process each on its own core (null = as many as the other
+            per-model stages run: one per core at ``base.analysis_threads`` threads; 1 = one model at a time, so a
+            timing shares the machine with nothing). Full depth and the rules are timed alike either way, so the
+            realised speedups agree (docs/latency.md "Timing models side by side"); the absolute times carry
+            whatever the other core's work costs this one.
     """
 
     rules: tuple[str, ...] = ("top1", "entropy", "kl_prev", "accel_two_hit", "q_exit", "gate")
@@ -118,9 +125,12 @@ class LatencyConfig:
     warmup: int = 0
     repeats: int = 5
     require_exact: bool = True
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         resolve_rules([r for r in self.rules if r != GATE], "latency.rules", online=True)
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"latency.workers must be ≥ 1 or null (one per core), got {self.workers}")
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"latency.batch_sizes must be a non-empty list of sizes ≥ 1, got {list(self.batch_sizes)}")
         if self.bs1_sequences < 1:
@@ -428,9 +438,38 @@ def latency_model(model: LoopedTransformer, data: TaskBatch, token: np.ndarray, 
     return rows
 
 
+def latency_one(name: str, train_root: Path | str, dump_root: Path | str, readouts_root: Path | str,
+                gates_root: Path | str, cfg: LatencyConfig, device: str = "cpu", meta: dict | None = None,
+                progress: bool = True, threads: int | None = None) -> tuple[list[dict], dict, dict]:
+    """One model of the ``latency`` stage: checkpoint + test store + chosen points -> (rows, skipped rules with
+    reasons, model info). A module-level function of the model name and paths, so that a pool's worker process
+    runs it (:func:`latency_models`); ``threads``: torch threads of this process (None = leave them)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    ckpt = Path(train_root) / name / "model.pt"
+    model, _ = load_checkpoint(ckpt, name=name)
+    model = model.to(device).eval()
+    data, token, hidden_dtype = load_test_data(Path(dump_root) / name / "test.zarr", name, ckpt)
+    n_tokens = int((token >= 0).sum())
+    specs, skip = readout_rule_specs(Path(readouts_root) / name, cfg.rules, n_tokens, model.gate is not None,
+                                     hidden_dtype)
+    if GATE in cfg.rules:
+        spec, reason = load_gate_rule(Path(gates_root) / name, n_tokens, hidden_dtype)
+        if spec is not None:
+            specs.append(spec)
+        else:
+            assert reason is not None  # no spec comes with its reason
+            skip[GATE] = reason
+    rows = latency_model(model, data, token, specs, cfg, meta if meta is not None else {"model": name}, device,
+                         progress)
+    info = {"causal": bool(model.cfg.causal), "n_loops": model.cfg.n_loops, "n_tokens": n_tokens,
+            "hidden_dtype": hidden_dtype}
+    return rows, skip, info
+
+
 def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Path | str, readouts_root: Path | str,
                    gates_root: Path | str, cfg: LatencyConfig, device: str = "cpu", regime_meta: Callable | None = None,
-                   progress: bool = True) -> tuple[pl.DataFrame, dict]:
+                   progress: bool = True, workers: int = 1, threads: int | None = None) -> tuple[pl.DataFrame, dict]:
     """The ``latency`` stage over models: checkpoint + test store + chosen points -> rows and metrics.
 
     Args:
@@ -440,34 +479,31 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
         device: torch device.
         regime_meta: model name -> dict(model, task, regime, regime_kind) (``readouts.resolve_model``).
         progress: progress bars.
+        workers: models timed side by side, each in its own process (:func:`looptrace.io.parallel.map_models`;
+            1 = one after another in this process). Every row but the wall times is the same bytes either way.
+        threads: torch threads of each model's process (None = this process's).
 
     Returns:
         (latency frame, metrics dict with per-model headline numbers and skipped rules with reasons).
     """
-
+    metas = {name: regime_meta(name) if regime_meta is not None else {"model": name} for name in models}
+    one = functools.partial(_latency_task, roots=(train_root, dump_root, readouts_root, gates_root), cfg=cfg,
+                            device=device, metas=metas, progress=progress, threads=threads)
+    results = map_models(one, list(models), workers, "latency")
     all_rows, skipped, info = [], {}, {}
-    for name in models:
-        ckpt = Path(train_root) / name / "model.pt"
-        model, _ = load_checkpoint(ckpt, name=name)
-        model = model.to(device).eval()
-        data, token, hidden_dtype = load_test_data(Path(dump_root) / name / "test.zarr", name, ckpt)
-        n_tokens = int((token >= 0).sum())
-        specs, skip = readout_rule_specs(Path(readouts_root) / name, cfg.rules, n_tokens, model.gate is not None,
-                                         hidden_dtype)
-        if GATE in cfg.rules:
-            spec, reason = load_gate_rule(Path(gates_root) / name, n_tokens, hidden_dtype)
-            if spec is not None:
-                specs.append(spec)
-            else:
-                assert reason is not None  # no spec comes with its reason
-                skip[GATE] = reason
-        meta = regime_meta(name) if regime_meta is not None else {"model": name}
-        all_rows += latency_model(model, data, token, specs, cfg, meta, device, progress)
+    for name, (rows, skip, model_info) in zip(models, results, strict=True):
+        all_rows += rows
         skipped[name] = skip
-        info[name] = {"causal": bool(model.cfg.causal), "n_loops": model.cfg.n_loops, "n_tokens": n_tokens,
-                      "hidden_dtype": hidden_dtype}
+        info[name] = model_info
     df = pl.DataFrame(all_rows, schema=LATENCY_SCHEMA)
     return df, latency_metrics(df, skipped, info)
+
+
+def _latency_task(name: str, roots: tuple, cfg: LatencyConfig, device: str, metas: dict, progress: bool,
+                  threads: int | None) -> tuple[list[dict], dict, dict]:
+    train_root, dump_root, readouts_root, gates_root = roots
+    return latency_one(name, train_root, dump_root, readouts_root, gates_root, cfg, device, metas[name], progress,
+                       threads)
 
 
 def latency_metrics(df: pl.DataFrame, skipped: dict, info: dict) -> dict:

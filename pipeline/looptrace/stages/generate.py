@@ -18,6 +18,7 @@ from looptrace.errors import user_errors
 from looptrace.intervals import IntervalsConfig
 from looptrace.io.claims import stage_output
 from looptrace.io.guard import input_roots
+from looptrace.io.parallel import model_workers
 from looptrace.models import check_device
 from looptrace.online.generate import GenerateConfig, dump_text_windows, generate_models, write_generate
 from looptrace.online.speculative import SpeculativeStage
@@ -53,16 +54,21 @@ def main(
             spec = None if intervals is None or cfg.speculative is None else SpeculativeStage(
                 cfg.speculative, cfg.batch_sizes, cfg.new_tokens, cfg.repeats, intervals.n_boot, intervals.level,
                 base.seed, base.device)
+            workers = cfg.workers if cfg.workers is not None else \
+                model_workers(len(names), base.analysis_threads, base.device)
+            workers = min(workers, len(names)) if str(base.device) == "cpu" and adapter is None \
+                and not dump_cfg.text else 1
             df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
                                           adapter=adapter, device=base.device, seed=base.seed,
                                           regime_meta=lambda name: model_meta(name, params),
                                           text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text
-                                          else None, after_model=spec)
+                                          else None, after_model=spec, workers=workers,
+                                          threads=base.analysis_threads)
             spec_df = None
             if spec is not None:
                 metrics["speculative"], spec_df = spec.metrics(), spec.frame()
-            metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
-                           versions=versions())
+            metrics.update(seed=base.seed, threads=base.analysis_threads, workers=workers, device=base.device,
+                           params=to_dict(cfg), versions=versions())
             write_generate(out, df, metrics, spec_df)
     for r in df.iter_rows(named=True):
         typer.echo(f"{r['model']} {r['rule']} {r['policy']} batch {r['batch_size']}: depth {r['mean_exit_depth']:.2f}/"
