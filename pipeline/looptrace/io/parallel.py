@@ -338,17 +338,20 @@ def watch_parent(parent: int | None = None) -> None:
 WORKERS_ENV = "LOOPTRACE_MODEL_WORKERS"
 
 
-def model_workers(models: int, threads: int = 1, device: str = "cpu", scheduler: str | None = None) -> int:
-    """Processes a per-model stage runs its models in: on the CPU ``$LOOPTRACE_MODEL_WORKERS`` when set, else the
-    cores this process may use // ``threads`` (each model's torch / BLAS threads), at most one per model; one on an
-    accelerator (the device is the shared resource) or where the stage's per-chunk work goes to a Dask cluster (the
-    cluster is the parallelism).
+def model_workers(models: int, threads: int = 1, device: str = "cpu", scheduler: str | None = None,
+                  setting: int | None = None) -> int:
+    """Processes a per-model stage runs its models in: on the CPU ``setting`` when the stage's params give one (the
+    timed stages' ``workers``), else ``$LOOPTRACE_MODEL_WORKERS`` when set, else the cores this process may use //
+    ``threads`` (each model's torch / BLAS threads), at most one per model; one on an accelerator (the device is the
+    shared resource) or where the stage's per-chunk work goes to a Dask cluster (the cluster is the parallelism).
 
     Raises:
         UserError: ``$LOOPTRACE_MODEL_WORKERS`` is not an integer >= 1.
     """
     if str(device) != "cpu" or scheduler is not None:
         return 1
+    if setting is not None:
+        return max(1, min(models, int(setting)))
     env = os.environ.get(WORKERS_ENV, "").strip()
     if env:
         if not env.isdigit() or int(env) < 1:

@@ -34,6 +34,7 @@ run (teacher-forced: the early-exit model is fed the full-depth tokens and score
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import statistics
@@ -582,15 +583,16 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         threads: torch threads of each model's process (None = this process's).
 
     Returns:
-        (generate frame, metrics dict).
+        (generate frame, metrics dict; ``workers``: the processes the models were decoded in).
     """
     metas = {name: regime_meta(name) if regime_meta is not None else {"model": name} for name in models}
     if adapter is not None or text_windows is not None:
         workers = 1  # one real LM (its run name), or prompts drawn through a closure: this process
+    workers = max(1, min(int(workers), len(models)))
     one = functools.partial(_generate_task, cfg=cfg, roots=(dump_root, readouts_root, gates_root, train_root),
                             adapter=adapter, device=device, seed=seed, metas=metas, progress=progress,
                             text_windows=text_windows, after_model=after_model, threads=threads,
-                            in_process=workers <= 1)
+                            in_process=workers == 1)
     results = map_models(one, list(models), workers, "generate")
     all_rows, skipped, info = [], {}, {}
     for name, (rows, skip, model_info, after_rows) in zip(models, results, strict=True):
@@ -598,26 +600,28 @@ def generate_models(models: Sequence[str], cfg: GenerateConfig, dump_root: Path 
         skipped[name] = skip
         info[name] = model_info
         if after_rows:
-            cast(Any, after_model).rows += after_rows  # a worker's copy collected them
+            cast(Any, after_model).rows += after_rows
     df = pl.DataFrame(all_rows, schema=GENERATE_SCHEMA)
-    return df, generate_metrics(df, skipped, info)
+    return df, {**generate_metrics(df, skipped, info), "workers": workers}
 
 
 def _generate_task(name: str, cfg: GenerateConfig, roots: tuple, adapter, device: str, seed: int, metas: dict,
                    progress: bool, text_windows, after_model, threads: int | None, in_process: bool
                    ) -> tuple[list[dict], dict, dict, list]:
-    """One model of :func:`generate_models` -> (rows, skipped, info, ``after_model``'s new rows when it ran in a
-    worker's copy of it; empty in this process, where the caller's own object collected them)."""
+    """One model of :func:`generate_models` -> (rows, skipped, info, the rows ``after_model`` added for it: it runs
+    on a copy with no rows, whose rows the caller appends in model order whichever process ran it)."""
     if threads is not None:
         torch.set_num_threads(threads)
     if not in_process:
-        torch.manual_seed(seed)  # as the stage seeds its own process
-    if not in_process and after_model is not None and hasattr(after_model, "rows"):
-        after_model.rows = []  # this worker's copy
+        torch.manual_seed(seed)  # a worker's process, seeded as the stage seeds its own
+    if after_model is not None and hasattr(after_model, "rows"):
+        after_model = copy.copy(after_model)
+        after_model.rows = []
     dump_root, readouts_root, gates_root, train_root = roots
-    rows, skip, info = generate_one(name, cfg, dump_root, readouts_root, gates_root, train_root, adapter=adapter, device=device, seed=seed, meta=metas[name],
-                                    progress=progress, text_windows=text_windows, after_model=after_model)
-    return rows, skip, info, [] if in_process or after_model is None else list(getattr(after_model, "rows", []))
+    rows, skip, info = generate_one(name, cfg, dump_root, readouts_root, gates_root, train_root, adapter=adapter,
+                                    device=device, seed=seed, meta=metas[name], progress=progress,
+                                    text_windows=text_windows, after_model=after_model)
+    return rows, skip, info, list(getattr(after_model, "rows", []))
 
 
 def generate_one(name: str, cfg: GenerateConfig, dump_root: Path | str, readouts_root: Path | str,

@@ -484,11 +484,13 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
         threads: torch threads of each model's process (None = this process's).
 
     Returns:
-        (latency frame, metrics dict with per-model headline numbers and skipped rules with reasons).
+        (latency frame, metrics dict with per-model headline numbers, skipped rules with reasons and the processes
+        the models were timed in, ``workers``).
     """
     metas = {name: regime_meta(name) if regime_meta is not None else {"model": name} for name in models}
     one = functools.partial(_latency_task, roots=(train_root, dump_root, readouts_root, gates_root), cfg=cfg,
                             device=device, metas=metas, progress=progress, threads=threads)
+    workers = max(1, min(int(workers), len(models)))
     results = map_models(one, list(models), workers, "latency")
     all_rows, skipped, info = [], {}, {}
     for name, (rows, skip, model_info) in zip(models, results, strict=True):
@@ -496,7 +498,7 @@ def latency_models(models: Sequence[str], train_root: Path | str, dump_root: Pat
         skipped[name] = skip
         info[name] = model_info
     df = pl.DataFrame(all_rows, schema=LATENCY_SCHEMA)
-    return df, latency_metrics(df, skipped, info)
+    return df, {**latency_metrics(df, skipped, info), "workers": workers}
 
 
 def _latency_task(name: str, roots: tuple, cfg: LatencyConfig, device: str, metas: dict, progress: bool,

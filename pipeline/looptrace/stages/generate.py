@@ -54,21 +54,19 @@ def main(
             spec = None if intervals is None or cfg.speculative is None else SpeculativeStage(
                 cfg.speculative, cfg.batch_sizes, cfg.new_tokens, cfg.repeats, intervals.n_boot, intervals.level,
                 base.seed, base.device)
-            workers = cfg.workers if cfg.workers is not None else \
-                model_workers(len(names), base.analysis_threads, base.device)
-            workers = min(workers, len(names)) if str(base.device) == "cpu" and adapter is None \
-                and not dump_cfg.text else 1
             df, metrics = generate_models(names, cfg, dump_root, readouts_root, gates_root, train_root=train_root,
                                           adapter=adapter, device=base.device, seed=base.seed,
                                           regime_meta=lambda name: model_meta(name, params),
                                           text_windows=(lambda: dump_text_windows(dump_cfg)) if dump_cfg.text
-                                          else None, after_model=spec, workers=workers,
+                                          else None, after_model=spec,
+                                          workers=model_workers(len(names), base.analysis_threads, base.device,
+                                                                setting=cfg.workers),
                                           threads=base.analysis_threads)
             spec_df = None
             if spec is not None:
                 metrics["speculative"], spec_df = spec.metrics(), spec.frame()
-            metrics.update(seed=base.seed, threads=base.analysis_threads, workers=workers, device=base.device,
-                           params=to_dict(cfg), versions=versions())
+            metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
+                           versions=versions())
             write_generate(out, df, metrics, spec_df)
     for r in df.iter_rows(named=True):
         typer.echo(f"{r['model']} {r['rule']} {r['policy']} batch {r['batch_size']}: depth {r['mean_exit_depth']:.2f}/"

@@ -44,14 +44,13 @@ def main(
             torch.set_num_threads(base.analysis_threads)
             torch.manual_seed(base.seed)
             names = model_names(params, models)
-            workers = cfg.workers if cfg.workers is not None else \
-                model_workers(len(names), base.analysis_threads, base.device)
-            workers = min(workers, len(names)) if str(base.device) == "cpu" else 1  # one accelerator: one timing
             df, metrics = latency_models(names, train_root, dump_root, readouts_root, gates_root, cfg,
                                          device=base.device, regime_meta=lambda name: model_meta(name, params),
-                                         workers=workers, threads=base.analysis_threads)
-            metrics.update(seed=base.seed, threads=base.analysis_threads, workers=workers, device=base.device,
-                           params=to_dict(cfg), versions=versions())
+                                         workers=model_workers(len(names), base.analysis_threads, base.device,
+                                                               setting=cfg.workers),
+                                         threads=base.analysis_threads)
+            metrics.update(seed=base.seed, threads=base.analysis_threads, device=base.device, params=to_dict(cfg),
+                           versions=versions())
             write_latency(out, df, metrics)
     for r in df.iter_rows(named=True):
         typer.echo(f"{r['model']} {r['rule']} batch {r['batch_size']}: depth {r['mean_exit_depth']:.2f}/{r['n_loops']}, "
